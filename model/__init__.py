@@ -1,0 +1,20 @@
+"""The Llama-style decoder: norms, RoPE, attention, FFN slots, the Transformer.
+
+Importing this package registers every built-in FFN kind.
+"""
+
+from memlm.model.args import ModelArgs
+from memlm.model.ffn import FFNContext, build_ffn, ffn_kinds, register_ffn
+from memlm.model.kv_cache import KVCache
+from memlm.model.transformer import Transformer, layer_ffn_kinds
+
+__all__ = [
+    "FFNContext",
+    "KVCache",
+    "ModelArgs",
+    "Transformer",
+    "build_ffn",
+    "ffn_kinds",
+    "layer_ffn_kinds",
+    "register_ffn",
+]

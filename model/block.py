@@ -1,0 +1,41 @@
+"""A pre-norm decoder block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from memlm.model.args import ModelArgs
+from memlm.model.attention import Attention
+from memlm.model.kv_cache import KVCache
+from memlm.model.norms import RMSNorm
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int, feed_forward: nn.Module, ffn_kind: str):
+        super().__init__()
+        self.layer_id = layer_id
+        self.ffn_kind = ffn_kind
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = feed_forward
+        # Depth-scaled init of the projections that write into the residual stream.
+        depth_scale = math.sqrt(2 * (layer_id + 1)) if args.depth_init else 1.0
+        self._init_std = args.init_std
+        self._out_std = args.init_std / depth_scale
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        # x: (batch, seq, dim)
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache, self.layer_id)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        self.attention_norm.init_weights()
+        self.ffn_norm.init_weights()
+        self.attention.init_weights(self._init_std, self._out_std)
+        self.feed_forward.init_weights(self._init_std, self._out_std)

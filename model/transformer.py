@@ -1,0 +1,133 @@
+"""The Llama-style decoder with configurable feed-forward slots.
+
+Build on the meta device, move to a real device, then initialize:
+
+    with torch.device("meta"):
+        model = Transformer(args, memory_cfg)
+    model.to_empty(device="cpu")
+    model.init_weights()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from memlm.model.args import ModelArgs
+from memlm.model.block import Block
+from memlm.model.ffn import FFNContext, build_ffn
+from memlm.model.kv_cache import KVCache
+from memlm.model.norms import RMSNorm
+from memlm.model.rope import rope_cos_sin
+
+
+def layer_ffn_kinds(args: ModelArgs, memory: Any = None) -> list[str]:
+    """The FFN kind of each block: `memory.kind` in the memory blocks, `args.ffn` elsewhere."""
+    special = set(memory.resolved_layers(args.n_layers)) if memory is not None else set()
+    return [memory.kind if i in special else args.ffn for i in range(args.n_layers)]
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, memory: Any = None):
+        super().__init__()
+        self.args = args
+        self.memory_config = memory
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        shared: dict[str, Any] = {}
+        self.layers = nn.ModuleList()
+        for layer_id, kind in enumerate(layer_ffn_kinds(args, memory)):
+            ffn = build_ffn(kind, FFNContext(args, layer_id, memory, shared))
+            self.layers.append(Block(args, layer_id, ffn, kind))
+        # Objects several blocks share (a memory value pool) live here once, so
+        # state_dict() and parameters() hold them exactly once.
+        self.shared = nn.ModuleDict({k: v for k, v in shared.items() if isinstance(v, nn.Module)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        cos, sin = rope_cos_sin(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    # ----------------------------------------------------------------- init
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialize every weight in place (after `to_empty` when built on meta)."""
+        device = self.tok_embeddings.weight.device
+        cos, sin = rope_cos_sin(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device)
+        # Buffers are not kept by to_empty(): recompute them on the weights' device.
+        self.rope_cos, self.rope_sin = cos, sin
+        std = self.args.init_std
+        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+        for block in self.layers:
+            block.init_weights()
+        for module in self.shared.values():
+            module.init_weights()
+        self.norm.init_weights()
+        if self.output is not None:
+            out_std = self.args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+    # -------------------------------------------------------------- forward
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """tokens: (batch, seq) int64 -> logits (batch, seq, vocab).
+
+        With a cache, `tokens` are the next positions after `cache.pos`; the
+        cache is filled and advanced."""
+        start = cache.pos if cache is not None else 0
+        seq = tokens.shape[1]
+        if start + seq > self.args.max_seq_len:
+            raise ValueError(
+                f"sequence of {start + seq} positions exceeds model.max_seq_len={self.args.max_seq_len}"
+            )
+        cos, sin = self.rope_cos[start:start + seq], self.rope_sin[start:start + seq]
+        h = self.tok_embeddings(tokens)
+        for block in self.layers:
+            h = block(h, cos, sin, cache)
+        if cache is not None:
+            cache.advance(seq)
+        h = self.norm(h)
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return h @ weight.t()
+
+    def new_cache(self, batch: int, max_len: int | None = None, device=None, dtype=None) -> KVCache:
+        ref = self.tok_embeddings.weight
+        return KVCache(
+            self.args.n_layers, batch, self.args.kv_heads, self.args.head_dim,
+            max_len or self.args.max_seq_len, device or ref.device, dtype or ref.dtype,
+        )
+
+    # ----------------------------------------------------------- accounting
+    def num_params(self) -> dict[str, int]:
+        """Parameter counts split into embedding (input + untied output), memory
+        (parameters of modules whose `param_category` is "memory", e.g. value
+        tables) and dense (everything else). Shared tensors count once."""
+        seen: set[int] = set()
+        counts = {"dense": 0, "embedding": 0, "memory": 0}
+        embedding_modules = {id(self.tok_embeddings)}
+        if self.output is not None:
+            embedding_modules.add(id(self.output))
+        for module in self.modules():
+            if id(module) in embedding_modules:
+                category = "embedding"
+            else:
+                category = getattr(module, "param_category", "dense")
+            for p in module.parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                counts[category] += p.numel()
+        counts["total"] = counts["dense"] + counts["embedding"] + counts["memory"]
+        return counts
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Forward FLOPs per token at context `seq_len`, counting only what is
+        computed: attention (projections + causal scores), each FFN slot's own
+        count (a memory layer counts the rows it reads, not the table), and the
+        output head. Norms, RoPE and softmax are ignored (< 1%). A training
+        step costs about 3x this."""
+        total = 2 * self.args.dim * self.args.vocab_size
+        for block in self.layers:
+            total += block.attention.flops_per_token(seq_len)
+            total += block.feed_forward.flops_per_token()
+        return total
