@@ -90,6 +90,16 @@ class Transformer(nn.Module):
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         return h @ weight.t()
 
+    def aux_loss(self) -> torch.Tensor | None:
+        """Sum of the auxiliary losses of the last forward pass (memory slot
+        balance, MoE load balance), or None when no module produced one.
+
+        The channel: a module that has an auxiliary loss stores it, already
+        multiplied by its coefficient, in `self.last_aux_loss` during forward;
+        the trainer adds `model.aux_loss()` to the language-model loss."""
+        losses = [m.last_aux_loss for m in self.modules() if getattr(m, "last_aux_loss", None) is not None]
+        return torch.stack([loss.float() for loss in losses]).sum() if losses else None
+
     def new_cache(self, batch: int, max_len: int | None = None, device=None, dtype=None) -> KVCache:
         ref = self.tok_embeddings.weight
         return KVCache(
@@ -118,6 +128,10 @@ class Transformer(nn.Module):
                 seen.add(id(p))
                 counts[category] += p.numel()
         counts["total"] = counts["dense"] + counts["embedding"] + counts["memory"]
+        # Active: what one token uses. Sparse modules (memory tables, MoE experts)
+        # report the parameters a token does not touch via `inactive_params()`.
+        inactive = sum(m.inactive_params() for m in self.modules() if hasattr(m, "inactive_params"))
+        counts["active"] = counts["total"] - inactive
         return counts
 
     def flops_per_token(self, seq_len: int) -> int:
