@@ -4,6 +4,7 @@ Importing this package registers every built-in FFN kind.
 """
 
 from memlm.model.args import ModelArgs
+from memlm.model.build import build_model
 from memlm.model.ffn import FFNContext, build_ffn, ffn_kinds, register_ffn
 from memlm.model.kv_cache import KVCache
 from memlm.model.transformer import Transformer, layer_ffn_kinds
@@ -14,6 +15,7 @@ __all__ = [
     "ModelArgs",
     "Transformer",
     "build_ffn",
+    "build_model",
     "ffn_kinds",
     "layer_ffn_kinds",
     "register_ffn",

@@ -1,0 +1,26 @@
+"""Shared test settings and fixtures."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Two cores are shared by the test processes: keep intra-op threads low.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def compose_and_build(overrides=(), seed: int = 0):
+    """The trainer's path for one process: compose a config, build on meta, init."""
+    from memlm.model import build_model
+    from memlm.train.config import compose
+
+    cfg = compose(list(overrides))
+    return build_model(cfg.model, cfg.memory, seed=seed), cfg
+
+
+@pytest.fixture
+def tiny_model():
+    model, _ = compose_and_build()
+    return model.eval()
