@@ -1,5 +1,39 @@
-"""Product-key memory layers, usable on their own inside any PyTorch model."""
+"""Product-key memory layers, usable on their own inside any PyTorch model.
+
+    from memlm.memory import MemoryPlus
+    mem = MemoryPlus(dim=512, n_keys=256, heads=4, knn=32, k_dim=512)
+
+See docs/memory.md for the math, the config keys and the training hooks
+(knn schedule, usage metrics, auxiliary loss, sparse value updates).
+"""
 
 from memlm.memory.config import MemoryConfig
+from memlm.memory.layers import Memory, MemoryPlus, ProductKeyMemory, value_parameters
+from memlm.memory.ops import embedding_bag
+from memlm.memory.product_keys import ProductKeys, balance_loss, product_key_topk, subkey_scores
+from memlm.memory.schedule import apply_knn_schedule, knn_at_step, set_knn
+from memlm.memory.sparse_adamw import SparseRowAdamW, clip_grad_norm_
+from memlm.memory.usage import SlotUsage, reset_usage, usage_metrics
+from memlm.memory.values import ValuePool
 
-__all__ = ["MemoryConfig"]
+__all__ = [
+    "Memory",
+    "MemoryConfig",
+    "MemoryPlus",
+    "ProductKeyMemory",
+    "ProductKeys",
+    "SlotUsage",
+    "SparseRowAdamW",
+    "ValuePool",
+    "apply_knn_schedule",
+    "balance_loss",
+    "clip_grad_norm_",
+    "embedding_bag",
+    "knn_at_step",
+    "product_key_topk",
+    "reset_usage",
+    "set_knn",
+    "subkey_scores",
+    "usage_metrics",
+    "value_parameters",
+]

@@ -36,6 +36,17 @@ class MemoryConfig:
     balance_loss_coef: float = 0.0
     sparse_updates: bool = False
     kernel: str = "auto"  # auto | triton | torch
+    # Optional knn schedule (memory/schedule.py): the training knn moves linearly
+    # from knn_schedule_start to knn over the first knn_schedule_steps steps.
+    # 0 -> no schedule (knn from the first step).
+    knn_schedule_start: int = 0
+    knn_schedule_steps: int = 0
+    # moe / peer baselines (model/moe.py, model/peer.py). MoE also uses
+    # balance_loss_coef as its load-balancing coefficient (its preset: 0.01);
+    # PEER uses n_keys (n_keys**2 experts), heads, knn and k_dim.
+    n_experts: int = 8
+    top_k: int = 2
+    expert_hidden_dim: int = 0  # 0 -> dense SwiGLU hidden size // top_k (compute-matched)
 
     def resolved_layers(self, n_layers: int) -> list[int]:
         """The block indices that hold a memory layer in an `n_layers`-deep model."""
@@ -72,3 +83,69 @@ class MemoryConfig:
             raise ConfigError(f"{prefix}.gate", self.gate, "one of: none, sigmoid, swilu")
         if self.kernel not in ("auto", "triton", "torch"):
             raise ConfigError(f"{prefix}.kernel", self.kernel, "one of: auto, triton, torch")
+        if self.kind in ("memory", "memplus"):
+            self._validate_product_key_memory(prefix)
+
+        # ---- moe / peer baselines -------------------------------------------
+        if self.kind == "moe":
+            if self.n_experts < 1:
+                raise ConfigError(f"{prefix}.n_experts", self.n_experts, "an integer >= 1")
+            if not 1 <= self.top_k <= self.n_experts:
+                raise ConfigError(
+                    f"{prefix}.top_k", self.top_k,
+                    f"an integer in [1, memory.n_experts={self.n_experts}]",
+                )
+            if self.expert_hidden_dim < 0:
+                raise ConfigError(
+                    f"{prefix}.expert_hidden_dim", self.expert_hidden_dim,
+                    "0 (dense hidden size // top_k) or a positive integer",
+                )
+            if self.balance_loss_coef < 0:
+                raise ConfigError(f"{prefix}.balance_loss_coef", self.balance_loss_coef, "a number >= 0")
+        if self.kind == "peer":
+            for key in ("n_keys", "heads", "k_dim"):
+                if getattr(self, key) < 1:
+                    raise ConfigError(f"{prefix}.{key}", getattr(self, key), "a positive integer")
+            if not 1 <= self.knn <= self.n_keys:
+                raise ConfigError(
+                    f"{prefix}.knn", self.knn,
+                    f"an integer in [1, memory.n_keys={self.n_keys}] (top-k of each sub-key half)",
+                )
+            if self.k_dim % 2:
+                raise ConfigError(
+                    f"{prefix}.k_dim", self.k_dim, "an even integer (the query is split in two halves)"
+                )
+
+    def _validate_product_key_memory(self, prefix: str) -> None:
+        """Values of the product-key memory layers (memory/layers.py)."""
+        for key in ("n_keys", "heads"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{prefix}.{key}", getattr(self, key), "an integer >= 1")
+        if self.k_dim < 2 or self.k_dim % 2:
+            raise ConfigError(
+                f"{prefix}.k_dim", self.k_dim,
+                "a positive even integer (the query is split into two halves of k_dim/2)",
+            )
+        for key in ("knn", "eval_knn"):
+            if not 1 <= getattr(self, key) <= self.n_keys:
+                raise ConfigError(
+                    f"{prefix}.{key}", getattr(self, key),
+                    f"an integer in [1, memory.n_keys={self.n_keys}] (top-k of each sub-key half)",
+                )
+        if self.v_dim < 0:
+            raise ConfigError(f"{prefix}.v_dim", self.v_dim, "0 (= model.dim) or a positive integer")
+        if self.value_lr <= 0:
+            raise ConfigError(f"{prefix}.value_lr", self.value_lr, "a positive number")
+        for key in ("value_weight_decay", "value_grad_clip", "balance_loss_coef"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{prefix}.{key}", getattr(self, key), "a number >= 0")
+        if not 0 <= self.knn_schedule_start <= self.n_keys:
+            raise ConfigError(
+                f"{prefix}.knn_schedule_start", self.knn_schedule_start,
+                f"0 (no schedule) or an integer in [1, memory.n_keys={self.n_keys}]",
+            )
+        if self.knn_schedule_steps < 0 or (self.knn_schedule_start and not self.knn_schedule_steps):
+            raise ConfigError(
+                f"{prefix}.knn_schedule_steps", self.knn_schedule_steps,
+                "an integer >= 0, and >= 1 when memory.knn_schedule_start is set",
+            )

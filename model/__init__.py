@@ -3,10 +3,15 @@
 Importing this package registers every built-in FFN kind.
 """
 
+# moe and peer are imported for their side effect: registering their FFN kinds.
+import memlm.model.memory_ffn  # noqa: F401
+import memlm.model.moe  # noqa: F401
+import memlm.model.peer  # noqa: F401
 from memlm.model.args import ModelArgs
 from memlm.model.build import build_model
 from memlm.model.ffn import FFNContext, build_ffn, ffn_kinds, register_ffn
 from memlm.model.kv_cache import KVCache
+from memlm.model.pretrained import from_pretrained
 from memlm.model.transformer import Transformer, layer_ffn_kinds
 
 __all__ = [
@@ -17,6 +22,7 @@ __all__ = [
     "build_ffn",
     "build_model",
     "ffn_kinds",
+    "from_pretrained",
     "layer_ffn_kinds",
     "register_ffn",
 ]

@@ -40,7 +40,8 @@ class OptimConfig:
     schedule: str = "cosine"  # cosine | linear | constant | wsd
     warmup: int = 10
     min_lr_ratio: float = 0.1
-    clip: float = 1.0
+    decay_fraction: float = 0.2  # wsd: share of the steps spent in the final decay
+    clip: float = 1.0  # global gradient-norm clip of all non-memory-value weights; 0 -> off
 
     def validate(self, prefix: str = "optim") -> None:
         if self.lr <= 0:
@@ -54,6 +55,11 @@ class OptimConfig:
             raise ConfigError(f"{prefix}.warmup", self.warmup, "an integer >= 0")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"{prefix}.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError(f"{prefix}.decay_fraction", self.decay_fraction, "a number in (0, 1]")
+        if self.clip < 0 or self.weight_decay < 0:
+            key = "clip" if self.clip < 0 else "weight_decay"
+            raise ConfigError(f"{prefix}.{key}", getattr(self, key), "a number >= 0")
 
 
 @dataclass
@@ -63,6 +69,10 @@ class ParallelConfig:
     activation_checkpoint: str = "none"  # none | full | selective
     compile: bool = False
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    # full: every rank initializes the whole model on CPU (identical weights for
+    # any world size), then shards it; sharded: initialize each shard in place
+    # on the device (for models too large for host memory).
+    init: str = "full"
 
     def validate(self, prefix: str = "parallel") -> None:
         if self.memory_parallel < 1:
@@ -71,10 +81,54 @@ class ParallelConfig:
             "fsdp": ("full", "hybrid"),
             "activation_checkpoint": ("none", "full", "selective"),
             "dtype": ("auto", "bf16", "fp32"),
+            "init": ("full", "sharded"),
         }
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
                 raise ConfigError(f"{prefix}.{key}", getattr(self, key), f"one of: {', '.join(valid)}")
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "memlm"
+    entity: str = ""
+    tags: list[str] = field(default_factory=list)
+
+    def validate(self, prefix: str = "logging.wandb") -> None:
+        if self.mode not in ("offline", "online", "disabled"):
+            raise ConfigError(f"{prefix}.mode", self.mode, "one of: offline, online, disabled")
+
+
+@dataclass
+class LoggingConfig:
+    every: int = 10  # steps between console / metrics.jsonl lines
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def validate(self, prefix: str = "logging") -> None:
+        if self.every < 1:
+            raise ConfigError(f"{prefix}.every", self.every, "an integer >= 1")
+        self.wandb.validate(f"{prefix}.wandb")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 -> only at the end
+    keep: int = 2  # newest checkpoints kept
+    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this; 0 -> none
+    # Integrity data written with each checkpoint and checked before loading:
+    # checksum (crc32 of every file) | size (file sizes only, for huge runs).
+    verify: str = "checksum"
+    at_end: bool = True
+
+    def validate(self, prefix: str = "checkpoint") -> None:
+        for key in ("every", "keep_every"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{prefix}.{key}", getattr(self, key), "an integer >= 0")
+        if self.keep < 1:
+            raise ConfigError(f"{prefix}.keep", self.keep, "an integer >= 1 (the newest checkpoint is always kept)")
+        if self.verify not in ("checksum", "size"):
+            raise ConfigError(f"{prefix}.verify", self.verify, "one of: checksum, size")
 
 
 @dataclass
@@ -85,10 +139,23 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # none | auto (newest complete checkpoint in dump_dir, if any) | a checkpoint directory
+    resume: str = "none"
+    init_from: str = ""  # a checkpoint directory: load its weights only, fresh optimizer
     name: str = "run"
     dump_dir: str = "runs/${name}"
     steps: int = 100
     seed: int = 0
+    # Tokens per optimizer step over all ranks; 0 -> one micro-batch per rank
+    # (no accumulation). Must be a multiple of micro_batch * seq_len * dp ranks.
+    global_batch_tokens: int = 0
+    val_every: int = 0  # steps between validation losses; 0 -> only at the end
+    val_batches: int = 4
+    # Stop after this many consecutive non-finite losses (each is skipped and counted).
+    max_nonfinite_steps: int = 5
+    device: str = "auto"  # auto (cuda if available) | cpu | cuda
 
     def validate(self) -> None:
         self.model.validate(ffn_kinds())
@@ -106,8 +173,19 @@ class Config:
         self.optim.validate()
         self.parallel.validate()
         self.eval.validate()
+        self.logging.validate()
+        self.checkpoint.validate()
+        if self.resume != "none" and self.init_from:
+            raise ConfigError("init_from", self.init_from, "empty when resume is set (resume restores weights too)")
         if self.steps < 0:
             raise ConfigError("steps", self.steps, "an integer >= 0")
+        for key in ("global_batch_tokens", "val_every", "val_batches"):
+            if getattr(self, key) < 0:
+                raise ConfigError(key, getattr(self, key), "an integer >= 0")
+        if self.max_nonfinite_steps < 1:
+            raise ConfigError("max_nonfinite_steps", self.max_nonfinite_steps, "an integer >= 1")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError("device", self.device, "one of: auto, cpu, cuda")
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 "data.seq_len", self.data.seq_len,
@@ -161,3 +239,12 @@ def _missing_option_error(overrides: list[str], err: MissingConfigException) -> 
 
 def to_yaml(config: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def from_yaml(text: str) -> Config:
+    """A Config saved with `to_yaml` (e.g. in a checkpoint), validated again."""
+    merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text))
+    config = OmegaConf.to_object(merged)
+    assert isinstance(config, Config)
+    config.validate()
+    return config

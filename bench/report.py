@@ -1,0 +1,41 @@
+"""Shared by the benchmarks: the machine description and the section writer
+for docs/benchmarks.md (each benchmark owns one "## ..." section)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_line() -> str:
+    import torch
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return (f"Machine: {cpu_model()}, {os.cpu_count()} cores{gpu}; torch {torch.__version__}; "
+            f"{datetime.date.today().isoformat()}; load average at start {load:.2f}.")
+
+
+def write_section(title: str, body: str, path: Path = DOC) -> None:
+    """Replace (or append) the section starting with `title`, keep the others."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    section = f"{title}\n\n{body.strip()}\n"
+    pattern = re.compile(rf"^{re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
+    text = pattern.sub(lambda _: section + "\n", text) if pattern.search(text) else text.rstrip() + "\n\n" + section
+    path.write_text(text.rstrip() + "\n")

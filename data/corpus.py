@@ -1,0 +1,129 @@
+"""Turn a DataConfig into token sources: random tokens, the synthetic corpus, raw files, or shards.
+
+`open_corpus(cfg, split)` does every file access the loader needs up front, so
+a bad path, a tokenizer mismatch or a bad record fails when the loader is
+built, not in the middle of training.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import multiprocessing as mp
+import os
+from dataclasses import dataclass, field
+
+from memlm.data.config import DataConfig, SourceConfig
+from memlm.data.encode import EncodedUnit, encode_unit
+from memlm.data.shards import SPLITS, check_tokenizer, load_split, read_manifest, token_dtype
+from memlm.data.sources import expand_paths, plan_units
+from memlm.data.stats import SkipStats
+from memlm.data.stream import RandomTokens, TokenSource
+from memlm.data.tokenizer import Tokenizer, train_tokenizer
+from memlm.errors import ConfigError
+
+RAW_CHUNK_BYTES = 16 << 20  # unit size in small-corpus mode: enough pieces to spread over workers
+
+
+@dataclass
+class Corpus:
+    sources: list  # TokenSource | RandomTokens, in mixture order
+    weights: list[float]
+    vocab_size: int
+    tokenizer: Tokenizer | None = None
+    stats: dict[str, SkipStats] = field(default_factory=dict)  # per source, from tokenizing/preparing
+
+
+def open_corpus(cfg: DataConfig, split: str = "train") -> Corpus:
+    if split not in SPLITS:
+        raise ConfigError("split", split, f"one of: {', '.join(SPLITS)}")
+    if cfg.kind == "random":
+        # val draws from its own stream, so it never repeats a training batch
+        source = RandomTokens("random", cfg.vocab_size, [cfg.seed, SPLITS.index(split)])
+        return Corpus([source], [1.0], cfg.vocab_size)
+    if cfg.kind == "shards":
+        return _open_shards(cfg, split)
+    if cfg.kind == "synthetic":
+        paths = materialize_synthetic(cfg)
+        src = SourceConfig(name="synthetic", path=paths["train"], format="jsonl")
+        return _open_raw(cfg, [src], paths["tokenizer"], split)
+    return _open_raw(cfg, cfg.sources, cfg.tokenizer, split)
+
+
+def _open_shards(cfg: DataConfig, split: str) -> Corpus:
+    manifest = read_manifest(cfg.shards_dir)
+    tok = Tokenizer(cfg.tokenizer or manifest["tokenizer"]["path"])
+    check_tokenizer(manifest, tok, cfg.shards_dir)
+    names = cfg.source_names() if cfg.sources else sorted(manifest["sources"])
+    weights = [s.weight for s in cfg.sources] or [manifest["sources"][n]["weight"] for n in names]
+    sources, stats = [], {}
+    for name in names:
+        sources.append(TokenSource(name, load_split(cfg.shards_dir, manifest, name, split), cfg.seed, cfg.shuffle))
+        stats[name] = SkipStats.from_dict(manifest["sources"][name]["stats"])
+    return Corpus(sources, weights, tok.vocab_size, tok, stats)
+
+
+def _encode_job(args: tuple) -> EncodedUnit:
+    unit, tokenizer_path, on_error, val_fraction = args
+    tok = Tokenizer(tokenizer_path)
+    return encode_unit(unit, tok, on_error, val_fraction, token_dtype(tok.vocab_size))
+
+
+def _open_raw(cfg: DataConfig, sources: list[SourceConfig], tokenizer_path: str, split: str) -> Corpus:
+    """Small-corpus mode: tokenize every document into memory now (no preparation step)."""
+    tok = Tokenizer(tokenizer_path)
+    names = [s.name or f"source{i}" for i, s in enumerate(sources)]
+    plans = [
+        plan_units(name, expand_paths(src.path, f"data.sources[{i}].path"), src.format, src.text_field, RAW_CHUNK_BYTES)
+        for i, (name, src) in enumerate(zip(names, sources))
+    ]
+    jobs = [(unit, tokenizer_path, cfg.on_error, cfg.val_fraction) for units in plans for unit in units]
+    if cfg.num_workers > 1 and len(jobs) > 1:
+        with mp.get_context("spawn").Pool(min(cfg.num_workers, len(jobs))) as pool:
+            encoded = pool.map(_encode_job, jobs)
+    else:
+        encoded = [_encode_job(job) for job in jobs]
+    token_sources, stats = [], {}
+    for name in names:
+        mine = [e for e in encoded if e.unit.source == name]
+        stats[name] = SkipStats()
+        for e in mine:
+            stats[name].merge(e.stats)
+        arrays = [e.splits[split] for e in mine if len(e.splits[split][0])]
+        if not arrays and split == "val":
+            raise ConfigError("data.val_fraction", cfg.val_fraction,
+                              f"a fraction > 0 that leaves source {name} some validation documents")
+        token_sources.append(TokenSource(name, arrays, cfg.seed, cfg.shuffle))
+    return Corpus(token_sources, [s.weight for s in sources], tok.vocab_size, tok, stats)
+
+
+def synthetic_dir(cfg: DataConfig) -> str:
+    syn = cfg.synthetic
+    return os.path.join(cfg.cache_dir, f"synthetic-p{syn.people}-d{syn.docs_per_person}-s{syn.seed}")
+
+
+def materialize_synthetic(cfg: DataConfig) -> dict[str, str]:
+    """Write the synthetic corpus (+ a tokenizer unless cfg.tokenizer is set) under cache_dir once.
+
+    Deterministic content and an exclusive file lock make it safe for every rank
+    of a job to call this at the same time: one writes, the others reuse.
+    """
+    from memlm.data.synthetic import write_corpus
+
+    folder = synthetic_dir(cfg)
+    os.makedirs(folder, exist_ok=True)
+    paths = {"train": os.path.join(folder, "train.jsonl"), "qa": os.path.join(folder, "qa.jsonl"),
+             "tokenizer": cfg.tokenizer or os.path.join(folder, f"tokenizer-v{cfg.vocab_size}.model")}
+    with open(os.path.join(folder, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (os.path.isfile(paths["train"]) and os.path.isfile(paths["qa"])):
+            syn = cfg.synthetic
+            write_corpus(folder, syn.people, syn.docs_per_person, syn.seed)
+        if not os.path.isfile(paths["tokenizer"]):
+            with open(paths["train"]) as fh:
+                docs = (json.loads(line)["text"] for line in fh)
+                # hard_vocab_limit=False: a small corpus may support fewer pieces than asked for.
+                train_tokenizer(docs, paths["tokenizer"], cfg.vocab_size, character_coverage=1.0,
+                                input_sentence_size=0, seed=cfg.synthetic.seed, num_threads=1,
+                                hard_vocab_limit=False)
+    return paths

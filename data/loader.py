@@ -1,0 +1,181 @@
+"""The training data loader: `build_loader(cfg, rank, world_size)` is the one entry point.
+
+Contract
+--------
+    loader = build_loader(cfg.data, rank, world_size, split="train")
+    loader.vocab_size            # set model.vocab_size >= this (the tokenizer's size, or data.vocab_size)
+    loader.tokenizer             # memlm.data.tokenizer.Tokenizer, None for kind=random
+    inputs, targets = next(loader)   # int64 tensors (micro_batch, seq_len); targets = inputs shifted by one
+    state = loader.state_dict()      # small JSON-able dict: save it per rank with every checkpoint
+    loader.load_state_dict(state)    # the next batches are exactly those an uninterrupted run yields
+
+- The stream is infinite: epochs roll over inside it (each source reshuffles
+  its documents every epoch, seeded), so iterate with next() and stop by steps.
+- Documents end in EOS and are packed back to back into windows of seq_len + 1
+  tokens; a window may span documents and epochs, no token is dropped.
+- Sequences are numbered globally: global step t holds sequences
+  [t*W*B, (t+1)*W*B) for world size W, micro batch B; rank r takes its B
+  contiguous ones. Each sequence's source is drawn by a seeded, stratified
+  sampler from the weights (memlm.data.stream.MixtureSchedule). Ranks thus read
+  disjoint sequences, and one epoch is split among them without overlap.
+- World-size change on resume: allowed, and deterministic. The state holds the
+  global sequence position and each source's token position (identical on
+  every rank), so a rank of the new world may load the state of any rank of
+  the old one; the global stream continues exactly at the saved position, only
+  its split into ranks changes. micro_batch, seq_len and weights may change the
+  same way. A different seed, split, kind or set of sources is an error.
+- Batches are made in a background thread (torchdata Prefetcher, `prefetch`
+  batches ahead); the state always describes the batches *returned*, not the
+  ones prefetched.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torchdata.nodes import BaseNode, Loader, Prefetcher
+
+from memlm.data.config import DataConfig
+from memlm.data.corpus import Corpus, open_corpus
+from memlm.data.stream import MixtureSchedule
+from memlm.errors import ConfigError
+
+STATE_VERSION = 1
+log = logging.getLogger("memlm.data")
+
+
+class PackedBatches(BaseNode):
+    """torchdata node yielding (inputs, targets) for one rank of the global sequence stream."""
+
+    def __init__(self, corpus: Corpus, seq_len: int, micro_batch: int, rank: int, world_size: int,
+                 seed: int, split: str = "train", kind: str = ""):
+        super().__init__()
+        self.sources = corpus.sources
+        self.names = [s.name for s in corpus.sources]
+        self.schedule = MixtureSchedule(corpus.weights, seed)
+        self.seq_len, self.micro_batch = seq_len, micro_batch
+        self.rank, self.world_size = rank, world_size
+        self.seed, self.split, self.kind = seed, split, kind
+        self.global_seq = 0
+        self.positions = np.zeros(len(self.sources), dtype=np.int64)
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        self.global_seq = 0
+        self.positions[:] = 0
+        if initial_state is not None:
+            self._restore(initial_state)
+
+    def _restore(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ConfigError("data state version", state.get("version"), f"{STATE_VERSION} (from this memlm)")
+        for key in ("kind", "split", "seed"):
+            if state[key] != getattr(self, key):
+                raise ConfigError(f"data.{key}", getattr(self, key),
+                                  f"{state[key]!r}, the value of the run this data state was saved from")
+        if sorted(state["positions"]) != sorted(self.names):
+            raise ConfigError("data.sources", self.names,
+                              f"the sources of the saved run: {sorted(state['positions'])}")
+        if state["world_size"] != self.world_size:
+            # Defined behaviour: continue the same global stream at the saved global position.
+            log.warning("data: resuming a world_size=%d state with world_size=%d: continuing the global "
+                        "stream at sequence %d with the new rank split", state["world_size"],
+                        self.world_size, state["global_seq"])
+        self.global_seq = int(state["global_seq"])
+        self.positions[:] = [int(state["positions"][n]) for n in self.names]
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # returns inputs, targets: (micro_batch, seq_len) int64
+        width, n_rows = self.seq_len + 1, self.world_size * self.micro_batch
+        choice = self.schedule.choices(self.global_seq, n_rows)
+        first = self.rank * self.micro_batch
+        # k-th sequence of source s (counted over all ranks) starts at positions[s] + k * width.
+        before = np.bincount(choice[:first], minlength=len(self.sources))
+        mine = choice[first:first + self.micro_batch]
+        buf = np.empty((self.micro_batch, width), dtype=np.int64)
+        for s in np.unique(mine).tolist():  # one vectorized fill per source
+            rows = np.flatnonzero(mine == s)
+            starts = self.positions[s] + (before[s] + np.arange(len(rows))) * width
+            if len(rows) == self.micro_batch:
+                self.sources[s].fill_rows(starts.tolist(), buf)
+            else:
+                part = np.empty((len(rows), width), dtype=np.int64)
+                self.sources[s].fill_rows(starts.tolist(), part)
+                buf[rows] = part
+        self.positions += np.bincount(choice, minlength=len(self.sources)) * width
+        self.global_seq += n_rows
+        return torch.from_numpy(buf[:, :-1].copy()), torch.from_numpy(buf[:, 1:].copy())
+
+    def get_state(self) -> dict:
+        return {
+            "version": STATE_VERSION, "kind": self.kind, "split": self.split, "seed": self.seed,
+            "global_seq": self.global_seq, "positions": dict(zip(self.names, self.positions.tolist())),
+            "epochs": {s.name: int(p) // s.tokens_per_epoch for s, p in zip(self.sources, self.positions)},
+            "world_size": self.world_size, "rank": self.rank,
+            "micro_batch": self.micro_batch, "seq_len": self.seq_len,
+        }
+
+
+class TokenLoader:
+    """An infinite iterator of (inputs, targets) with state_dict / load_state_dict (see module docstring)."""
+
+    def __init__(self, node: PackedBatches, corpus: Corpus, prefetch: int = 2):
+        self.node = node
+        self.prefetch = prefetch
+        self.tokenizer = corpus.tokenizer
+        self.vocab_size = corpus.vocab_size
+        self.stats = corpus.stats
+        self.weights = list(corpus.weights)
+        root = Prefetcher(node, prefetch_factor=prefetch, snapshot_frequency=1) if prefetch > 0 else node
+        self._loader = Loader(root, restart_on_stop_iteration=False)
+        self._it = None
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_id if self.tokenizer is not None else -1
+
+    def __iter__(self) -> TokenLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._it is None:
+            self._it = iter(self._loader)
+        return next(self._it)
+
+    def state_dict(self) -> dict:
+        """The node's state after the last returned batch, independent of the prefetch setting."""
+        state = self._loader.state_dict()
+        root = state["root"]
+        if self.prefetch > 0:
+            assert root["steps_since_snapshot"] == 0, "snapshot_frequency=1 keeps every state exact"
+            root = root["snapshot"]
+        return dict(root)
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or "global_seq" not in state:
+            raise ConfigError("data state", type(state).__name__, "a dict from TokenLoader.state_dict()")
+        root = {"snapshot": state, "steps_since_snapshot": 0} if self.prefetch > 0 else state
+        self._loader.load_state_dict({"root": root, "num_yielded": 0})
+        self._it = iter(self._loader)  # apply now, so state_dict() reflects the loaded state at once
+
+    def describe(self) -> str:
+        parts = [f"{s.name} (weight {w:.3g}, {s.tokens_per_epoch:,} tokens/epoch)"
+                 if s.num_docs else s.name for s, w in zip(self.node.sources, self.weights)]
+        skipped = [f"{n}: {st.summary()}" for n, st in self.stats.items()]
+        return (f"data: {self.node.kind}, split {self.node.split}, rank {self.node.rank}/{self.node.world_size}, "
+                f"vocab {self.vocab_size}, sources: {', '.join(parts)}" + ("; " + "; ".join(skipped) if skipped else ""))
+
+
+def build_loader(cfg: DataConfig, rank: int = 0, world_size: int = 1, split: str = "train") -> TokenLoader:
+    """The loader of one rank, built from the data config (every file is opened and checked here)."""
+    cfg.validate()
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ConfigError("rank", (rank, world_size), "0 <= rank < world_size, world_size >= 1")
+    corpus = open_corpus(cfg, split)
+    for name, stats in corpus.stats.items():
+        if stats.total_skipped:
+            log.warning("data: source %s: %s", name, stats.summary())
+    node = PackedBatches(corpus, cfg.seq_len, cfg.micro_batch, rank, world_size, cfg.seed, split, cfg.kind)
+    return TokenLoader(node, corpus, cfg.prefetch)

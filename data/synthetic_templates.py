@@ -1,0 +1,105 @@
+"""Sentence templates of the synthetic corpus: biography paraphrases and, separately, questions.
+
+Biography placeholders: {s} subject (full name or He/She), {p} possessive at
+the start of a sentence (the name + 's, or His/Her), {q} possessive inside a
+sentence (his/her), {v} the value, {a} the value with its article ("an editor").
+Question placeholder: {n} the full name.
+
+The two sets are disjoint in wording (tests check that no question phrasing,
+down to word trigrams of its fixed text, occurs in the biographies): a model
+must answer from the stored fact, not by completing a memorized sentence.
+"""
+
+from __future__ import annotations
+
+ATTRIBUTES = ("birth_date", "birth_city", "university", "major", "employer", "occupation", "food")
+
+BIO_TEMPLATES: dict[str, tuple[str, ...]] = {
+    "birth_date": (
+        "{s} was born on {v}.",
+        "{s} came into the world on {v}.",
+        "{p} date of birth is {v}.",
+        "{s} entered this life on {v}.",
+        "{s} first saw daylight on {v}.",
+    ),
+    "birth_city": (
+        "{s} was born in {v}.",
+        "{s} is a native of {v}.",
+        "{p} hometown is {v}.",
+        "{s} spent {q} early childhood in {v}.",
+        "{s} grew up in the town of {v}.",
+    ),
+    "university": (
+        "{s} studied at {v}.",
+        "{s} graduated from {v}.",
+        "{s} earned a degree at {v}.",
+        "{s} completed {q} education at {v}.",
+        "{s} received {q} diploma from {v}.",
+    ),
+    "major": (
+        "{s} majored in {v}.",
+        "{p} field of study was {v}.",
+        "{s} specialized in {v} as a student.",
+        "{s} focused on {v} during college.",
+        "{s} took a degree in {v}.",
+    ),
+    "employer": (
+        "{s} works for {v}.",
+        "{s} is employed by {v}.",
+        "{p} employer is {v}.",
+        "{s} has a job at {v}.",
+        "{s} draws a salary from {v}.",
+    ),
+    "occupation": (
+        "{s} works as {a}.",
+        "{p} profession is {v}.",
+        "{s} makes a living as {a}.",
+        "{s} is {a} by trade.",
+        "{s} has a career as {a}.",
+    ),
+    "food": (
+        "{p} favourite food is {v}.",
+        "{s} loves eating {v}.",
+        "{s} enjoys {v} more than any other dish.",
+        "{s} never turns down a plate of {v}.",
+        "{s} orders {v} whenever possible.",
+    ),
+}
+
+QUESTION_TEMPLATES: dict[str, tuple[str, ...]] = {
+    "birth_date": (
+        "When was {n} born?",
+        "What is the birth date of {n}?",
+        "On what day was {n} born?",
+    ),
+    "birth_city": (
+        "In which city was {n} born?",
+        "Where is {n} originally from?",
+        "What is the birthplace of {n}?",
+    ),
+    "university": (
+        "Which university did {n} attend?",
+        "Where did {n} go to college?",
+        "What school did {n} graduate from?",
+    ),
+    "major": (
+        "What did {n} major in?",
+        "What subject did {n} study?",
+        "Which academic discipline did {n} pursue?",
+    ),
+    "employer": (
+        "Which company employs {n}?",
+        "For which organization does {n} work?",
+        "What firm is {n} employed at?",
+    ),
+    "occupation": (
+        "What does {n} do for a living?",
+        "What job does {n} have?",
+        "Which profession does {n} practice?",
+    ),
+    "food": (
+        "What food does {n} like best?",
+        "Which dish is the favorite of {n}?",
+        "What does {n} prefer to eat?",
+    ),
+}

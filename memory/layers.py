@@ -1,0 +1,209 @@
+"""`Memory` (plain product-key memory) and `MemoryPlus` (the paper's best variant).
+
+Both map (..., dim) -> (..., dim) and work in any PyTorch model:
+
+    mem = MemoryPlus(dim=512, n_keys=256, heads=4, knn=32, k_dim=512)
+    y = mem(x)  # x: (batch, seq, 512)
+
+The read (MEMORY_LAYERS.md sections 1-2), per token:
+    weights, slots = product-key top-k per head (softmax in float32)
+    y = sum over the H*knn reads of weight * V[slot]        (memory.ops.embedding_bag)
+    Memory:     out = y, or W_o y with an output projection
+    MemoryPlus: out = W2(y * silu(W1 x))   (gate "swilu"; "sigmoid": sigmoid(W1 x); "none": W2 y)
+
+The value table lives in a `ValuePool`. Pass `values=pool` to share one pool
+between layers (Memory+); the caller then registers the pool once on a
+common parent. Without `values`, the layer creates and owns its own pool.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memlm.errors import ConfigError
+from memlm.memory.ops import resolve_kernel
+from memlm.memory.product_keys import ProductKeys, balance_loss, check_knn
+from memlm.memory.usage import SlotUsage
+from memlm.memory.values import ValuePool
+
+GATES = ("none", "sigmoid", "swilu")
+
+
+class ProductKeyMemory(nn.Module):
+    """What both variants share: lookup, value pool, read, usage, aux loss."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_keys: int = 1024,
+        heads: int = 4,
+        knn: int = 32,
+        k_dim: int = 512,
+        v_dim: int | None = None,
+        values: ValuePool | None = None,
+        qk_norm: bool = False,
+        eval_knn: int | None = None,
+        balance_loss_coef: float = 0.0,
+        sparse_updates: bool = False,
+        kernel: str = "auto",
+        layer_id: int | None = None,
+    ):
+        super().__init__()
+        v_dim = v_dim or dim
+        self.dim, self.v_dim = dim, v_dim
+        self.layer_id = layer_id  # names this layer in usage_metrics
+        self.lookup = ProductKeys(dim, n_keys, heads, knn, k_dim, qk_norm, eval_knn)
+        n_slots = n_keys**2
+        if values is None:
+            self.values = ValuePool(n_slots, v_dim)  # registered: this layer owns its table
+            self.owns_values = True
+        else:
+            if (values.n_slots, values.v_dim) != (n_slots, v_dim):
+                raise ValueError(
+                    f"shared value pool is ({values.n_slots}, {values.v_dim}), this layer needs "
+                    f"(n_keys**2, v_dim) = ({n_slots}, {v_dim})"
+                )
+            # A plain attribute, not a submodule: the pool's owner registers it
+            # once, so parameters() / state_dict() hold the shared table once.
+            self.__dict__["values"] = values
+            self.owns_values = False
+        self.values.add_reader(heads * knn)
+        if balance_loss_coef < 0:
+            raise ConfigError("memory.balance_loss_coef", balance_loss_coef, "a number >= 0")
+        self.balance_loss_coef = balance_loss_coef
+        self.sparse_updates = sparse_updates
+        self.kernel = resolve_kernel(kernel)
+        self.usage = SlotUsage(n_slots)
+        # The auxiliary-loss channel (see memlm.model.Transformer.aux_loss):
+        # coefficient * loss of the last training forward, else None.
+        self.last_aux_loss: torch.Tensor | None = None
+
+    # The training knn (the knn schedule moves it) and the evaluation knn.
+    @property
+    def knn(self) -> int:
+        return self.lookup.knn
+
+    @knn.setter
+    def knn(self, value: int) -> None:
+        self.lookup.knn = check_knn(value, self.lookup.n_keys)
+
+    @property
+    def eval_knn(self) -> int:
+        return self.lookup.eval_knn
+
+    @eval_knn.setter
+    def eval_knn(self, value: int) -> None:
+        self.lookup.eval_knn = check_knn(value, self.lookup.n_keys, "memory.eval_knn")
+
+    def read(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, dim) -> y (T, v_dim): the weighted bag of H*knn value rows per token."""
+        weights, slots, sub = self.lookup(x)  # (T, H*knn), (T, H*knn), (T, H, 2, n_keys)
+        self.last_aux_loss = None
+        if self.training:
+            self.usage.record(slots)
+            if self.balance_loss_coef > 0:
+                self.last_aux_loss = self.balance_loss_coef * balance_loss(sub)
+        return self.values.read(slots, weights, sparse=self.sparse_updates, kernel=self.kernel)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re-)initialize with the published init, e.g. after `to_empty()`.
+        A shared pool is initialized by its owner, not here. Layers are also
+        initialized at construction, like torch.nn layers."""
+        self.lookup.init_weights()
+        if self.owns_values:
+            self.values.init_weights()
+        self.usage.reset()
+        self._init_projections()
+
+    def _init_projections(self) -> None:
+        """The variant's own projections (subclasses)."""
+
+    def read_flops_per_token(self) -> int:
+        """Lookup + the H*knn value rows read (one multiply-add per entry).
+        The table itself is not computed over."""
+        return self.lookup.flops_per_token() + 2 * self.lookup.heads * self.knn * self.v_dim
+
+
+class Memory(ProductKeyMemory):
+    """Plain product-key memory (Lample et al. 2019): out = y, or W_o y.
+
+    `output_proj=None` adds W_o (v_dim -> dim, no bias) only when v_dim != dim."""
+
+    def __init__(self, dim: int, *args, output_proj: bool | None = None, **kwargs):
+        super().__init__(dim, *args, **kwargs)
+        if output_proj is None:
+            output_proj = self.v_dim != dim
+        if not output_proj and self.v_dim != dim:
+            raise ValueError(f"v_dim={self.v_dim} != dim={dim} needs an output projection")
+        self.out = nn.Linear(self.v_dim, dim, bias=False) if output_proj else None
+        self._init_projections()  # lookup and pool initialized themselves
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (..., dim) -> (..., dim)
+        shape = x.shape
+        y = self.read(x.reshape(-1, self.dim)).to(x.dtype)  # (T, v_dim)
+        if self.out is not None:
+            y = self.out(y)
+        return y.reshape(shape)
+
+    @torch.no_grad()
+    def _init_projections(self) -> None:
+        if self.out is not None:
+            nn.init.normal_(self.out.weight, mean=0.0, std=self.dim**-0.5)
+
+    def flops_per_token(self) -> int:
+        proj = 2 * self.v_dim * self.dim if self.out is not None else 0
+        return self.read_flops_per_token() + proj
+
+
+class MemoryPlus(ProductKeyMemory):
+    """Memory+: out = W2(y * gate(W1 x)), gate in {swilu (silu), sigmoid, none}."""
+
+    def __init__(self, dim: int, *args, gate: str = "swilu", **kwargs):
+        super().__init__(dim, *args, **kwargs)
+        if gate not in GATES:
+            raise ConfigError("memory.gate", gate, f"one of: {', '.join(GATES)}")
+        self.gate = gate
+        self.w1 = nn.Linear(dim, self.v_dim, bias=False) if gate != "none" else None
+        self.w2 = nn.Linear(self.v_dim, dim, bias=False)
+        self._init_projections()  # lookup and pool initialized themselves
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (..., dim) -> (..., dim)
+        shape = x.shape
+        x = x.reshape(-1, self.dim)  # (T, dim)
+        y = self.read(x).to(x.dtype)  # (T, v_dim)
+        if self.gate == "swilu":
+            y = y * F.silu(self.w1(x))
+        elif self.gate == "sigmoid":
+            y = y * torch.sigmoid(self.w1(x))
+        return self.w2(y).reshape(shape)
+
+    @torch.no_grad()
+    def _init_projections(self) -> None:
+        std = self.dim**-0.5  # published: W1, W2 ~ N(0, d**-0.5)
+        for lin in (self.w1, self.w2):
+            if lin is not None:
+                nn.init.normal_(lin.weight, mean=0.0, std=std)
+
+    def flops_per_token(self) -> int:
+        gate = 2 * self.dim * self.v_dim if self.w1 is not None else 0
+        return self.read_flops_per_token() + gate + 2 * self.v_dim * self.dim
+
+
+def value_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The value tables read by the memory layers in `model`, each once: the
+    parameter group that gets memory.value_lr, its own clipping and, with
+    sparse updates, SparseRowAdamW. Finds pools whether or not they are
+    registered in the module tree."""
+    seen: set[int] = set()
+    params = []
+    for module in model.modules():
+        pool = module.values if isinstance(module, ProductKeyMemory) else module
+        if isinstance(pool, ValuePool) and id(pool.weight) not in seen:
+            seen.add(id(pool.weight))
+            params.append(pool.weight)
+    return params

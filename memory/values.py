@@ -1,0 +1,65 @@
+"""The value table of a memory: one (N, v_dim) parameter, possibly shared.
+
+A `ValuePool` is an ordinary module. Memory+ shares one pool between all the
+memory layers of a model (MEMORY_LAYERS.md section 2): the pool object is
+passed to each layer, and whoever builds the layers registers it once as a
+submodule of a common parent (memlm's Transformer keeps it in
+`model.shared`). A layer that is given a pool keeps only a plain reference to
+it, so parameters() and state_dict() hold the table exactly once. There is no
+class-level or module-level registry.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from memlm.memory.ops import embedding_bag
+
+
+class ValuePool(nn.Module):
+    # Read by Transformer.num_params(): the table counts as memory parameters.
+    param_category = "memory"
+
+    def __init__(self, n_slots: int, v_dim: int):
+        super().__init__()
+        if n_slots < 1 or v_dim < 1:
+            raise ValueError(f"a value pool needs n_slots >= 1 and v_dim >= 1, got {n_slots}, {v_dim}")
+        self.n_slots = n_slots
+        self.v_dim = v_dim
+        self.weight = nn.Parameter(torch.empty(n_slots, v_dim))
+        # Rows each token reads from this pool, summed over the layers that
+        # read it (each adds heads * knn when it is built): what one token
+        # "uses" for the active-parameter count.
+        self.reads_per_token = 0
+        # How the table is read: None -> a local read through memory.ops.
+        # Memory parallelism (memory/parallel.py) installs a column-parallel
+        # reader here, called as reader(pool, indices, weights, sparse, kernel).
+        self.reader = None
+        self.init_weights()  # like torch.nn layers; init_weights() again after to_empty()
+
+    def add_reader(self, reads_per_token: int) -> None:
+        """Called by each layer that reads this pool (at construction)."""
+        self.reads_per_token += reads_per_token
+
+    def read(
+        self, indices: torch.Tensor, weights: torch.Tensor, sparse: bool = False, kernel: str = "auto"
+    ) -> torch.Tensor:
+        """indices, weights (B, K) -> (B, v_dim): sum_k weights[b, k] * table[indices[b, k]]."""
+        if self.reader is not None:
+            return self.reader(self, indices, weights, sparse, kernel)
+        return embedding_bag(self.weight, indices, weights, sparse=sparse, kernel=kernel)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        # Values ~ N(0, v_dim**-0.5) (the published init): a bag of k rows with
+        # softmax weights then has roughly unit-scale entries.
+        nn.init.normal_(self.weight, mean=0.0, std=self.v_dim**-0.5)
+
+    def inactive_params(self) -> int:
+        """Table entries one token does not read (at most `reads_per_token` rows are read)."""
+        active_rows = min(self.n_slots, self.reads_per_token)
+        return (self.n_slots - active_rows) * self.v_dim
+
+    def extra_repr(self) -> str:
+        return f"n_slots={self.n_slots}, v_dim={self.v_dim}"

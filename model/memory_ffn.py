@@ -1,0 +1,88 @@
+"""FFN kinds "memory" and "memplus": product-key memory layers in decoder blocks.
+
+The layers themselves live in memlm.memory (usable without this package);
+this file only adapts them to the FFN slot contract of model/ffn.py:
+(batch, seq, dim) -> (batch, seq, dim), `init_weights(init_std, out_std)`,
+`flops_per_token()`.
+
+- `memory.share_values=true`: one `ValuePool` per model, created by the first
+  memory block and kept in `ctx.shared["memory_values"]`; the Transformer
+  registers it once as `shared.memory_values` and initializes it.
+- `memory.placement=parallel`: the block keeps its dense SwiGLU and adds the
+  memory read: ffn(x) + memory(x).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from memlm.memory.config import MemoryConfig
+from memlm.memory.layers import Memory, MemoryPlus, ProductKeyMemory
+from memlm.memory.values import ValuePool
+from memlm.model.ffn import FFNContext, SwiGLU, register_ffn
+
+SHARED_POOL_KEY = "memory_values"
+
+
+class MemoryFFN(nn.Module):
+    """A memory layer in an FFN slot, optionally next to the dense FFN."""
+
+    def __init__(self, memory: ProductKeyMemory, dense: nn.Module | None = None):
+        super().__init__()
+        self.memory = memory
+        self.dense = dense
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (batch, seq, dim) -> (batch, seq, dim)
+        out = self.memory(x)
+        if self.dense is not None:
+            out = out + self.dense(x)
+        return out
+
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        # The memory keeps the published init (MEMORY_LAYERS.md section 2),
+        # not the decoder's depth-scaled one; the dense FFN uses the decoder's.
+        self.memory.init_weights()
+        if self.dense is not None:
+            self.dense.init_weights(init_std, out_std)
+
+    def flops_per_token(self) -> int:
+        dense = self.dense.flops_per_token() if self.dense is not None else 0
+        return self.memory.flops_per_token() + dense
+
+
+def _value_pool(ctx: FFNContext, cfg: MemoryConfig, v_dim: int) -> ValuePool | None:
+    """The model's shared pool (created on first use), or None for a per-layer table."""
+    if not cfg.share_values:
+        return None
+    pool = ctx.shared.get(SHARED_POOL_KEY)
+    if pool is None:
+        pool = ValuePool(cfg.n_keys**2, v_dim)
+        ctx.shared[SHARED_POOL_KEY] = pool
+    return pool
+
+
+def _build(ctx: FFNContext, kind: str) -> MemoryFFN:
+    cfg = ctx.memory if ctx.memory is not None else MemoryConfig(kind=kind)
+    dim = ctx.args.dim
+    v_dim = cfg.v_dim or dim
+    common = dict(
+        n_keys=cfg.n_keys, heads=cfg.heads, knn=cfg.knn, k_dim=cfg.k_dim, v_dim=v_dim,
+        values=_value_pool(ctx, cfg, v_dim), qk_norm=cfg.qk_norm, eval_knn=cfg.eval_knn,
+        balance_loss_coef=cfg.balance_loss_coef, sparse_updates=cfg.sparse_updates,
+        kernel=cfg.kernel, layer_id=ctx.layer_id,
+    )
+    memory = MemoryPlus(dim, gate=cfg.gate, **common) if kind == "memplus" else Memory(dim, **common)
+    dense = SwiGLU(dim, ctx.args.hidden_dim) if cfg.placement == "parallel" else None
+    return MemoryFFN(memory, dense)
+
+
+@register_ffn("memory")
+def _build_memory(ctx: FFNContext) -> nn.Module:
+    return _build(ctx, "memory")
+
+
+@register_ffn("memplus")
+def _build_memplus(ctx: FFNContext) -> nn.Module:
+    return _build(ctx, "memplus")

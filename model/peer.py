@@ -1,0 +1,166 @@
+"""PEER FFN (kind "peer"): product-key retrieval of single-neuron experts.
+
+He 2024, "Mixture of a Million Experts"; the PEER baseline of the
+memory-layer ablation table (MEMORY_LAYERS.md section 4). There are
+N = n_keys**2 experts; expert i is one hidden neuron with a down vector u_i
+and an up vector v_i (both of size dim): e_i(x) = act(u_i . x) * v_i.
+
+For each head h (heads share the experts and the sub-keys, as in PEER, and
+differ by their query projection):
+1. q_h = W_q x, split into halves (k_dim // 2 each);
+2. scores of the halves against the two sub-key sets (n_keys each), top-k of
+   each half, then top-k of the k*k summed candidate scores: this is the exact
+   top-k over all N summed scores, at sqrt(N) cost;
+3. w_h = softmax over the k kept scores (float32 or wider);
+4. out = sum_h sum_t w_h[t] * act(u_{i_t} . x) * v_{i_t}.
+
+Choices, and why:
+- act = GELU by default (PEER's choice); "silu" is available via the
+  constructor.
+- Optional query normalization (`memory.qk_norm`): PEER normalizes queries with
+  BatchNorm; we use a parameter-free RMSNorm of each query half, which also
+  fixes the query scale but does not depend on the batch (so it behaves the
+  same in training, evaluation and under any data parallelism).
+- The u and v tables live in an `ExpertTable` submodule whose
+  `param_category` is "memory": they are the large sparse tables (the analogue
+  of memory values: each row gets gradient only when read), while the query
+  projection and sub-keys are dense. Consequence: `num_params()` counts them
+  as memory, and the trainer's optimizer puts them in the memory-value group
+  (`memory.value_lr`, `value_weight_decay`, `value_grad_clip`).
+- The product-key top-k is written here, not imported from memlm.memory:
+  PEER's keys are shared across heads and it must not depend on that
+  package's internals.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memlm.errors import ConfigError
+from memlm.model.ffn import FFNContext, register_ffn
+
+ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
+
+
+def product_key_topk(
+    q: torch.Tensor, keys: torch.Tensor, knn: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-`knn` of s1[i] + s2[j] over all n_keys**2 pairs (i, j).
+
+    q: (T, H, 2, half) queries; keys: (2, n_keys, half) sub-keys shared by the heads.
+    Returns scores (T, H, knn) in q's dtype and expert indices (T, H, knn),
+    index = i * n_keys + j. Exact because each half of a top-knn pair must be in
+    its half's own top-knn.
+    """
+    n_keys = keys.shape[1]
+    s = torch.einsum("thcd,cnd->thcn", q, keys)  # (T, H, 2, n_keys)
+    s1, i1 = s[:, :, 0].topk(knn, dim=-1)  # (T, H, knn)
+    s2, i2 = s[:, :, 1].topk(knn, dim=-1)  # (T, H, knn)
+    cand = (s1.unsqueeze(-1) + s2.unsqueeze(-2)).flatten(-2)  # (T, H, knn*knn)
+    cand_idx = (i1.unsqueeze(-1) * n_keys + i2.unsqueeze(-2)).flatten(-2)  # (T, H, knn*knn)
+    scores, best = cand.topk(knn, dim=-1)  # (T, H, knn)
+    return scores, cand_idx.gather(-1, best)
+
+
+class ExpertTable(nn.Module):
+    """The N single-neuron experts: down vectors u (N, dim) and up vectors v (N, dim)."""
+
+    param_category = "memory"  # counted with the sparse tables by Transformer.num_params
+
+    def __init__(self, n_experts: int, dim: int):
+        super().__init__()
+        self.down = nn.Parameter(torch.empty(n_experts, dim))  # u: (N, dim)
+        self.up = nn.Parameter(torch.empty(n_experts, dim))  # v: (N, dim)
+
+
+class PEER(nn.Module):
+    def __init__(
+        self,
+        dim: int,
+        n_keys: int,
+        heads: int,
+        knn: int,
+        k_dim: int,
+        query_norm: bool = False,
+        activation: str = "gelu",
+    ):
+        super().__init__()
+        for key, value in (("n_keys", n_keys), ("heads", heads), ("knn", knn), ("k_dim", k_dim)):
+            if value < 1:
+                raise ConfigError(f"memory.{key}", value, "a positive integer")
+        if knn > n_keys:
+            raise ConfigError("memory.knn", knn, f"an integer in [1, memory.n_keys={n_keys}]")
+        if k_dim % 2:
+            raise ConfigError("memory.k_dim", k_dim, "an even integer (the query is split in two halves)")
+        if activation not in ACTIVATIONS:
+            raise ConfigError("peer activation", activation, f"one of: {', '.join(ACTIVATIONS)}")
+        self.dim, self.n_keys, self.heads, self.knn, self.k_dim = dim, n_keys, heads, knn, k_dim
+        self.n_experts = n_keys**2
+        self.query_norm = query_norm
+        self.activation = activation
+        self.query = nn.Linear(dim, heads * k_dim, bias=False)
+        self.keys = nn.Parameter(torch.empty(2, n_keys, k_dim // 2))  # (2, n_keys, half)
+        self.experts = ExpertTable(self.n_experts, dim)
+
+    def retrieve(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, dim) -> weights (T, H, knn) float32+, expert indices (T, H, knn)."""
+        compute = torch.promote_types(x.dtype, torch.float32)
+        q = self.query(x).view(-1, self.heads, 2, self.k_dim // 2)  # (T, H, 2, half)
+        if self.query_norm:
+            q = F.rms_norm(q, (self.k_dim // 2,))
+        # Scores in float32: top-k and softmax over bf16 scores tie and lose mass.
+        scores, idx = product_key_topk(q.to(compute), self.keys.to(compute), self.knn)
+        return scores.softmax(dim=-1), idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (batch, seq, dim) -> (batch, seq, dim)
+        shape = x.shape
+        x = x.reshape(-1, self.dim)  # (T, dim)
+        weights, idx = self.retrieve(x)  # (T, H, knn) each
+        idx = idx.flatten(1)  # (T, H*knn): one bag of H*knn experts per token
+        u = F.embedding(idx, self.experts.down)  # (T, H*knn, dim)
+        hidden = ACTIVATIONS[self.activation](torch.bmm(u, x.unsqueeze(-1)).squeeze(-1))  # (T, H*knn)
+        coef = weights.flatten(1).to(x.dtype) * hidden  # (T, H*knn)
+        # Weighted sum of the v rows without materializing the (T, H*knn, dim) gather.
+        out = F.embedding_bag(idx, self.experts.up, per_sample_weights=coef, mode="sum")  # (T, dim)
+        return out.reshape(shape)
+
+    # ------------------------------------------------------ init, accounting
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        nn.init.trunc_normal_(self.query.weight, mean=0.0, std=init_std, a=-3 * init_std, b=3 * init_std)
+        # Sub-keys as in product-key memory; u rows at dim**-0.5 so u.x is O(1)
+        # for a normalized x; v rows write into the residual stream: out_std.
+        bound = self.k_dim**-0.5
+        nn.init.uniform_(self.keys, -bound, bound)
+        nn.init.normal_(self.experts.down, mean=0.0, std=self.dim**-0.5)
+        nn.init.trunc_normal_(self.experts.up, mean=0.0, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+    def rows_read(self) -> int:
+        """Expert rows a token reads (per table); heads may pick the same expert,
+        so this is an upper bound on distinct rows."""
+        return min(self.heads * self.knn, self.n_experts)
+
+    def flops_per_token(self) -> int:
+        """Query projection + sub-key scoring (both halves, every head) + one dot
+        (u) and one axpy (v) per read expert. Candidate sums, top-k, softmax and
+        the activation are ignored like norms elsewhere."""
+        query = 2 * self.dim * self.heads * self.k_dim
+        scoring = 2 * self.heads * self.n_keys * self.k_dim  # 2 halves x n_keys x k_dim/2 x 2
+        experts = 2 * self.heads * self.knn * self.dim * 2  # u and v rows
+        return query + scoring + experts
+
+    def inactive_params(self) -> int:
+        """u and v rows of the experts a token does not read."""
+        return 2 * (self.n_experts - self.rows_read()) * self.dim
+
+
+@register_ffn("peer")
+def _build_peer(ctx: FFNContext) -> nn.Module:
+    cfg = ctx.memory
+    if cfg is None:  # model.ffn=peer without a memory section: its defaults
+        from memlm.memory.config import MemoryConfig
+
+        cfg = MemoryConfig(kind="peer")
+    return PEER(ctx.args.dim, cfg.n_keys, cfg.heads, cfg.knn, cfg.k_dim, query_norm=cfg.qk_norm)

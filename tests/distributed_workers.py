@@ -1,0 +1,39 @@
+"""Run a function on N CPU ranks (gloo) from a test, like torchrun would.
+
+Workers live in this importable module (tests/ is on pytest's pythonpath) so
+spawned processes can unpickle them."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
+    os.environ.update({
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+    })
+    torch.set_num_threads(1)
+    try:
+        fn(rank, *args)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world: int, *args) -> None:
+    """Call fn(rank, *args) in `world` processes joined in one gloo group."""
+    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)

@@ -1,0 +1,158 @@
+"""Memory and MemoryPlus against a naive reference that scores every slot (float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from memlm.errors import ConfigError
+from memlm.memory import Memory, MemoryPlus, ValuePool, value_parameters
+
+SIZES = dict(n_keys=6, heads=2, knn=3, k_dim=6)
+
+
+def _naive(layer, x):
+    """Score all n_keys**2 slots, top-k over all of them, softmax, explicit
+    weighted sum of gathered rows: no product-key trick, no embedding bag."""
+    lk = layer.lookup
+    q = F.linear(x, lk.query.weight, lk.query.bias).view(-1, lk.heads, 2, lk.half)
+    s1 = torch.einsum("thd,hnd->thn", q[:, :, 0], lk.keys[:, 0])  # (T, H, n)
+    s2 = torch.einsum("thd,hnd->thn", q[:, :, 1], lk.keys[:, 1])
+    full = (s1.unsqueeze(-1) + s2.unsqueeze(-2)).flatten(-2)  # (T, H, n*n), slot i*n + j
+    scores, slots = full.topk(lk.current_knn, dim=-1)
+    w = scores.softmax(-1)  # (T, H, k)
+    rows = layer.values.weight[slots]  # (T, H, k, v)
+    y = (w.unsqueeze(-1) * rows).sum(dim=(1, 2))  # (T, v)
+    if isinstance(layer, MemoryPlus):
+        if layer.gate == "swilu":
+            y = y * F.silu(layer.w1(x))
+        elif layer.gate == "sigmoid":
+            y = y * torch.sigmoid(layer.w1(x))
+        return layer.w2(y)
+    return layer.out(y) if layer.out is not None else y
+
+
+def _layer(cls, dim=8, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    layer = cls(dim, **{**SIZES, **kwargs}).double()
+    layer.init_weights()
+    with torch.no_grad():  # spread the sub-keys so that no two slot scores nearly tie
+        layer.lookup.keys.mul_(5.0)
+    return layer
+
+
+CASES = [
+    (Memory, {}),
+    (Memory, {"v_dim": 10}),  # output projection
+    (MemoryPlus, {"gate": "swilu"}),
+    (MemoryPlus, {"gate": "sigmoid", "v_dim": 12}),
+    (MemoryPlus, {"gate": "none", "qk_norm": False}),
+]
+
+
+@pytest.mark.parametrize("cls,kwargs", CASES)
+def test_output_and_gradients_equal_naive_reference(cls, kwargs):
+    layer = _layer(cls, **kwargs)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    out = layer(x)
+    ref = _naive(layer, x.reshape(-1, 8)).reshape(2, 5, 8)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    g = torch.randn_like(out)
+    params = [p for p in layer.parameters()]
+    grads = torch.autograd.grad(out, [x, *params], g)
+    ref_grads = torch.autograd.grad(ref, [x, *params], g)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls,kwargs", [(Memory, {"v_dim": 4}), (MemoryPlus, {"qk_norm": True})])
+def test_gradcheck(cls, kwargs):
+    layer = _layer(cls, dim=4, **kwargs)
+    names = [n for n, _ in layer.named_parameters()]
+    tensors = [p.detach().clone().requires_grad_() for p in layer.parameters()]
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+
+    def fn(x, *ps):
+        return functional_call(layer, dict(zip(names, ps)), (x,))
+
+    assert torch.autograd.gradcheck(fn, (x, *tensors), eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=True)
+
+
+def test_eval_uses_eval_knn():
+    layer = _layer(MemoryPlus, knn=2, eval_knn=5)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    layer.eval()
+    torch.testing.assert_close(layer(x), _naive(layer, x))
+    layer.usage.reset()
+    layer(x)  # eval reads are not counted in the training window
+    assert int(layer.usage.counts.sum()) == 0
+    layer.train()
+    layer(x)
+    assert int(layer.usage.counts.sum()) == 4 * 2 * 2  # tokens * heads * knn
+    layer.knn = 4  # by hand (the knn schedule uses set_knn)
+    torch.testing.assert_close(layer(x), _naive(layer, x))
+    with pytest.raises(ConfigError, match="memory.knn"):
+        layer.knn = 37  # more than n_keys
+
+
+def test_shared_pool_is_held_once_and_reads_are_counted():
+    pool = ValuePool(36, 8)
+    layers = torch.nn.ModuleList([MemoryPlus(8, **SIZES, values=pool) for _ in range(3)])
+    assert len(list(layers.parameters())) == 3 * 5  # query w+b, keys, w1, w2 (no table)
+    assert not any("values" in k for k in layers.state_dict())
+    assert value_parameters(layers) == [pool.weight]
+    assert pool.reads_per_token == 3 * 2 * 3
+    assert pool.inactive_params() == (36 - 18) * 8
+    with pytest.raises(ValueError, match="shared value pool"):
+        MemoryPlus(8, **{**SIZES, "n_keys": 5}, values=pool)
+
+
+def test_flops_per_token_by_hand():
+    layer = MemoryPlus(16, n_keys=32, heads=4, knn=8, k_dim=10, v_dim=24)
+    query = 2 * 16 * 4 * 10
+    scoring = 4 * 2 * 32 * 5 * 2
+    candidates = 4 * 8 * 8
+    rows = 2 * 4 * 8 * 24
+    gate_and_out = 2 * 16 * 24 * 2
+    assert layer.flops_per_token() == query + scoring + candidates + rows + gate_and_out
+    plain = Memory(16, n_keys=32, heads=4, knn=8, k_dim=10)
+    assert plain.flops_per_token() == query + scoring + candidates + 2 * 4 * 8 * 16
+
+
+@torch.no_grad()
+def test_published_init():
+    torch.manual_seed(0)
+    layer = MemoryPlus(256, n_keys=64, heads=2, knn=4, k_dim=128, v_dim=192)
+    bound = 128**-0.5
+    keys = layer.lookup.keys
+    assert float(keys.abs().max()) <= bound and float(keys.abs().max()) > 0.9 * bound
+    table = layer.values.weight
+    assert float(table.std()) == pytest.approx(192**-0.5, rel=0.02)
+    for lin in (layer.w1, layer.w2):
+        assert float(lin.weight.std()) == pytest.approx(256**-0.5, rel=0.05)
+    q = layer.lookup.query.weight  # xavier-uniform: bound sqrt(6 / (fan_in + fan_out))
+    assert float(q.abs().max()) <= (6 / (256 + 2 * 128)) ** 0.5
+    assert float(layer.lookup.query.bias.abs().max()) == 0.0
+    # Built on meta, then materialized: init_weights() gives the same statistics.
+    with torch.device("meta"):
+        meta = MemoryPlus(256, n_keys=64, heads=2, knn=4, k_dim=128, v_dim=192)
+    meta.to_empty(device="cpu")
+    meta.init_weights()
+    assert float(meta.values.weight.std()) == pytest.approx(192**-0.5, rel=0.02)
+
+
+def test_pool_reader_hook_replaces_the_local_read():
+    """Memory parallelism installs `pool.reader`; the layer must go through it."""
+    layer = _layer(MemoryPlus)
+    calls = []
+
+    def reader(pool, indices, weights, sparse, kernel):
+        calls.append((indices.shape, sparse, kernel))
+        return torch.zeros(indices.shape[0], pool.v_dim, dtype=pool.weight.dtype)
+
+    layer.values.reader = reader
+    out = layer(torch.randn(3, 8, dtype=torch.float64))
+    assert calls == [(torch.Size([3, 2 * 3]), False, "torch")]
+    assert torch.equal(out, torch.zeros_like(out))  # W2(0 * gate) = 0

@@ -1,0 +1,50 @@
+"""Rank functions of the trainer's distributed tests (spawned by run_ranks)."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from memlm.train.config import compose
+from memlm.train.trainer import Trainer
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def train_on_slices(rank: int, overrides: list[str], batches_path: str, steps: int, out_path: str,
+                    world: int) -> None:
+    """Each rank trains on its rows of fixed global batches; rank 0 saves losses and weights."""
+    batches = torch.load(batches_path, weights_only=True)
+    cfg = compose(overrides)
+    b = cfg.data.micro_batch
+    mine = iter([(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]) for x, y in batches])
+    trainer = Trainer(cfg, train_loader=mine)
+    metrics = [trainer.train_step() for _ in range(steps)]
+    state = full_state(trainer.model)
+    if rank == 0:
+        torch.save({"metrics": metrics, "state": state}, out_path)
+
+
+def fit(rank: int, overrides: list[str], stop_after: int | None = None) -> None:
+    """A whole run, as `python -m memlm.train` would do it on this rank."""
+    Trainer(compose(overrides)).fit(stop_after)
+
+
+def full_optim_state(trainer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(trainer.model, trainer.optimizer,
+                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # Collective; with cpu_offload only rank 0 receives the full state.
+    return {f"{fqn}/{k}": v for fqn, st in osd.get("state", {}).items() for k, v in st.items()}
+
+
+def fit_and_dump(rank: int, overrides: list[str], out_path: str) -> None:
+    """Run (or only restore, with steps reached) and save full model + optimizer state from rank 0."""
+    trainer = Trainer(compose(overrides))
+    trainer.fit()
+    model, optim = full_state(trainer.model), full_optim_state(trainer)
+    if rank == 0:
+        torch.save({"model": model, "optim": optim, "step": trainer.step}, out_path)

@@ -1,0 +1,113 @@
+"""Export a checkpoint to safetensors (+ the Hugging Face Llama layout for dense models).
+
+    python -m memlm.train.export runs/demo/checkpoints/step_00000300 exports/demo
+    python -m memlm.train.export runs/demo/checkpoints/latest exports/demo --max-shard-size 2GB
+
+Writes `model.safetensors` (or shards + `model.safetensors.index.json` above
+--max-shard-size), `memlm_config.json`, and the tokenizer when the run used
+one. Dense models are written with Hugging Face Llama tensor names and a HF
+`config.json`, so `transformers.LlamaForCausalLM.from_pretrained(out_dir)`
+loads the same directory; every export loads with
+`memlm.model.from_pretrained(out_dir)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+import memlm
+from memlm.model import build_model
+from memlm.model.hf import to_hf_config, to_hf_state_dict
+from memlm.model.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
+from memlm.train.checkpoint import Checkpointer, verify
+from memlm.train.config import from_yaml
+from memlm.train.load import resolve_checkpoint_dir, run_tokenizer_path
+
+UNITS = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+
+
+def parse_size(text: str) -> int:
+    for unit, factor in UNITS.items():
+        if text.upper().endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--max-shard-size {text!r}: a byte count or a size like 500MB, 5GB") from None
+
+
+def shard_state(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9) -> Path:
+    checkpoint = resolve_checkpoint_dir(Path(checkpoint))
+    meta = verify(checkpoint)
+    cfg = from_yaml(meta["config"])
+    memory = cfg.memory if cfg.memory.kind != "none" else None
+    model = build_model(cfg.model, memory)
+    Checkpointer.load_weights(checkpoint, model)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    dense = cfg.model.ffn == "dense" and memory is None
+    if dense:
+        state = to_hf_state_dict(state, cfg.model)
+        if cfg.model.tie_embeddings:
+            state.pop("lm_head.weight")  # safetensors stores a tensor once; HF re-ties it
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards = shard_state(state, max_shard_size)
+    if len(shards) == 1:
+        save_file(shards[0], str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        (out_dir / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    memlm_config = {
+        "memlm_version": memlm.__version__, "step": meta["step"],
+        "weights_layout": "hf_llama" if dense else "memlm",
+        "model": dataclasses.asdict(cfg.model), "memory": dataclasses.asdict(cfg.memory),
+    }
+    (out_dir / CONFIG_NAME).write_text(json.dumps(memlm_config, indent=2))
+    if dense:
+        to_hf_config(cfg.model, torch_dtype="float32").save_pretrained(str(out_dir))
+    tokenizer = run_tokenizer_path(cfg)
+    if tokenizer and Path(tokenizer).is_file():
+        shutil.copy(tokenizer, out_dir / "tokenizer.model")
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m memlm.train.export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="checkpoint directory, its `latest` file, or a run's dump_dir")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"))
+    args = parser.parse_args(argv)
+    out = export(args.checkpoint, args.out_dir, args.max_shard_size)
+    files = sorted(p.name for p in out.iterdir())
+    print(f"[export] {resolve_checkpoint_dir(args.checkpoint)} -> {out}: {', '.join(files)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

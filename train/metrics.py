@@ -1,0 +1,66 @@
+"""Training metrics: one console line per `logging.every` steps, the same
+record in `dump_dir/metrics.jsonl`, and wandb (offline by default)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense bf16 tensor-core peak per GPU, for MFU. Unknown devices report no MFU.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+
+
+class MetricsLogger:
+    def __init__(self, dump_dir: Path, is_main: bool, run_name: str, config: dict, wandb_cfg: Any):
+        self.is_main = is_main
+        self.path = dump_dir / "metrics.jsonl"
+        self.wandb = None
+        if is_main and wandb_cfg.mode != "disabled":
+            import wandb
+
+            self.wandb = wandb.init(
+                project=wandb_cfg.project, entity=wandb_cfg.entity or None, name=run_name,
+                tags=list(wandb_cfg.tags), config=config, mode=wandb_cfg.mode, dir=str(dump_dir),
+                id=run_name.replace("/", "_"), resume="allow",
+            )
+
+    def log(self, record: dict[str, Any], line: str | None = None) -> None:
+        if not self.is_main:
+            return
+        record = {"time": round(time.time(), 3), **record}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record.get("step"))
+        if line:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def format_eta(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"

@@ -1,0 +1,126 @@
+"""Optimizer, parameter groups, learning-rate schedules and gradient clipping.
+
+Groups: weights with decay; norms, biases and other vectors without decay;
+memory value tables (parameters of modules with `param_category == "memory"`)
+with their own fixed base lr, weight decay and gradient-norm clip. The
+schedule multiplier applies to every group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from memlm.train.config import Config, OptimConfig
+
+
+def memory_value_params(model: nn.Module) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        if getattr(module, "param_category", None) == "memory":
+            for p in module.parameters(recurse=False):
+                seen[id(p)] = p
+    return list(seen.values())
+
+
+def param_groups(model: nn.Module, cfg: Config) -> list[dict]:
+    values = {id(p) for p in memory_value_params(model)}
+    decay, no_decay, value = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in values:
+            value.append(p)
+        elif p.ndim < 2 or name.endswith(".bias"):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups = [
+        {"name": "decay", "params": decay, "lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay},
+        {"name": "no_decay", "params": no_decay, "lr": cfg.optim.lr, "weight_decay": 0.0},
+    ]
+    if value:
+        groups.append({
+            "name": "memory_values", "params": value, "lr": cfg.memory.value_lr,
+            "weight_decay": cfg.memory.value_weight_decay, "max_grad_norm": cfg.memory.value_grad_clip,
+        })
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; with memory.sparse_updates the lazy row-wise AdamW, which applies
+    exact AdamW to dense gradients and touches only the rows read for the
+    tables' sparse gradients (see memlm.memory.sparse_adamw for the trade-off)."""
+    o = cfg.optim
+    groups = param_groups(model, cfg)
+    if cfg.memory.sparse_updates and cfg.memory.kind != "none":
+        from memlm.memory.sparse_adamw import SparseRowAdamW
+
+        return SparseRowAdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    # The fused kernel is much faster on CPU too; sharded (DTensor) parameters use foreach.
+    distributed = any(type(p).__name__ == "DTensor" for g in groups for p in g["params"])
+    return torch.optim.AdamW(
+        groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+        fused=not distributed,
+    )
+
+
+def lr_multiplier(step: int, total: int, o: OptimConfig) -> float:
+    """Schedule factor for optimizer step `step` (0-based) of `total`."""
+    if o.warmup and step < o.warmup:
+        return (step + 1) / o.warmup
+    if o.schedule == "constant" or total <= o.warmup:
+        return 1.0
+    if o.schedule == "wsd":
+        decay_steps = max(1, int(round(o.decay_fraction * (total - o.warmup))))
+        decay_start = total - decay_steps
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start + 1) / decay_steps)
+        return 1.0 - (1.0 - o.min_lr_ratio) * progress
+    progress = min(1.0, (step - o.warmup + 1) / (total - o.warmup))
+    if o.schedule == "linear":
+        return 1.0 - (1.0 - o.min_lr_ratio) * progress
+    return o.min_lr_ratio + (1.0 - o.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> LambdaLR:
+    return LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg.steps, cfg.optim))
+
+
+def grad_norm(params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """L2 norm of the gradients; DTensor (FSDP-sharded) grads are reduced over
+    their mesh, and `group` sums plain local shards (column-sharded values)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    for g in grads:
+        if g.is_sparse:
+            g = g.coalesce()._values()
+        sq = g.float().pow(2).sum()
+        if isinstance(sq, DTensor):
+            sq = sq.full_tensor()
+        total = total + sq
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    return total.sqrt()
+
+
+def clip_(params: list[torch.Tensor], max_norm: float, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Scale gradients so their global norm is at most `max_norm` (0 -> off); return the norm."""
+    norm = grad_norm(params, group)
+    if max_norm > 0:
+        coef = min(1.0, max_norm / (norm.item() + 1e-6))
+        if coef < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    return norm

@@ -1,0 +1,76 @@
+"""Apply activation checkpointing, torch.compile and FSDP2 to a Transformer.
+
+Model code has no distributed code: everything here wraps the model from
+the outside (the torchtitan split). Memory value tables are excluded from
+FSDP; `memlm.train.memory_parallel` shards them by columns instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from memlm.model import Transformer
+from memlm.train.config import ParallelConfig
+from memlm.train.distributed import Meshes
+from memlm.memory.parallel import value_pools
+
+
+def _is_memory_block(block: nn.Module) -> bool:
+    return any(getattr(m, "param_category", None) == "memory" for m in block.modules()) or block.ffn_kind in (
+        "memory", "memplus",
+    )
+
+
+def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
+    """none | full: recompute every block in backward | selective: every other
+    block. Blocks with a memory layer only recompute their attention: the
+    memory read is cheap to keep and expensive (and gather-heavy) to redo."""
+    if mode == "none":
+        return
+    for i, block in enumerate(model.layers):
+        if mode == "selective" and i % 2:
+            continue
+        if _is_memory_block(block):
+            block.attention = checkpoint_wrapper(block.attention, preserve_rng_state=False)
+        else:
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_compile(model: Transformer) -> None:
+    for i, block in enumerate(model.layers):
+        model.layers[i] = torch.compile(block)
+
+
+def param_dtype(cfg: ParallelConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def apply_fsdp(model: Transformer, meshes: Meshes, cfg: ParallelConfig, device: torch.device) -> None:
+    """fully_shard every block, then the root; bf16 params with fp32 gradient
+    reduction on GPU, fp32 on CPU. Memory value pools are left out: they are
+    column-sharded by memlm.memory.parallel (other sparse tables, such as
+    PEER's experts, stay under FSDP)."""
+    if meshes.fsdp is None:
+        return
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype(cfg, device), reduce_dtype=torch.float32)
+    ignored = {pool.weight for pool in value_pools(model)}
+    for block in model.layers:
+        fully_shard(block, mesh=meshes.fsdp, mp_policy=mp, ignored_params=ignored or None)
+    fully_shard(model, mesh=meshes.fsdp, mp_policy=mp, ignored_params=ignored or None,
+                reshard_after_forward=False)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the unsharded parameters an inference forward left behind.
+
+    The root keeps its parameters unsharded after forward (no backward follows
+    under no_grad to reshard them); the optimizer and checkpointing expect the
+    sharded ones registered."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -1,0 +1,278 @@
+"""The training loop: one code path for 1 process and torchrun jobs.
+
+    python -m memlm.train model=tiny memory=memplus steps=200
+    torchrun --nproc_per_node 2 -m memlm.train parallel.memory_parallel=2 ...
+
+Order of construction: process group and meshes -> model (full init on CPU,
+or meta for sharded init) -> memory parallelism -> activation checkpointing
+-> compile -> FSDP2 -> optimizer and schedule -> data -> loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from memlm.errors import ConfigError
+from memlm.model import Transformer
+from memlm.train import memory_hooks
+from memlm.train.checkpoint import Checkpointer
+from memlm.train.config import Config, to_yaml
+from memlm.train.data_source import build_train_loader, has_validation
+from memlm.train.distributed import DistEnv, Meshes, build_meshes, init_distributed, seed_everything
+from memlm.train.metrics import MetricsLogger, device_peak_flops, format_eta, peak_memory_gib
+from memlm.train.optim import build_optimizer, build_scheduler, clip_, memory_value_params
+from memlm.train.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp, reshard
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def accumulation_steps(cfg: Config, world_size: int) -> int:
+    per_micro = cfg.data.micro_batch * cfg.data.seq_len * world_size
+    if cfg.global_batch_tokens == 0:
+        return 1
+    if cfg.global_batch_tokens % per_micro:
+        raise ConfigError(
+            "global_batch_tokens", cfg.global_batch_tokens,
+            f"a multiple of data.micro_batch x data.seq_len x data-parallel ranks = "
+            f"{cfg.data.micro_batch} x {cfg.data.seq_len} x {world_size} = {per_micro}",
+        )
+    return cfg.global_batch_tokens // per_micro
+
+
+class Trainer:
+    def __init__(self, cfg: Config, train_loader: Any = None, val_loader: Any = None,
+                 nonfinite_at: frozenset[int] = frozenset()):
+        self.cfg = cfg
+        self.env: DistEnv = init_distributed(cfg.device)
+        self.meshes: Meshes = build_meshes(self.env, cfg.parallel.memory_parallel, cfg.parallel.fsdp)
+        self.accum = accumulation_steps(cfg, self.env.world_size)
+        self.dump_dir = Path(cfg.dump_dir)
+        if self.env.is_main:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            (self.dump_dir / "config.yaml").write_text(to_yaml(cfg))
+        # Data first: it checks every file and the vocabulary before the model is built.
+        self.train_loader = train_loader if train_loader is not None else self._default_loader("train")
+        if val_loader is None and train_loader is None and cfg.val_batches and has_validation(cfg):
+            val_loader = self._default_loader("val")
+        self.val_loader = val_loader
+        self.model = self._build_model()
+        self.optimizer = build_optimizer(self.model, cfg, self.env.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.step = 0
+        self.tokens = 0
+        self.nonfinite_total = 0
+        self._nonfinite_run = 0
+        self._nonfinite_at = nonfinite_at  # test hook: steps whose loss is replaced by NaN
+        self.checkpointer = Checkpointer(self.dump_dir, cfg.checkpoint)
+        self.resumed_from = self._restore()
+
+    def _restore(self):
+        """resume: everything (model, optimizer, schedule, counters, data, RNG);
+        init_from: weights only."""
+        cfg = self.cfg
+        if cfg.init_from:
+            self.checkpointer.load_weights(cfg.init_from, self.model, cfg.checkpoint.verify == "checksum")
+            if self.env.is_main:
+                print(f"[train] initialized weights from {cfg.init_from}", flush=True)
+            return None
+        path = self.checkpointer.resolve(cfg.resume)
+        if path is None:
+            if cfg.resume == "auto" and self.env.is_main:
+                print(f"[train] resume=auto: no checkpoint in {self.checkpointer.root}, starting fresh", flush=True)
+            return None
+        meta = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.train_loader)
+        self.step, self.tokens = meta["step"], meta["tokens"]
+        self.nonfinite_total = meta.get("nonfinite_total", 0)
+        if self.env.is_main:
+            print(f"[train] resumed from {path} at step {self.step}", flush=True)
+        return path
+
+    def save_checkpoint(self):
+        return self.checkpointer.save(
+            self.step, self.model, self.optimizer, self.scheduler, self.train_loader,
+            {"tokens": self.tokens, "nonfinite_total": self.nonfinite_total}, to_yaml(self.cfg),
+        )
+
+    # ------------------------------------------------------------ building
+    def _build_model(self) -> Transformer:
+        cfg, env = self.cfg, self.env
+        seed_everything(cfg.seed)
+        if cfg.parallel.init == "full":
+            model = Transformer(cfg.model, cfg.memory)  # on CPU, identical on every rank
+            model.init_weights()
+        else:
+            with torch.device("meta"):
+                model = Transformer(cfg.model, cfg.memory)
+        memory_hooks.shard_memory_values(model, self.meshes, env)
+        apply_activation_checkpointing(model, cfg.parallel.activation_checkpoint)
+        if cfg.parallel.compile:
+            apply_compile(model)
+        apply_fsdp(model, self.meshes, cfg.parallel, env.device)
+        if cfg.parallel.init == "full":
+            model.to(env.device)
+        else:
+            model.to_empty(device=env.device)
+            seed_everything(cfg.seed + env.rank)
+            model.init_weights()
+        return model
+
+    def _default_loader(self, split: str):
+        return build_train_loader(self.cfg, self.env, split)
+
+    # ---------------------------------------------------------------- step
+    def _forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(inputs)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        aux = self.model.aux_loss() if hasattr(self.model, "aux_loss") else None
+        return loss if aux is None else loss + aux
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over `accum` micro-batches; returns its metrics."""
+        self.model.train()
+        memory_hooks.on_step_start(self.model, self.step, self.cfg)
+        loss_sum = torch.zeros((), device=self.env.device)
+        for micro in range(self.accum):
+            inputs, targets = next(self.train_loader)
+            inputs, targets = inputs.to(self.env.device), targets.to(self.env.device)
+            sync = micro == self.accum - 1
+            if hasattr(self.model, "set_requires_gradient_sync"):
+                self.model.set_requires_gradient_sync(sync)
+            loss = self._forward_loss(inputs, targets) / self.accum
+            if self.step + 1 in self._nonfinite_at:
+                loss = loss * float("nan")
+            loss.backward()
+            loss_sum += loss.detach()
+        memory_hooks.reduce_value_grads(self.model, self.meshes, self.env)
+        if self.env.distributed:
+            dist.all_reduce(loss_sum)
+            loss_sum /= self.env.world_size
+        self.tokens += self.accum * self.cfg.data.micro_batch * self.cfg.data.seq_len * self.env.world_size
+        lr = self.scheduler.get_last_lr()[0]
+        if not math.isfinite(loss_sum.item()):
+            return self._skip_nonfinite(loss_sum.item(), lr)
+        self._nonfinite_run = 0
+        values = memory_value_params(self.model)
+        value_ids = {id(p) for p in values}
+        dense = [p for p in self.model.parameters() if id(p) not in value_ids]
+        gnorm = clip_(dense, self.cfg.optim.clip)
+        vnorm = clip_(values, self.cfg.memory.value_grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        return {"loss": loss_sum.item(), "lr": lr, "grad_norm": gnorm.item(), "value_grad_norm": vnorm.item()}
+
+    def _skip_nonfinite(self, loss: float, lr: float) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_total += 1
+        self._nonfinite_run += 1
+        self.step += 1  # the step is consumed (its data too) but changes no weight
+        self.scheduler.step()
+        if self.env.is_main:
+            print(f"[train] step {self.step}: non-finite loss {loss}, step skipped "
+                  f"({self.nonfinite_total} skipped so far)", flush=True)
+        if self._nonfinite_run >= self.cfg.max_nonfinite_steps:
+            raise NonFiniteLossError(
+                f"{self._nonfinite_run} consecutive non-finite losses (last at step {self.step}); "
+                f"stopping. Lower optim.lr, check the data, or raise max_nonfinite_steps."
+            )
+        return {"loss": loss, "lr": lr, "grad_norm": float("nan"), "value_grad_norm": float("nan"), "skipped": 1.0}
+
+    @torch.no_grad()
+    def validate(self) -> float | None:
+        if self.val_loader is None or self.cfg.val_batches == 0:
+            return None
+        self.model.eval()
+        total = torch.zeros((), device=self.env.device)
+        for _ in range(self.cfg.val_batches):
+            inputs, targets = next(self.val_loader)
+            logits = self.model(inputs.to(self.env.device))
+            total += F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.env.device).flatten())
+        if self.env.distributed:
+            dist.all_reduce(total)
+            total /= self.env.world_size
+        self.model.train()
+        reshard(self.model)
+        return total.item() / self.cfg.val_batches
+
+    # ---------------------------------------------------------------- loop
+    def fit(self, stop_after: int | None = None) -> dict[str, Any]:
+        """Train until `cfg.steps` (or `stop_after` steps, e.g. a time slot
+        before a requeue: the schedule still spans cfg.steps)."""
+        cfg, env = self.cfg, self.env
+        last_step = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+        logger = MetricsLogger(self.dump_dir, env.is_main, cfg.name,
+                               OmegaConf.to_container(OmegaConf.structured(cfg)), cfg.logging.wandb)
+        flops_per_token = 3 * self._unwrapped().flops_per_token(cfg.data.seq_len)
+        peak = device_peak_flops(env.device)
+        counts = self._unwrapped().num_params()
+        if env.is_main:
+            print(f"[train] {cfg.name}: {counts['total']:,} params ({counts['active']:,} active), "
+                  f"{env.world_size} rank(s) on {env.device.type}, accumulation {self.accum}, "
+                  f"{cfg.steps} steps -> {self.dump_dir}", flush=True)
+        start = window_start = time.perf_counter()
+        first_step = self.step
+        window_tokens, last, val_loss = self.tokens, {}, None
+        try:
+            while self.step < last_step:
+                last = self.train_step()
+                if self.step % cfg.logging.every == 0 or self.step == last_step:
+                    now = time.perf_counter()
+                    tps = (self.tokens - window_tokens) / max(now - window_start, 1e-9)
+                    window_start, window_tokens = now, self.tokens
+                    record = {"step": self.step, "tokens": self.tokens, **last, "tokens_per_s": tps,
+                              "peak_mem_gib": peak_memory_gib(env.device),
+                              "nonfinite_skipped": self.nonfinite_total}
+                    if peak:
+                        record["mfu"] = tps * flops_per_token / (peak * env.world_size)
+                    record.update(memory_hooks.health_metrics(self.model))
+                    eta = (now - start) / (self.step - first_step) * (cfg.steps - self.step)
+                    logger.log(record, self._console_line(record, eta))
+                if cfg.val_every and self.step % cfg.val_every == 0 and self.step < cfg.steps:
+                    val_loss = self._log_validation(logger)
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    self.save_checkpoint()
+            val_loss = self._log_validation(logger) if self.val_loader is not None else val_loss
+            just_saved = cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0
+            if cfg.checkpoint.at_end and not just_saved and self.step > first_step:
+                self.save_checkpoint()
+        finally:
+            logger.close()
+        summary = {"name": cfg.name, "steps": self.step, "tokens": self.tokens, "final_loss": last.get("loss"),
+                   "val_loss": val_loss, "nonfinite_skipped": self.nonfinite_total,
+                   "seconds": round(time.perf_counter() - start, 2), "dump_dir": str(self.dump_dir)}
+        if env.is_main:
+            (self.dump_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            print(f"[train] done: {summary}", flush=True)
+        return summary
+
+    def _log_validation(self, logger: MetricsLogger) -> float | None:
+        val = self.validate()
+        if val is not None:
+            logger.log({"step": self.step, "val_loss": val}, f"[train] step {self.step}  val_loss {val:.4f}")
+        return val
+
+    def _console_line(self, r: dict, eta: float) -> str:
+        parts = [f"step {r['step']}/{self.cfg.steps}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}",
+                 f"gnorm {r['grad_norm']:.3f}", f"tok/s {r['tokens_per_s']:,.0f}"]
+        if "mfu" in r:
+            parts.append(f"mfu {r['mfu']:.1%}")
+        parts += [f"mem {r['peak_mem_gib']:.2f}GiB", f"eta {format_eta(eta)}"]
+        usage = {k: v for k, v in r.items() if k.startswith("memory/") and k.endswith("usage")}
+        if usage:
+            parts.append("usage " + " ".join(f"{v:.1%}" for v in usage.values()))
+        return "[train] " + "  ".join(parts)
+
+    def _unwrapped(self) -> Transformer:
+        return self.model
