@@ -70,8 +70,9 @@ class MemoryConfig:
                     f"{prefix}.layers", list(self.layers),
                     f"every index must lie in [0, {n_layers - 1}] (model.n_layers={n_layers})",
                 )
-        if self.spread < 0 or self.spread > n_layers:
-            raise ConfigError(f"{prefix}.spread", self.spread, f"an integer in [0, {n_layers}]")
+        # Explicit layers take precedence: a preset's spread is then ignored.
+        if not self.layers and not 0 <= self.spread <= n_layers:
+            raise ConfigError(f"{prefix}.spread", self.spread, f"an integer in [0, {n_layers}] (model.n_layers={n_layers})")
         if not self.resolved_layers(n_layers):
             raise ConfigError(
                 f"{prefix}.layers", list(self.layers),

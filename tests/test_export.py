@@ -42,3 +42,17 @@ def test_sharded_export_round_trips(tmp_path, capsys):
     with torch.no_grad():
         assert torch.equal(from_pretrained(tmp_path / "x")(tokens), ours(tokens))
     assert "[export]" in capsys.readouterr().out
+
+
+def test_memplus_export_round_trips(tmp_path):
+    ours = _train(tmp_path, ["model.n_layers=3", "memory=memplus", "memory.layers=[1]", "memory.n_keys=8",
+                             "memory.knn=4", "memory.eval_knn=4", "memory.heads=2", "memory.k_dim=16"])
+    out = export(tmp_path / "run", tmp_path / "export")
+    config = json.loads((out / "memlm_config.json").read_text())
+    assert config["weights_layout"] == "memlm" and config["memory"]["kind"] == "memplus"
+    assert not (out / "config.json").exists()  # no HF equivalent for memory models
+    loaded = from_pretrained(out)
+    assert "shared.memory_values.weight" in loaded.state_dict()
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), ours(tokens))

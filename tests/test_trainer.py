@@ -131,3 +131,46 @@ def test_cli_reports_bad_config_cleanly():
     out = _cli(["model.dim=66"])
     assert out.returncode == 2
     assert "model.dim=66" in out.stderr and "Traceback" not in out.stderr
+
+
+SPARSE = [*BASE, "model.n_layers=2", "memory=memplus", "memory.layers=[1]", "memory.heads=1",
+          "memory.k_dim=16", "memory.value_weight_decay=0.1", "memory.value_grad_clip=0", "optim.clip=0",
+          "data.micro_batch=2"]
+
+
+def _value_table(trainer):
+    return trainer.model.shared.memory_values.weight
+
+
+def test_sparse_updates_touch_only_rows_read(tmp_path):
+    t = Trainer(compose([*SPARSE, "memory.sparse_updates=true", "memory.n_keys=16", "memory.knn=2",
+                         "memory.eval_knn=2", f"dump_dir={tmp_path}"]), train_loader=iter(_batches(1, 2)))
+    table = _value_table(t)
+    before = table.detach().clone()
+    read = set()
+    layer = t.model.layers[1].feed_forward.memory
+    hook = layer.lookup.register_forward_hook(lambda m, i, out: read.update(out[1].flatten().tolist()))
+    t.train_step()
+    hook.remove()
+    changed = set((table.detach() != before).any(dim=1).nonzero().flatten().tolist())
+    assert changed == read and 0 < len(read) < 256
+    state = t.optimizer.state[table]
+    moved = set((state["exp_avg"] != 0).any(dim=1).nonzero().flatten().tolist())
+    assert moved == read
+
+
+def test_sparse_updates_equal_dense_adamw_when_every_row_is_read(tmp_path):
+    # 4 slots (n_keys 2), 2 reads per token, 32 tokens per step: every row is read
+    # at every step (checked below), so lazy AdamW must equal dense AdamW.
+    from memlm.memory.usage import usage_metrics
+
+    common = [*SPARSE, "memory.n_keys=2", "memory.knn=2", "memory.eval_knn=2"]
+    batches = _batches(3, 2)
+    dense = Trainer(compose([*common, f"dump_dir={tmp_path / 'd'}"]), train_loader=iter(batches))
+    sparse = Trainer(compose([*common, "memory.sparse_updates=true", f"dump_dir={tmp_path / 's'}"]),
+                     train_loader=iter(batches))
+    for _ in range(3):
+        a, b = dense.train_step(), sparse.train_step()
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert usage_metrics(sparse.model)["memory/layer1/usage"] == 1.0
+    assert torch.allclose(_value_table(dense), _value_table(sparse), atol=1e-6, rtol=0)
