@@ -75,7 +75,15 @@ class Trainer:
         self._nonfinite_run = 0
         self._nonfinite_at = nonfinite_at  # test hook: steps whose loss is replaced by NaN
         self.checkpointer = Checkpointer(self.dump_dir, cfg.checkpoint)
+        self._check_eval_config()
         self.resumed_from = self._restore()
+
+    def _check_eval_config(self) -> None:
+        e = self.cfg.eval
+        if (e.after_training or e.every) and not e.tasks:
+            raise ConfigError("eval.tasks", list(e.tasks), "at least one task when eval.after_training or eval.every is set")
+        if (e.after_training or e.every) and self.cfg.data.kind == "random":
+            raise ConfigError("data.kind", "random", "a corpus with a tokenizer (evaluation decodes text)")
 
     def _restore(self):
         """resume: everything (model, optimizer, schedule, counters, data, RNG);
@@ -223,6 +231,7 @@ class Trainer:
                   f"{cfg.steps} steps -> {self.dump_dir}", flush=True)
         start = window_start = time.perf_counter()
         first_step = self.step
+        eval_results: dict[str, Any] = {}
         window_tokens, last, val_loss = self.tokens, {}, None
         try:
             while self.step < last_step:
@@ -241,21 +250,45 @@ class Trainer:
                     logger.log(record, self._console_line(record, eta))
                 if cfg.val_every and self.step % cfg.val_every == 0 and self.step < cfg.steps:
                     val_loss = self._log_validation(logger)
+                saved = None
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                    self.save_checkpoint()
+                    saved = self.save_checkpoint()
+                if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.steps:
+                    eval_results = self._evaluate(saved or self.save_checkpoint(), logger)
             val_loss = self._log_validation(logger) if self.val_loader is not None else val_loss
             just_saved = cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0
-            if cfg.checkpoint.at_end and not just_saved and self.step > first_step:
-                self.save_checkpoint()
+            final = None
+            if (cfg.checkpoint.at_end or cfg.eval.after_training) and self.step > first_step:
+                final = self.checkpointer.root / f"step_{self.step:08d}" if just_saved else self.save_checkpoint()
+            if cfg.eval.after_training and final is not None and self.step == cfg.steps:
+                eval_results = self._evaluate(final, logger)
         finally:
             logger.close()
         summary = {"name": cfg.name, "steps": self.step, "tokens": self.tokens, "final_loss": last.get("loss"),
-                   "val_loss": val_loss, "nonfinite_skipped": self.nonfinite_total,
+                   "val_loss": val_loss, "evals": eval_results, "nonfinite_skipped": self.nonfinite_total,
                    "seconds": round(time.perf_counter() - start, 2), "dump_dir": str(self.dump_dir)}
         if env.is_main:
             (self.dump_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             print(f"[train] done: {summary}", flush=True)
         return summary
+
+    def _evaluate(self, checkpoint: Path, logger: MetricsLogger) -> dict[str, Any]:
+        """Run the eval suite on a saved checkpoint: every rank loads the full
+        weights and scores its share of the examples (memlm.evals.run_suite)."""
+        from memlm.data.tokenizer import Tokenizer
+        from memlm.evals import run_suite
+        from memlm.train.load import load_model
+
+        loaded = load_model(checkpoint, device=self.env.device)
+        results = run_suite(
+            loaded.model, Tokenizer(loaded.tokenizer_path), self.cfg.eval, self.step, self.dump_dir / "evals",
+            self.env.rank, self.env.world_size, data_cfg=self.cfg.data, meta={"checkpoint": str(checkpoint)},
+        )
+        flat = {f"eval/{task}/{k}": v for task, metrics in results.items() for k, v in metrics.items()
+                if isinstance(v, (int, float))}
+        logger.log({"step": self.step, **flat})
+        del loaded
+        return results
 
     def _log_validation(self, logger: MetricsLogger) -> float | None:
         val = self.validate()
