@@ -19,11 +19,13 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import re
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import DOC, cpu_model, write_section  # noqa: E402
 
 from memlm.data.config import DataConfig, SourceConfig
 from memlm.data.prepare import prepare
@@ -31,18 +33,8 @@ from memlm.data.synthetic import write_corpus
 from memlm.data.tokenizer import train_tokenizer
 
 SECTION = "## Data pipeline (bench/data.py)"
-DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 SEQ_LEN, MICRO_BATCH, GOAL = 2048, 8, 10e6
 
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def bench_prepare(root: Path, tokenizer: str, workers: int) -> dict:
@@ -112,14 +104,6 @@ def render(prep: list[dict], loader: dict, docs: int, tok_vocab: int, load: tupl
     return "\n".join(lines)
 
 
-def write_section(text: str, path: Path = DOC) -> None:
-    """Replace (or append) this benchmark's section, keeping every other section."""
-    doc = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    doc = pattern.sub(lambda _: text, doc, count=1) if pattern.search(doc) else doc.rstrip("\n") + "\n\n" + text
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(doc.rstrip("\n") + "\n")
-
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -162,7 +146,7 @@ def main(argv=None) -> None:
     text = render(prep, loader, len(docs), tok.vocab_size, (load_before, f"{os.getloadavg()[0]:.2f}"), args.quick)
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section(SECTION, text)
         print(f"wrote {DOC}")
     print(f"done in {time.perf_counter() - started:.0f} s")
 

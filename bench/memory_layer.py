@@ -23,13 +23,15 @@ import argparse
 import datetime
 import gc
 import os
-import platform
-import re
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import DOC, cpu_model, write_section  # noqa: E402
 
 from memlm.memory import MemoryPlus, SparseRowAdamW, value_parameters
 from memlm.memory.product_keys import product_key_topk, subkey_scores
@@ -38,7 +40,6 @@ from memlm.model.ffn import SwiGLU
 DIM, TOKENS, HEADS, KNN, K_DIM = 512, 2048, 4, 32, 512
 SECTION = "## Memory layer (bench/memory_layer.py)"
 PATHS = ("reference", "dense", "sparse")
-DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
 
 def time_step(step, repeats: int) -> float:
@@ -121,15 +122,7 @@ def bench_lookup(n_keys, repeats) -> tuple[float, float]:
 
 
 def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    return f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def render(rows, baseline, lookup, load_before, load_after, quick, repeats) -> str:
@@ -174,17 +167,6 @@ def render(rows, baseline, lookup, load_before, load_after, quick, repeats) -> s
     return "\n".join(lines)
 
 
-def write_section(text: str, path: Path = DOC) -> None:
-    """Replace (or append) this benchmark's section, keeping every other section."""
-    doc = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(doc):
-        doc = pattern.sub(lambda _: text, doc, count=1)
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + text
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(doc.rstrip("\n") + "\n")
-
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -220,7 +202,7 @@ def main(argv=None) -> None:
     text = render(rows, baseline, lookup, load_before, load_after, args.quick, repeats)
     print("\n" + text)
     if not args.no_write:
-        write_section(text)
+        write_section(SECTION, text)
         print(f"wrote {DOC}")
     print(f"done in {time.perf_counter() - started:.0f} s")
 

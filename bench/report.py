@@ -33,9 +33,11 @@ def machine_line() -> str:
 
 
 def write_section(title: str, body: str, path: Path = DOC) -> None:
-    """Replace (or append) the section starting with `title`, keep the others."""
+    """Replace (or append) the section starting with `title`, keep the others.
+    `body` may already start with the title line."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = f"{title}\n\n{body.strip()}\n"
+    body = body.strip()
+    section = f"{body}\n" if body.startswith(title) else f"{title}\n\n{body}\n"
     pattern = re.compile(rf"^{re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
     text = pattern.sub(lambda _: section + "\n", text) if pattern.search(text) else text.rstrip() + "\n\n" + section
     path.write_text(text.rstrip() + "\n")
