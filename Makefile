@@ -15,7 +15,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(PIP_C) torch
-	$(BIN)/python -m pip install --quiet $(PIP_C) -e '.[dev]'
+	$(BIN)/python -m pip install --quiet $(PIP_C) -e '.[dev,lmeval]'
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,1 +1,68 @@
-"""memlm.evals"""
+"""memlm.evals: the evaluation harness (generative QA, multiple choice, perplexity).
+
+Command line (see `python -m memlm.evals --help` and docs/evals.md):
+
+    python -m memlm.evals checkpoint=runs/demo tasks=[nq_open,triviaqa,mmlu] data_dir=evals_data
+
+Python API, used by the trainer after training:
+
+    run_suite(model, tokenizer, eval_cfg, step, out_dir, rank=0, world_size=1,
+              *, data_cfg=None, json_name=None, meta=None) -> dict
+
+- `model`: a `memlm.model.Transformer` holding the full weights on this rank
+  (not FSDP- or memory-parallel-sharded: ranks run different examples, so
+  their forward passes must not need collectives). It is put in eval mode and
+  its previous train/eval mode is restored on return. Any device.
+- `tokenizer`: a `memlm.data.tokenizer.Tokenizer` (encode, decode, eos_id).
+- `eval_cfg`: an `EvalConfig` (the `eval` section of the run config); it is
+  validated first. `tasks` must be non-empty.
+- `step`: the training step, written into the report and its file name.
+- `out_dir`: folder for the report, normally `<dump_dir>/evals`: rank 0 writes
+  `<out_dir>/<step>.json` (or `json_name`), the markdown table `<step>.md`
+  next to it, and `<step>_samples.jsonl` with `eval.log_samples=true`.
+  None writes nothing (the table is still printed).
+- `rank`, `world_size`: with world_size > 1, torch.distributed must be
+  initialized; rank r evaluates examples r::world_size and the per-example
+  results are gathered with `all_gather_object`, so every rank returns the same
+  dict, equal to a one-process run. Every rank must call run_suite.
+- `data_cfg`: the run's `DataConfig`; the `synthetic_qa` task then uses the
+  questions of the synthetic corpus the model was trained on (else the
+  default synthetic corpus, generated in memory).
+- `meta`: extra JSON fields (e.g. the checkpoint path).
+
+Returns `{task: {metric: value, ..., "n": examples}}`: generative QA gives
+`exact_match`, `f1`; multiple choice `acc`, `acc_norm`; MMLU `acc` (micro),
+`acc_macro` and one `mmlu/<subject>` entry per subject; perplexity tasks
+`token_ppl`, `bits_per_byte`, `tokens`, `bytes`. QA and multiple-choice entries
+also count prompts left-truncated to fit the context (`truncated`). Missing or
+malformed task files raise `TaskDataError` (naming the path and the expected
+format) before any example is evaluated; unknown task names raise
+`ConfigError` listing the known tasks.
+
+Importing this package needs neither lm-eval nor torch at import time;
+`memlm.evals.lm_eval` is the optional lm-eval adapter (the `lmeval` extra).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["EvalConfig", "TaskDataError", "run_suite"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: memlm.train.config imports memlm.evals.config, which must not pull in
+    # torch, the model and the data pipeline through this package's __init__.
+    if name == "run_suite":
+        from memlm.evals.suite import run_suite
+
+        return run_suite
+    if name == "EvalConfig":
+        from memlm.evals.config import EvalConfig
+
+        return EvalConfig
+    if name == "TaskDataError":
+        from memlm.evals.formats import TaskDataError
+
+        return TaskDataError
+    raise AttributeError(f"module 'memlm.evals' has no attribute {name!r}")

@@ -1,62 +1,96 @@
-"""The README demo: the largest end-to-end path memlm has, on CPU in minutes.
+"""The README demo: corpus -> tokenizer -> shards -> Memory+ pretraining ->
+checkpoint -> factual QA and perplexity -> export, on CPU in a few minutes.
 
-    python -m memlm.launch.demo [hydra overrides]
+    python -m memlm.launch.demo [hydra overrides, e.g. steps=200]
 
-Today: compose `experiment=demo`, build the model on meta and initialize it,
-train it on a copy task (each sequence repeats a random prefix, so the loss of
-the second half can fall to ~0 once attention learns to look back), then
-greedy-decode continuations with the KV cache and report copy accuracy.
+Composes `experiment=demo` (configs/experiment/demo.yaml) plus your
+overrides, prints a progress line at every stage, and ends with a results
+table and where everything was written.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import shutil
 import sys
 import time
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from memlm.model import build_model
+from memlm.data.config import SourceConfig
+from memlm.data.corpus import materialize_synthetic
+from memlm.data.prepare import prepare
+from memlm.errors import ConfigError
 from memlm.train.config import compose
+from memlm.train.export import export
+from memlm.train.trainer import Trainer
 
 
-def copy_batch(batch: int, half: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
-    prefix = torch.randint(3, min(vocab, 35), (batch, half), generator=gen)  # 32 symbols
-    return torch.cat([prefix, prefix], dim=1)  # (batch, 2 * half)
+def stage(i: int, text: str) -> None:
+    print(f"\n[demo {i}/4] {text}", flush=True)
+
+
+def results_table(summary: dict, counts: dict, paths: dict[str, Path], seconds: float) -> str:
+    rows = [("parameters (total / active)", f"{counts['total']:,} / {counts['active']:,}"),
+            ("memory parameters", f"{counts['memory']:,}"),
+            ("tokens trained", f"{summary['tokens']:,}"),
+            ("final train loss", f"{summary['final_loss']:.3f}")]
+    if summary.get("val_loss") is not None:
+        rows.append(("validation perplexity", f"{math.exp(summary['val_loss']):.2f}"))
+    for task, metrics in summary.get("evals", {}).items():
+        for key in ("exact_match", "f1"):
+            if key in metrics:
+                rows.append((f"{task} {key} (n={metrics.get('n', '?')})", f"{100 * metrics[key]:.1f}%"))
+    rows.append(("wall time", f"{seconds / 60:.1f} min"))
+    rows += [(name, str(path)) for name, path in paths.items()]
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 3 + max(len(v) for _, v in rows))
+    return "\n".join([line, *(f"{k.ljust(width)} | {v}" for k, v in rows), line])
 
 
 def main(argv: list[str] | None = None) -> int:
-    overrides = ["experiment=demo", *(sys.argv[1:] if argv is None else argv)]
-    cfg = compose(overrides)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, cfg.memory, seed=cfg.seed)
-    counts = model.num_params()
-    print(f"[demo] model {cfg.model.name}: {counts['total']:,} parameters "
-          f"({counts['dense']:,} dense, {counts['embedding']:,} embedding, {counts['memory']:,} memory)")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    gen = torch.Generator().manual_seed(cfg.data.seed)
-    half = cfg.data.seq_len // 2
     start = time.perf_counter()
-    for step in range(1, cfg.steps + 1):
-        tokens = copy_batch(cfg.data.micro_batch, half, cfg.model.vocab_size, gen)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if step % 10 == 0 or step == cfg.steps:
-            print(f"[demo] step {step}/{cfg.steps}  loss {loss.item():.3f}  {time.perf_counter() - start:.1f}s")
-    model.eval()
-    tokens = copy_batch(16, half, cfg.model.vocab_size, gen)
-    cache = model.new_cache(batch=16, max_len=2 * half)
-    with torch.no_grad():
-        logits = model(tokens[:, :half + 1], cache=cache)
-        out = [logits[:, -1].argmax(-1)]
-        for _ in range(half - 2):
-            out.append(model(out[-1][:, None], cache=cache)[:, -1].argmax(-1))
-    predicted = torch.stack(out, dim=1)
-    accuracy = (predicted == tokens[:, half + 1:]).float().mean().item()
-    print(f"[demo] greedy copy accuracy with the KV cache: {accuracy:.1%} of {predicted.numel()} tokens")
+    overrides = ["experiment=demo", *(sys.argv[1:] if argv is None else argv)]
+    try:
+        cfg = compose(overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)  # a tiny model: more threads only add synchronization
+    dump = Path(cfg.dump_dir)
+    if dump.exists():  # each demo is a fresh run (the corpus cache is kept)
+        print(f"[demo] removing the previous demo run {dump}")
+        shutil.rmtree(dump)
+
+    stage(1, f"synthetic factual corpus: {cfg.data.synthetic.people} people, "
+             f"{cfg.data.synthetic.docs_per_person} biographies each, and its tokenizer")
+    corpus = materialize_synthetic(cfg.data)
+    print(f"  corpus {corpus['train']}\n  questions {corpus['qa']}\n  tokenizer {corpus['tokenizer']}")
+
+    stage(2, "tokenizing into shards (2 processes, 2% of documents held out for validation)")
+    shards = dump / "shards"
+    manifest = prepare([SourceConfig(name="bios", path=corpus["train"])], corpus["tokenizer"], str(shards),
+                       workers=2, val_fraction=0.02)
+    src = manifest["sources"]["bios"]
+    print(f"  {shards}: train {src['tokens']['train']:,} tokens / {src['docs']['train']:,} documents, "
+          f"validation {src['tokens']['val']:,} tokens / {src['docs']['val']:,} documents")
+
+    stage(3, f"pretraining a Memory+ model for {cfg.steps} steps (checkpoints every {cfg.checkpoint.every}), "
+             "then factual QA on held-out question phrasings and validation perplexity")
+    data = dataclasses.replace(cfg.data, kind="shards", shards_dir=str(shards), tokenizer=corpus["tokenizer"])
+    cfg = dataclasses.replace(cfg, data=data)
+    cfg.validate()
+    trainer = Trainer(cfg)
+    counts = trainer.model.num_params()
+    summary = trainer.fit()
+
+    stage(4, "exporting the final checkpoint to safetensors")
+    out = export(dump, Path("exports") / cfg.name)
+    paths = {"run directory": dump, "checkpoints": dump / "checkpoints", "metrics": dump / "metrics.jsonl",
+             "eval results": dump / "evals", "export": out}
+    print("\n" + results_table(summary, counts, paths, time.perf_counter() - start))
     return 0
 
 

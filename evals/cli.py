@@ -1,0 +1,166 @@
+"""Command line of `python -m memlm.evals`."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from memlm.errors import ConfigError
+
+TOP_LEVEL = ("checkpoint", "out", "device", "tokenizer", "eval")
+
+USAGE = """usage: python -m memlm.evals checkpoint=<path> [key=value ...]
+       torchrun --nproc_per_node N -m memlm.evals checkpoint=<path> [key=value ...]
+
+Evaluate a checkpoint (a checkpoint folder, a run's dump_dir: its newest
+checkpoint, or an export folder) on a suite of tasks.
+
+Top-level keys:
+  checkpoint=<path>    required
+  out=<file.json>      results file; default <run dump_dir>/evals/<step>.json
+                       (required for an export folder). The markdown table is
+                       written next to it (.md).
+  device=auto|cpu|cuda default auto (cuda when available)
+  tokenizer=<path>     sentencepiece model, when the checkpoint names none
+  eval=<preset>        a preset of configs/eval/ ({presets}); default none
+
+Every other key overrides a field of the eval config (eval.<key> also works):
+  tasks=[nq_open,triviaqa,mmlu]   {tasks}
+  data_dir=<dir>       root of the task folders (docs/evals.md shows the layout)
+  limit=N              the first N examples of each task (0: all)
+  num_fewshot=5        shots per prompt; task_fewshot.piqa=0 sets one task's
+  max_new_tokens=32 batch_size=16 ppl_stride=0 log_samples=false
+  wandb_mode=disabled|offline|online wandb_project=memlm
+
+Under torchrun, rank r evaluates examples r::world_size (gloo) and rank 0
+writes the results. Example:
+  python -m memlm.evals checkpoint=runs/demo tasks=[synthetic_qa,mmlu] data_dir=evals_data limit=100
+"""
+
+
+def eval_presets() -> list[str]:
+    import memlm.configs
+
+    return sorted(p.stem for p in (Path(memlm.configs.__file__).parent / "eval").glob("*.yaml"))
+
+
+def parse_args(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """(top-level options, Hydra overrides of the eval group)."""
+    top: dict[str, str] = {}
+    overrides: list[str] = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or not key:
+            raise ConfigError("argument", arg, "key=value (see python -m memlm.evals --help)")
+        plus = "+" * (len(key) - len(key.lstrip("+")))
+        key = key.lstrip("+").removeprefix("eval.")
+        if key.startswith("task_fewshot."):
+            plus = "++"  # a dict entry: added when new, replaced when the preset has it
+        if key in TOP_LEVEL and not plus:
+            top[key] = value
+        else:
+            overrides.append(f"{plus}eval.{key}={value}")
+    if not top.get("checkpoint"):
+        raise ConfigError("checkpoint", top.get("checkpoint", ""), "a checkpoint folder, run dump_dir or export folder")
+    return top, overrides
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name not in ("auto", "cpu", "cuda"):
+        raise ConfigError("device", name, "one of: auto, cpu, cuda")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if name == "cuda" else "cpu"
+
+
+def _json_path(top: dict[str, str], loaded, step: int) -> tuple[Path, str]:
+    if top.get("out"):
+        out = Path(top["out"])
+        if out.suffix != ".json":
+            raise ConfigError("out", top["out"], "a path ending in .json")
+        return out.parent, out.name
+    if loaded.config is None:
+        raise ConfigError("out", "", f"a .json path for the results ({loaded.source} is an export folder, not a run)")
+    source = Path(loaded.source)
+    # <dump_dir>/checkpoints/step_N: the run folder as it is now, even if it moved since training.
+    dump_dir = source.parent.parent if source.parent.name == "checkpoints" else Path(loaded.config.dump_dir)
+    return dump_dir / "evals", f"{step}.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        from memlm.evals.registry import known_tasks
+
+        print(USAGE.format(presets=", ".join(eval_presets()), tasks=known_tasks()))
+        return 0
+    from memlm.evals.formats import TaskDataError
+
+    try:
+        return _run(argv)
+    except (ConfigError, TaskDataError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(argv: list[str]) -> int:
+    import torch.distributed as dist
+
+    from memlm.data.tokenizer import Tokenizer
+    from memlm.evals.suite import run_suite
+    from memlm.evals.tasks import load_task
+    from memlm.train.config import compose
+    from memlm.train.load import load_model
+
+    start = time.perf_counter()
+    top, overrides = parse_args(argv)
+    preset = top.get("eval", "none")
+    if preset not in eval_presets():
+        raise ConfigError("eval", preset, f"one of the presets in configs/eval/: {', '.join(eval_presets())}")
+    eval_cfg = compose([f"eval={preset}", *overrides]).eval  # validates every value, task names too
+    if not eval_cfg.tasks:
+        from memlm.evals.registry import known_tasks
+
+        raise ConfigError("tasks", [], f"a non-empty list, e.g. tasks=[nq_open,mmlu]; {known_tasks()}")
+    device = _device(top.get("device", "auto"))
+    if not Path(top["checkpoint"]).exists():
+        raise ConfigError("checkpoint", top["checkpoint"], "an existing checkpoint folder, run dump_dir or export folder")
+    # Task files are read and checked before the (possibly long) model load;
+    # synthetic_qa depends on the run's data config, known only after it.
+    for name in eval_cfg.tasks:
+        if name != "synthetic_qa":
+            load_task(name, eval_cfg)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    own_group = world_size > 1 and not dist.is_initialized()
+    if own_group:
+        # gloo even on GPUs: only per-example results (Python objects) are exchanged.
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world_size > 1 else 0
+    try:
+        if rank == 0:
+            print(f"[eval] loading {top['checkpoint']} on {device}", flush=True)
+        loaded = load_model(top["checkpoint"], device)
+        tokenizer_path = top.get("tokenizer") or loaded.tokenizer_path
+        if not tokenizer_path:
+            raise ConfigError("tokenizer", "", f"the sentencepiece .model the model was trained with "
+                                               f"({loaded.source} names none)")
+        out_dir, json_name = _json_path(top, loaded, loaded.step)
+        meta = {"checkpoint": str(loaded.source), "tokenizer": str(tokenizer_path)}
+        results = run_suite(loaded.model, Tokenizer(str(tokenizer_path)), eval_cfg, loaded.step, out_dir, rank,
+                            world_size, data_cfg=loaded.config.data if loaded.config else None,
+                            json_name=json_name, meta=meta)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    if rank == 0:
+        headline = "; ".join(
+            f"{task} " + ", ".join(f"{k} {v:.4f}" for k, v in m.items() if k not in ("n", "truncated", "tokens", "bytes"))
+            for task, m in results.items() if "/" not in task
+        )
+        print(f"[eval] done: step {loaded.step}, {len(eval_cfg.tasks)} task(s) in "
+              f"{time.perf_counter() - start:.1f}s: {headline} -> {out_dir / json_name}", flush=True)
+    return 0

@@ -1,0 +1,129 @@
+"""Batched greedy decoding with the KV cache.
+
+The model takes no attention mask, so prompts of different lengths cannot
+share a batch through padding. Instead prompts are grouped by token length:
+rows of one batch sit at the same positions, the prompt is run once through
+the model (filling the cache), then each step feeds one token per row. The
+result equals decoding each prompt alone without a cache, token for token
+(up to float rounding between differently shaped matmuls), which
+tests/test_evals_decoding.py checks.
+
+Every prompt starts with the eos token: in packed training data each document
+follows an eos, so that is what the model has seen before a fresh text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from memlm.errors import ConfigError
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    return [tokenizer.eos_id, *tokenizer.encode(text)]
+
+
+def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Indices grouped by equal length (longest first), each group cut into batches."""
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        groups.setdefault(n, []).append(i)
+    batches = []
+    for n in sorted(groups, reverse=True):
+        idx = groups[n]
+        batches += [idx[i:i + batch_size] for i in range(0, len(idx), batch_size)]
+    return batches
+
+
+def fit_prompt(tokens: list[int], room: int) -> tuple[list[int], bool]:
+    """Keep the last `room` tokens (the question sits at the end; early shots go first)."""
+    return (tokens[-room:], True) if len(tokens) > room else (tokens, False)
+
+
+@torch.no_grad()
+def greedy_generate(
+    model,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    eos_id: int,
+    should_stop: Callable[[list[int]], bool] | None = None,
+    batch_size: int = 16,
+    use_cache: bool = True,
+    on_batch: Callable[[int], None] | None = None,
+) -> tuple[list[list[int]], list[bool]]:
+    """Greedy continuations of token prompts: (new tokens per prompt without the
+    eos, whether each prompt was left-truncated to fit model.max_seq_len).
+
+    A row stops at eos, when `should_stop(its tokens)` is true, or after
+    max_new_tokens. use_cache=False recomputes the whole sequence every step
+    (the reference the cache is checked and benchmarked against)."""
+    max_len = model.args.max_seq_len
+    room = max_len - max_new_tokens
+    if room < 1:
+        raise ConfigError("eval.max_new_tokens", max_new_tokens, f"an integer below model.max_seq_len={max_len}")
+    fitted = [fit_prompt(list(p), room) for p in prompts]
+    if any(not p for p, _ in fitted):
+        raise ValueError("greedy_generate: empty prompt (every prompt needs at least one token)")
+    device = model_device(model)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for batch in length_batches([len(p) for p, _ in fitted], batch_size):
+        rows = torch.tensor([fitted[i][0] for i in batch], device=device)  # (batch, prompt_len)
+        cache = model.new_cache(len(batch), rows.shape[1] + max_new_tokens) if use_cache else None
+        logits = model(rows, cache=cache)  # (batch, prompt_len, vocab)
+        done = [False] * len(batch)
+        for step in range(max_new_tokens):
+            nxt = logits[:, -1].argmax(-1)  # (batch,): ties go to the lowest id
+            for r, token in enumerate(nxt.tolist()):
+                if done[r]:
+                    continue
+                if token == eos_id:
+                    done[r] = True
+                    continue
+                out = outputs[batch[r]]
+                out.append(token)
+                done[r] = should_stop is not None and should_stop(out)
+            if all(done) or step == max_new_tokens - 1:
+                break
+            if use_cache:
+                logits = model(nxt[:, None], cache=cache)
+            else:
+                rows = torch.cat([rows, nxt[:, None]], dim=1)
+                logits = model(rows)
+        if on_batch is not None:
+            on_batch(len(batch))
+    return outputs, [t for _, t in fitted]
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    """The text before the earliest stop sequence."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+def generate_texts(
+    model,
+    tokenizer,
+    contexts: Sequence[str],
+    stop: Sequence[str],
+    max_new_tokens: int,
+    batch_size: int = 16,
+    on_batch: Callable[[int], None] | None = None,
+) -> tuple[list[str], list[bool]]:
+    """Greedy continuations of text prompts, each cut before its first stop
+    sequence: (texts, whether each prompt was truncated). Shared by the harness and the lm-eval adapter."""
+    stop = list(stop)
+
+    def should_stop(tokens: list[int]) -> bool:
+        text = tokenizer.decode(tokens)
+        return any(s in text for s in stop)
+
+    prompts = [prompt_ids(tokenizer, c) for c in contexts]
+    outs, truncated = greedy_generate(model, prompts, max_new_tokens, tokenizer.eos_id,
+                                      should_stop if stop else None, batch_size, True, on_batch)
+    return [cut_at_stop(tokenizer.decode(o), stop) for o in outs], truncated

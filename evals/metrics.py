@@ -1,0 +1,77 @@
+"""Scores of single predictions and their aggregation.
+
+Answer normalization follows the SQuAD / NQ-open evaluation scripts
+(lowercase, drop punctuation, drop the articles a/an/the, collapse
+whitespace), so numbers are comparable with published open-domain QA results.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import string
+from collections import Counter
+from collections.abc import Sequence
+
+_PUNCT = set(string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
+
+
+def normalize_answer(text: str) -> str:
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in _PUNCT)
+    text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())
+
+
+def exact_match(prediction: str, golds: Sequence[str]) -> float:
+    """1.0 when the normalized prediction equals any normalized gold answer."""
+    pred = normalize_answer(prediction)
+    return float(any(pred == normalize_answer(g) for g in golds))
+
+
+def _f1(pred_tokens: list[str], gold_tokens: list[str]) -> float:
+    if not pred_tokens or not gold_tokens:
+        # Both empty counts as a match (SQuAD convention); one empty scores 0.
+        return float(pred_tokens == gold_tokens)
+    common = Counter(pred_tokens) & Counter(gold_tokens)
+    same = sum(common.values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pred_tokens), same / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def token_f1(prediction: str, golds: Sequence[str]) -> float:
+    """Bag-of-words F1 of the normalized texts, the best over the gold answers."""
+    pred = normalize_answer(prediction).split()
+    return max((_f1(pred, normalize_answer(g).split()) for g in golds), default=0.0)
+
+
+def argmax_first(values: Sequence[float]) -> int:
+    """Index of the largest value; ties go to the first (as numpy.argmax)."""
+    best = 0
+    for i, v in enumerate(values):
+        if v > values[best]:
+            best = i
+    return best
+
+
+def choice_scores(logprobs: Sequence[float], choices: Sequence[str], answer: int) -> dict[str, float]:
+    """acc: the most likely choice is the answer; acc_norm: the same with each
+    log-likelihood divided by the choice's length in characters (lm-eval's
+    definition), which removes the bias towards short answers."""
+    normed = [lp / max(len(c), 1) for lp, c in zip(logprobs, choices)]
+    return {"acc": float(argmax_first(logprobs) == answer), "acc_norm": float(argmax_first(normed) == answer)}
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def perplexity_metrics(nll_nats: float, tokens: int, n_bytes: int) -> dict[str, float]:
+    """Token perplexity and bits per UTF-8 byte (tokenizer-independent) of summed NLL."""
+    return {
+        "token_ppl": math.exp(nll_nats / tokens) if tokens else float("nan"),
+        "bits_per_byte": nll_nats / math.log(2) / n_bytes if n_bytes else float("nan"),
+    }

@@ -1,0 +1,95 @@
+"""The task names the harness knows, their kind and where their files live.
+
+Kept free of torch imports: `EvalConfig.validate` (run by `compose()` in every
+process) checks task names against this list.
+
+Kinds:
+- `qa`: generative question answering, k-shot `Q: ...\\nA:` prompts, exact match + F1.
+- `mmlu`: 4-way multiple choice scored by the log-likelihood of the letter.
+- `choice`: multiple choice scored by the log-likelihood of each full answer text.
+- `ppl`: perplexity and bits-per-byte of held-out text.
+
+Besides the fixed names, `qa:<folder>`, `choice:<folder>` and `ppl:<folder>`
+evaluate a user's own files under `<data_dir>/<folder>/` in that kind's format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memlm.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    kind: str  # qa | mmlu | choice | ppl
+    folder: str  # under data_dir; "" for tasks that need no files
+    eval_files: tuple[str, ...]  # first one that exists is evaluated
+    pool_files: tuple[str, ...] = ()  # few-shot pool; none found -> the first k eval examples
+    reader: str = ""  # record parser, see formats.py
+    format: str = ""  # what the files must look like, quoted in errors
+
+
+QA_FORMAT = 'JSONL or JSON list of {"question": str, "answer": str | [str, ...]}'
+NQ_FORMAT = 'NQ-open JSONL: one {"question": str, "answer": [str, ...]} per line'
+TRIVIAQA_FORMAT = ('TriviaQA JSONL or JSON ({"Data": [...]} or a list) of {"question": str, '
+                   '"answer": {"aliases": [str], "value": str}} (or the release\'s Question/Answer.Aliases/Value)')
+CHOICE_FORMAT = ('JSONL of {"context" or "question": str, "choices": [str, ...], "answer": index}')
+MMLU_FORMAT = ("MMLU CSV files test/<subject>_test.csv (+ dev/<subject>_dev.csv), rows "
+               "question,A,B,C,D,answer with no header; or test.jsonl (+ dev.jsonl) of "
+               '{"question": str, "choices": [4 str], "answer": index or letter, "subject": str}')
+PPL_FORMAT = 'JSONL of {"text": str} (one document per line) or a plain-text file (one document)'
+
+_CHOICE_EVAL = ("test.jsonl", "validation.jsonl")
+_CHOICE_POOL = ("train.jsonl", "dev.jsonl")
+
+
+def _choice(name: str) -> TaskSpec:
+    return TaskSpec(name, "choice", name, _CHOICE_EVAL, _CHOICE_POOL, "choice", CHOICE_FORMAT)
+
+
+TASKS: dict[str, TaskSpec] = {
+    spec.name: spec
+    for spec in (
+        TaskSpec("nq_open", "qa", "nq_open", ("test.jsonl", "NQ-open.dev.jsonl"),
+                 ("train.jsonl", "NQ-open.train.jsonl"), "qa", NQ_FORMAT),
+        TaskSpec("triviaqa", "qa", "triviaqa",
+                 ("test.jsonl", "test.json", "validation.jsonl", "unfiltered-web-dev.json"),
+                 ("train.jsonl", "train.json"), "triviaqa", TRIVIAQA_FORMAT),
+        TaskSpec("hotpotqa", "qa", "hotpotqa", ("test.jsonl", "test.json", "hotpot_dev_distractor_v1.json"),
+                 ("train.jsonl", "train.json"), "qa", QA_FORMAT),
+        # Generated in memory (or from the run's synthetic data config): no files.
+        TaskSpec("synthetic_qa", "qa", "", (), (), "qa", QA_FORMAT),
+        TaskSpec("mmlu", "mmlu", "mmlu", ("test", "test.jsonl"), ("dev", "dev.jsonl"), "mmlu", MMLU_FORMAT),
+        _choice("openbookqa"),
+        _choice("piqa"),
+        _choice("hellaswag"),
+        _choice("arc_easy"),
+        _choice("arc_challenge"),
+        TaskSpec("ppl", "ppl", "ppl", ("test.jsonl", "test.txt"), (), "ppl", PPL_FORMAT),
+    )
+}
+
+# `<prefix>:<folder>`: the user's own data in a known format.
+PREFIXES = {"qa": (QA_FORMAT, "qa"), "choice": (CHOICE_FORMAT, "choice"), "ppl": (PPL_FORMAT, "ppl")}
+
+
+def known_tasks() -> str:
+    prefixes = ", ".join(f"{p}:<folder>" for p in PREFIXES)
+    return f"one of: {', '.join(TASKS)}; or {prefixes} (files under data_dir/<folder>/)"
+
+
+def task_spec(name: str, key: str = "eval.tasks") -> TaskSpec:
+    """The spec of a task name; unknown names fail listing every known one."""
+    if name in TASKS:
+        return TASKS[name]
+    prefix, sep, folder = name.partition(":")
+    if sep and prefix in PREFIXES and folder and "/" not in folder and folder not in (".", ".."):
+        fmt, reader = PREFIXES[prefix]
+        if prefix == "qa":
+            return TaskSpec(name, "qa", folder, ("test.jsonl", "test.json"), ("train.jsonl", "train.json"), reader, fmt)
+        if prefix == "choice":
+            return TaskSpec(name, "choice", folder, _CHOICE_EVAL, _CHOICE_POOL, reader, fmt)
+        return TaskSpec(name, "ppl", folder, ("test.jsonl", "test.txt"), (), reader, fmt)
+    raise ConfigError(key, name, known_tasks())

@@ -1,0 +1,69 @@
+"""Writing results: `<step>.json`, a markdown table `<step>.md` next to it, optional samples, wandb."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.4f}"
+    return str(value)
+
+
+def markdown_table(results: dict[str, dict], tasks: dict[str, dict], step: int) -> str:
+    """One row per (task, metric); MMLU subjects in a second table."""
+    lines = [f"Evaluation at step {step}", "", "| task | shots | n | metric | value |", "|---|---:|---:|---|---:|"]
+    subjects = []
+    for key, metrics in results.items():
+        if "/" in key:
+            subjects.append((key, metrics))
+            continue
+        shots = tasks.get(key, {}).get("num_fewshot", "")
+        for metric, value in metrics.items():
+            if metric != "n":
+                lines.append(f"| {key} | {shots} | {metrics['n']} | {metric} | {_fmt(value)} |")
+    if subjects:
+        lines += ["", "| subject | n | acc |", "|---|---:|---:|"]
+        lines += [f"| {key} | {m['n']} | {_fmt(m['acc'])} |" for key, m in subjects]
+    return "\n".join(lines) + "\n"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_report(json_path: Path, payload: dict, table: str, samples: dict[str, list[dict]] | None) -> dict[str, Path]:
+    """Write the JSON, the markdown table (same name, .md) and, if given, the
+    samples (`<name>_samples.jsonl`, one record per line with its task)."""
+    paths = {"json": json_path, "markdown": json_path.with_suffix(".md")}
+    # allow_nan: an empty metric is NaN rather than a fake 0; Python's json reads it back.
+    _atomic_write(json_path, json.dumps(payload, indent=2, allow_nan=True) + "\n")
+    _atomic_write(paths["markdown"], table)
+    if samples is not None:
+        paths["samples"] = json_path.with_name(f"{json_path.stem}_samples.jsonl")
+        lines = [json.dumps({"task": task, **r}, ensure_ascii=False) for task, recs in samples.items() for r in recs]
+        _atomic_write(paths["samples"], "\n".join(lines) + "\n")
+    return paths
+
+
+def log_wandb(results: dict[str, dict], step: int, mode: str, project: str) -> None:
+    """Into the active wandb run when there is one (the trainer's), else a new
+    `eval` run in `mode` (offline needs no network)."""
+    if mode == "disabled":
+        return
+    import wandb
+
+    own = wandb.run is None
+    run = wandb.init(project=project, mode=mode, job_type="eval") if own else wandb.run
+    flat = {f"eval/{task}/{metric}": value for task, metrics in results.items() for metric, value in metrics.items()}
+    run.log({**flat, "eval/step": step})
+    if own:
+        run.finish()

@@ -1,0 +1,73 @@
+"""`run_suite`: evaluate a loaded model on the configured tasks and write the report.
+
+The contract is documented in memlm/evals/__init__.py; the command line
+(`python -m memlm.evals`) and the trainer both end up here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+from memlm.errors import ConfigError
+from memlm.evals.config import EvalConfig
+from memlm.evals.harness import evaluate_task
+from memlm.evals.registry import known_tasks
+from memlm.evals.report import log_wandb, markdown_table, write_report
+from memlm.evals.tasks import load_task
+
+
+def run_suite(
+    model,
+    tokenizer,
+    eval_cfg: EvalConfig,
+    step: int,
+    out_dir: Path | str | None,
+    rank: int = 0,
+    world_size: int = 1,
+    *,
+    data_cfg: Any = None,
+    json_name: str | None = None,
+    meta: dict | None = None,
+) -> dict[str, dict]:
+    eval_cfg.validate()
+    if not eval_cfg.tasks:
+        raise ConfigError("eval.tasks", [], f"a non-empty list of tasks, {known_tasks()}")
+    start = time.perf_counter()
+    # Every task's files are read and checked before the first forward pass: a
+    # missing file fails now, not an hour into the suite.
+    loaded = {name: load_task(name, eval_cfg, data_cfg) for name in eval_cfg.tasks}
+    was_training = model.training
+    model.eval()
+    results: dict[str, dict] = {}
+    tasks: dict[str, dict] = {}
+    samples: dict[str, list[dict]] = {}
+    try:
+        for name, task in loaded.items():
+            shots = len(next(iter(task.shots.values()), [])) if task.shots else 0
+            if rank == 0:
+                print(f"[eval] {name}: {len(task.examples)} examples ({task.spec.kind}), {shots}-shot "
+                      f"(shots from {task.fewshot_source}), {world_size} rank(s)", flush=True)
+            task_start = time.perf_counter()
+            metrics, records = evaluate_task(model, tokenizer, task, eval_cfg, rank, world_size)
+            results.update(metrics)
+            tasks[name] = {"kind": task.spec.kind, "num_fewshot": shots, "fewshot_source": task.fewshot_source,
+                           "seconds": round(time.perf_counter() - task_start, 2)}
+            if eval_cfg.log_samples:
+                samples[name] = records
+    finally:
+        model.train(was_training)
+    if rank == 0:
+        table = markdown_table(results, tasks, step)
+        print(table, flush=True)
+        if out_dir is not None:
+            payload = {"step": step, "results": results, "tasks": tasks, "world_size": world_size,
+                       "seconds": round(time.perf_counter() - start, 2), "config": dataclasses.asdict(eval_cfg),
+                       **(meta or {})}
+            json_path = Path(out_dir) / (json_name or f"{step}.json")
+            paths = write_report(json_path, payload, table, samples if eval_cfg.log_samples else None)
+            print("[eval] wrote " + ", ".join(str(p) for p in paths.values()), flush=True)
+        log_wandb(results, step, eval_cfg.wandb_mode, eval_cfg.wandb_project)
+    return results

@@ -1,0 +1,121 @@
+"""Loading one task: its evaluated examples and its few-shot examples.
+
+Few-shot examples come from the task's pool file (train/dev) when it exists;
+otherwise the first k evaluated examples become the shots and are removed
+from the evaluated set, so an example is never its own demonstration.
+`limit` then keeps the first N evaluated examples.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memlm.errors import ConfigError
+from memlm.evals.config import EvalConfig
+from memlm.evals.formats import (
+    TaskDataError,
+    find_file,
+    find_optional,
+    parse_choice,
+    parse_qa,
+    read_mmlu,
+    read_records,
+    read_texts,
+)
+from memlm.evals.registry import TaskSpec, task_spec
+
+
+@dataclass
+class TaskData:
+    spec: TaskSpec
+    examples: list[dict]
+    shots: dict[str, list[dict]]  # by MMLU subject; other tasks use the key ""
+    fewshot_source: str  # a file, or "first k evaluated examples"
+
+
+def load_task(name: str, cfg: EvalConfig, data_cfg: Any = None) -> TaskData:
+    spec = task_spec(name)
+    k = cfg.fewshot_for(name) if spec.kind != "ppl" else 0
+    if spec.name == "synthetic_qa":
+        examples, pool = _synthetic_qa(data_cfg), None
+    else:
+        if not cfg.data_dir:
+            raise ConfigError("eval.data_dir", cfg.data_dir,
+                              f"the folder holding {spec.folder}/ for task {name} (see docs/evals.md)")
+        folder = Path(cfg.data_dir) / spec.folder
+        path = find_file(folder, spec.eval_files, spec.format, name)
+        pool_path = find_optional(folder, spec.pool_files) if k else None
+        examples = _read(spec, path, None, "test")
+        pool = _read(spec, pool_path, None if spec.kind == "mmlu" else k, "dev") if pool_path else None
+    if spec.kind == "mmlu":
+        examples, shots, source = _mmlu_shots(examples, pool, k, name)
+    elif pool is not None:
+        shots, source = {"": pool[:k]}, str(pool_path)
+        if len(pool) < k:
+            raise TaskDataError(f"task {name}: {pool_path} has {len(pool)} examples, fewer than {k} shots")
+    else:
+        shots, source = {"": examples[:k]}, f"first {k} evaluated examples" if k else "none"
+        examples = examples[k:]
+    if cfg.limit:
+        examples = examples[: cfg.limit]
+    if not examples:
+        raise TaskDataError(f"task {name}: no examples left to evaluate (after {k} few-shot examples)")
+    return TaskData(spec, examples, shots, source)
+
+
+def _read(spec: TaskSpec, path: Path, limit: int | None, split: str) -> list[dict]:
+    if spec.kind == "mmlu":
+        return read_mmlu(path, split, spec.format)
+    if spec.kind == "ppl":
+        return read_texts(path, spec.format)
+    records = read_records(path, spec.format, limit)
+    if spec.kind == "qa":
+        return [parse_qa(where, r, spec.reader, spec.format) for where, r in records]
+    return [parse_choice(where, r, spec.format) for where, r in records]
+
+
+def _mmlu_shots(examples: list[dict], pool: list[dict] | None, k: int, name: str):
+    """Shots per subject: the first k of the subject's dev examples (the MMLU
+    protocol), or without a dev split the first k of its test examples, removed."""
+    by_subject: dict[str, list[dict]] = {}
+    for ex in pool or []:
+        by_subject.setdefault(ex["subject"], []).append(ex)
+    shots: dict[str, list[dict]] = {}
+    for subject in dict.fromkeys(ex["subject"] for ex in examples):
+        if pool is not None:
+            shots[subject] = by_subject.get(subject, [])[:k]
+            if len(shots[subject]) < k:
+                raise TaskDataError(f"task {name}: the dev split has {len(shots[subject])} examples of "
+                                    f"subject {subject}, fewer than {k} shots")
+        else:
+            shots[subject] = [ex for ex in examples if ex["subject"] == subject][:k]
+    skip = {id(ex) for s in shots.values() for ex in s}
+    kept = [ex for ex in examples if id(ex) not in skip]
+    source = "dev split" if pool is not None else (f"first {k} test examples per subject" if k else "none")
+    return kept, shots, source
+
+
+def _synthetic_qa(data_cfg: Any) -> list[dict]:
+    """The synthetic corpus' held-out question phrasings: from the run's data
+    config when it trained on the synthetic corpus (same people and facts),
+    else generated in memory from the default SyntheticConfig.
+
+    qa.jsonl lists each person's questions together; a seeded shuffle makes the
+    shots (and a `limit` prefix) span many people instead of one person's facts."""
+    if data_cfg is not None and getattr(data_cfg, "kind", "") == "synthetic":
+        from memlm.data.corpus import materialize_synthetic
+
+        path = Path(materialize_synthetic(data_cfg)["qa"])
+        examples = [parse_qa(w, r, "qa", "synthetic qa.jsonl") for w, r in read_records(path, "synthetic qa.jsonl")]
+    else:
+        from memlm.data.config import SyntheticConfig
+        from memlm.data.synthetic import generate
+
+        syn = SyntheticConfig()
+        _, _, qa = generate(syn.people, syn.docs_per_person, syn.seed)
+        examples = [{"question": r["question"], "answers": list(r["answer"])} for r in qa]
+    random.Random(0).shuffle(examples)
+    return examples

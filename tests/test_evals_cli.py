@@ -1,0 +1,111 @@
+"""`python -m memlm.evals` end to end on a tiny trained checkpoint: output
+files, options, errors, and the same numbers on 2 ranks as on one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from test_evals_fixtures import QA_ROWS, train_tiny_run, write_jsonl
+
+from memlm.evals.cli import main
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("evalrun")
+    return train_tiny_run(root / "run", root / "cache")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("evaldata")
+    write_jsonl(root / "nq_open" / "test.jsonl", QA_ROWS)
+    write_jsonl(root / "ppl" / "test.jsonl", [{"text": "Ada Lovelace was born in London."}, {"text": "Hi."}])
+    return root
+
+
+def test_cli_end_to_end_synthetic_qa(run_dir, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "memlm.evals", f"checkpoint={run_dir}", "tasks=[synthetic_qa]",
+                           "limit=4"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((run_dir / "evals" / "2.json").read_text())
+    assert report["step"] == 2 and report["checkpoint"].endswith("step_00000002")
+    result = report["results"]["synthetic_qa"]
+    assert result["n"] == 4 and 0.0 <= result["exact_match"] <= result["f1"] <= 1.0
+    assert report["tasks"]["synthetic_qa"]["num_fewshot"] == 5
+    table = (run_dir / "evals" / "2.md").read_text()
+    assert "| synthetic_qa | 5 | 4 | exact_match |" in table and table in proc.stdout
+    assert "[eval] done: step 2" in proc.stdout and "synthetic_qa exact_match" in proc.stdout
+
+
+def test_cli_out_file_several_tasks_and_samples(run_dir, data_dir, tmp_path, capsys):
+    out = tmp_path / "res" / "r.json"
+    rc = main([f"checkpoint={run_dir}/checkpoints/latest", f"data_dir={data_dir}", "tasks=[nq_open,ppl]",
+               "num_fewshot=1", "limit=2", "max_new_tokens=8", f"out={out}", "log_samples=true"])
+    assert rc == 0
+    results = json.loads(out.read_text())["results"]
+    assert results["nq_open"]["n"] == 2 and results["ppl"]["n"] == 2 and results["ppl"]["bits_per_byte"] > 0
+    assert (tmp_path / "res" / "r.md").is_file()
+    samples = [json.loads(line) for line in (tmp_path / "res" / "r_samples.jsonl").read_text().splitlines()]
+    assert [s["task"] for s in samples] == ["nq_open", "nq_open", "ppl", "ppl"]
+    assert samples[0]["question"] == QA_ROWS[1]["question"]  # QA_ROWS[0] is the shot
+
+
+def test_cli_help_and_bad_input(run_dir, data_dir, tmp_path, capsys):
+    assert main(["--help"]) == 0
+    assert "checkpoint=<path>" in capsys.readouterr().out
+    cases = [
+        (["tasks=[synthetic_qa]"], "checkpoint"),
+        ([f"checkpoint={tmp_path / 'nothing'}", "tasks=[synthetic_qa]"], "an existing checkpoint folder"),
+        ([f"checkpoint={run_dir}", "tasks=[squad]"], "eval.tasks='squad': one of: nq_open"),
+        ([f"checkpoint={run_dir}"], "tasks=[nq_open,mmlu]"),
+        ([f"checkpoint={run_dir}", "tasks=[mmlu]", f"data_dir={data_dir}"], "mmlu/test"),
+        ([f"checkpoint={run_dir}", "tasks=[synthetic_qa]", "out=x.txt"], "a path ending in .json"),
+        ([f"checkpoint={run_dir}", "tasks=[synthetic_qa]", "limit=-1"], "eval.limit=-1"),
+        ([f"checkpoint={run_dir}", "tasks"], "key=value"),
+        ([f"checkpoint={run_dir}", "eval=big"], "configs/eval/"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+
+
+def test_cli_export_folder_needs_out(run_dir, tmp_path, capsys):
+    from memlm.train.export import export
+
+    folder = export(run_dir / "checkpoints" / "latest", tmp_path / "export")
+    assert main([f"checkpoint={folder}", "tasks=[synthetic_qa]", "limit=2"]) == 2
+    assert "out=''" in capsys.readouterr().err
+    assert main([f"checkpoint={folder}", "tasks=[synthetic_qa]", "limit=2", f"out={tmp_path / 'e.json'}"]) == 0
+    assert json.loads((tmp_path / "e.json").read_text())["results"]["synthetic_qa"]["n"] == 2
+
+
+def test_gathered_records_come_back_in_dataset_order(monkeypatch):
+    from memlm.evals import harness
+
+    examples = list(range(7))
+    shards = [examples[r::3] for r in range(3)]  # rank r holds r::3: uneven (3, 2, 2)
+
+    def fake_all_gather(parts, mine):
+        parts[:] = shards
+
+    monkeypatch.setattr(harness.dist, "all_gather_object", fake_all_gather)
+    assert harness.gather_records(shards[1], 3) == examples
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_one_rank_numbers(run_dir, data_dir, tmp_path):
+    from distributed_workers import run_ranks
+    from test_evals_fixtures import cli_rank_worker
+
+    args = [f"checkpoint={run_dir}", f"data_dir={data_dir}", "tasks=[synthetic_qa,nq_open,ppl]", "limit=5",
+            "num_fewshot=1", "max_new_tokens=8", "log_samples=true"]
+    assert main([*args, f"out={tmp_path / 'one.json'}"]) == 0
+    run_ranks(cli_rank_worker, 2, [*args, f"out={tmp_path / 'two.json'}"])
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert two["world_size"] == 2
+    assert two["results"] == one["results"]
+    assert (tmp_path / "two_samples.jsonl").read_text() == (tmp_path / "one_samples.jsonl").read_text()
