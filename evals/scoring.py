@@ -18,24 +18,17 @@ from memlm.evals.decoding import model_device
 
 
 def final_hidden(model, tokens: torch.Tensor) -> torch.Tensor:
-    """`Transformer.forward(tokens)` without the output head: (batch, seq) -> (batch, seq, dim).
+    """The model's final hidden states, without the output head: (batch, seq) -> (batch, seq, dim).
 
     Scoring reads one or a few positions per row; the head over every position
     would be most of the work and memory (16 rows x 300 positions x 32K vocab
     is 600 MB of logits for 64 useful rows). tests/test_evals_decoding.py checks
     that the scores equal those from `model(tokens)`."""
-    seq = tokens.shape[1]
-    if seq > model.args.max_seq_len:
-        raise ValueError(f"sequence of {seq} positions exceeds model.max_seq_len={model.args.max_seq_len}")
-    cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
-    h = model.tok_embeddings(tokens)
-    for block in model.layers:
-        h = block(h, cos, sin, None)
-    return model.norm(h)
+    return model(tokens, head=False)
 
 
 def output_weight(model) -> torch.Tensor:
-    return model.tok_embeddings.weight if model.output is None else model.output.weight
+    return model.output_weight()
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:

@@ -69,11 +69,13 @@ class Transformer(nn.Module):
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=out_std, a=-3 * out_std, b=3 * out_std)
 
     # -------------------------------------------------------------- forward
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *, head: bool = True) -> torch.Tensor:
         """tokens: (batch, seq) int64 -> logits (batch, seq, vocab).
 
         With a cache, `tokens` are the next positions after `cache.pos`; the
-        cache is filled and advanced."""
+        cache is filled and advanced. `head=False` returns the final normalized
+        hidden states (batch, seq, dim) instead: scoring a few positions needs
+        the output head only there (see `output_weight`)."""
         start = cache.pos if cache is not None else 0
         seq = tokens.shape[1]
         if start + seq > self.args.max_seq_len:
@@ -87,8 +89,11 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.advance(seq)
         h = self.norm(h)
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return h @ weight.t()
+        return h @ self.output_weight().t() if head else h
+
+    def output_weight(self) -> torch.Tensor:
+        """(vocab, dim): the output head, or the input embedding when tied."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def aux_loss(self) -> torch.Tensor | None:
         """Sum of the auxiliary losses of the last forward pass (memory slot
