@@ -74,7 +74,9 @@ class ProductKeyMemory(nn.Module):
             raise ConfigError("memory.balance_loss_coef", balance_loss_coef, "a number >= 0")
         self.balance_loss_coef = balance_loss_coef
         self.sparse_updates = sparse_updates
-        self.kernel = resolve_kernel(kernel)
+        resolve_kernel(kernel)  # fail at build time if this machine cannot run it at all
+        # Keep the config value: `auto` is resolved per call from the tensors' device.
+        self.kernel = kernel
         self.usage = SlotUsage(n_slots)
         # The auxiliary-loss channel (see memlm.model.Transformer.aux_loss):
         # coefficient * loss of the last training forward, else None.

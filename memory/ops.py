@@ -3,8 +3,9 @@
     y[t] = sum_k weights[t, k] * values[indices[t, k]]
 
 `embedding_bag(values, indices, weights, sparse=..., kernel=...)` is the only
-entry point the layers use, so faster kernels (Triton, a later issue) plug in
-here without touching the layers. This file holds the plain-PyTorch kernel.
+entry point the layers use: it validates the inputs and dispatches by device
+and `memory.kernel` to the Triton kernels (memory/triton_bag.py, CUDA) or the
+plain-PyTorch kernel held in this file (CPU).
 
 Gradient of the table. Only the rows that were read get a gradient:
 
@@ -14,16 +15,21 @@ We compute it "by destination slot" (MEMORY_LAYERS.md section 5): a stable
 sort of the read slots groups the (t, k) pairs of each slot, and a second
 embedding bag over `grad_y` sums each group. That never materializes the
 (tokens * reads, v_dim) tensor of per-read gradients, and it is deterministic.
-The result is `rows` (U, v_dim) for the U distinct slots read, which is
-- scattered into a dense (N, v_dim) tensor (default; what torch optimizers,
-  FSDP and clipping expect), or
-- returned as a coalesced sparse COO tensor (`sparse=True`): indices (1, U),
-  values (U, v_dim), never a dense (N, v_dim) tensor. Pair it with
-  `memlm.memory.SparseRowAdamW`.
-Both formats hold the same numbers, bit for bit.
+The gradient is
+- a dense (N, v_dim) tensor (default; what torch optimizers, FSDP and
+  clipping expect): one bag per slot of the table, empty (zero) for slots
+  not read, written in one pass, or
+- a coalesced sparse COO tensor (`sparse=True`): one bag per distinct slot
+  read, indices (1, U), values (U, v_dim), never a dense (N, v_dim) tensor.
+  Pair it with `memlm.memory.SparseRowAdamW`.
+Both formats hold the same numbers, bit for bit (same bags, same order).
+The Triton kernels (memory/triton_bag.py) use the same grouping.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import torch
 import torch.nn.functional as F
@@ -31,28 +37,109 @@ import torch.nn.functional as F
 from memlm.errors import ConfigError
 
 KERNELS = ("auto", "triton", "torch")
+# TRITON_INTERPRET=1 runs Triton kernels on CPU tensors through Triton's
+# interpreter: slow, for tests only. Triton reads it when a kernel is defined
+# (memory/triton_bag.py is imported), so it must be set before that.
+INTERPRET_ENV = "TRITON_INTERPRET"
+# On CUDA, a synchronous bounds check (raising IndexError) costs a host sync
+# per read; it runs only when this is set to 1 (see _check_indices).
+CHECK_INDICES_ENV = "MEMLM_CHECK_INDICES"
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def available_kernels() -> list[str]:
-    """Kernels this build can run. Triton kernels arrive in a later issue."""
-    return ["torch"]
+def _triton_importable() -> bool:
+    # find_spec, not import: importing triton costs startup time and would fix
+    # the interpreter choice for the whole process.
+    return importlib.util.find_spec("triton") is not None
+
+
+def _interpreting() -> bool:
+    return os.environ.get(INTERPRET_ENV, "0") == "1"
+
+
+def _triton_runs_on(device: torch.device) -> bool:
+    if not _triton_importable():
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and _interpreting())
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def available_kernels(device: torch.device | str | None = None) -> list[str]:
+    """Kernels that can run on `device` (default: CUDA if present, else CPU).
+    `triton` needs the triton package and a CUDA tensor, or TRITON_INTERPRET=1
+    for CPU tensors (tests)."""
+    device = _default_device() if device is None else torch.device(device)
+    return ["torch", "triton"] if _triton_runs_on(device) else ["torch"]
 
 
 def resolve_kernel(kernel: str, device: torch.device | str | None = None) -> str:
     """Map the config value `memory.kernel` to a kernel that can run here.
 
-    `auto` picks the fastest available kernel for `device`; asking for a kernel
-    that is not available fails with a ConfigError naming `memory.kernel`."""
+    `auto` picks `triton` for CUDA tensors when triton is importable, else
+    `torch` (CPU tensors always get `torch`: the interpreter is for tests).
+    `device=None` means the default device (CUDA if present, else CPU).
+    Asking for a kernel that cannot run there fails with a ConfigError naming
+    `memory.kernel`."""
     if kernel not in KERNELS:
         raise ConfigError("memory.kernel", kernel, f"one of: {', '.join(KERNELS)}")
+    device = _default_device() if device is None else torch.device(device)
     if kernel == "auto":
-        return "torch"
-    if kernel not in available_kernels():
+        return "triton" if device.type == "cuda" and _triton_importable() else "torch"
+    if kernel not in available_kernels(device):
+        why = ("triton is not installed" if not _triton_importable() else
+               f"{device.type} tensors need CUDA, or {INTERPRET_ENV}=1 (the slow interpreter, for tests)")
         raise ConfigError(
             "memory.kernel", kernel,
-            f"one of the kernels available in this build: auto, {', '.join(available_kernels())}",
+            f"auto or torch ({kernel} cannot run on {device.type} here: {why})",
         )
     return kernel
+
+
+def _check_inputs(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> None:
+    """Shapes, dtypes and devices: metadata only, no kernel launched."""
+    if values.dim() != 2:
+        raise ValueError(f"values must be a (slots, v_dim) table, got shape {tuple(values.shape)}")
+    if indices.dim() != 2 or weights.shape != indices.shape:
+        raise ValueError(
+            f"indices and weights must both be (bags, reads), got {tuple(indices.shape)} "
+            f"and {tuple(weights.shape)}"
+        )
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"indices must be int32 or int64, got {indices.dtype}")
+    if not values.dtype.is_floating_point or not weights.dtype.is_floating_point:
+        raise ValueError(f"values and weights must be floating point, got {values.dtype} and {weights.dtype}")
+    if not (values.device == indices.device == weights.device):
+        raise ValueError(
+            f"values, indices and weights must be on one device, got {values.device}, "
+            f"{indices.device}, {weights.device}"
+        )
+
+
+def _check_indices(indices: torch.Tensor, n_slots: int) -> None:
+    """Every index in [0, n_slots).
+
+    CPU: always, synchronously (one min/max pass over the B*K indices, small
+    next to reading B*K rows). CUDA: reading min/max on the host would stall
+    the stream once per read, so by default the check is a device-side
+    assertion (torch._assert_async: no sync; a bad index stops the program at
+    the next synchronization with a device-side assert instead of reading
+    another row's memory). MEMLM_CHECK_INDICES=1 makes the CUDA check
+    synchronous too, raising the IndexError below (for debugging)."""
+    if indices.numel() == 0:
+        return
+    lo, hi = torch.aminmax(indices)
+    if indices.device.type == "cuda" and os.environ.get(CHECK_INDICES_ENV, "0") != "1":
+        torch._assert_async((lo >= 0) & (hi < n_slots))
+        return
+    lo, hi = int(lo), int(hi)
+    if lo < 0 or hi >= n_slots:
+        raise IndexError(
+            f"memory read index out of range: indices span [{lo}, {hi}], the table has "
+            f"{n_slots} slots (valid: 0..{n_slots - 1})"
+        )
 
 
 def embedding_bag(
@@ -64,16 +151,30 @@ def embedding_bag(
 ) -> torch.Tensor:
     """Weighted sum of value rows per bag.
 
-    values: (N, v_dim) table; indices: (B, K) int64 slots; weights: (B, K),
-    any float dtype (cast to the table's dtype). Returns (B, v_dim) in the
-    table's dtype. `sparse=True` makes the table's gradient a coalesced sparse
-    COO tensor holding only the rows read (see the module docstring)."""
-    if indices.dim() != 2 or weights.shape != indices.shape:
-        raise ValueError(
-            f"indices and weights must both be (bags, reads), got {tuple(indices.shape)} "
-            f"and {tuple(weights.shape)}"
-        )
-    resolve_kernel(kernel, values.device)  # only the torch kernel exists for now
+    values: (N, v_dim) table; indices: (B, K) int32/int64 slots in [0, N);
+    weights: (B, K), any float dtype. Returns (B, v_dim) in the table's dtype.
+    `sparse=True` makes the table's gradient a coalesced sparse COO tensor
+    holding only the rows read (see the module docstring).
+
+    `kernel` (memory.kernel) is resolved per call for the tensors' device:
+    `auto` -> Triton on CUDA, this file's PyTorch path on CPU. The Triton path
+    accumulates in float32 and keeps the weights in their own dtype; it needs
+    a table with unit column stride (copying a large table behind the
+    caller's back would double its memory, so it is an error) and copies
+    non-contiguous indices/weights (small)."""
+    _check_inputs(values, indices, weights)
+    kernel = resolve_kernel(kernel, values.device)
+    _check_indices(indices, values.shape[0])
+    if kernel == "triton":
+        if values.dtype not in TRITON_DTYPES:
+            raise ValueError(f"the triton kernel reads float32/bfloat16/float16 tables, got {values.dtype}; "
+                             "use memory.kernel=torch")
+        if values.shape[1] > 1 and values.stride(1) != 1:
+            raise ValueError(f"the table must be contiguous along v_dim (strides {values.stride()}); "
+                             "pass values.contiguous()")
+        from memlm.memory.triton_bag import embedding_bag_triton  # imports triton only when used
+
+        return embedding_bag_triton(values, indices.contiguous(), weights.contiguous(), sparse=sparse)
     weights = weights.to(values.dtype)
     if not torch.is_grad_enabled() or not values.requires_grad:
         # Inference, or a frozen table: the weights' gradient (if any) comes
@@ -82,27 +183,73 @@ def embedding_bag(
     return _EmbeddingBag.apply(values, indices, weights, sparse)
 
 
+def _reads_by_slot(indices: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype):
+    """The B*K reads sorted by slot: (sorted slots, bag of each read, its weight)."""
+    reads = indices.shape[1]
+    # Stable sort: each slot's reads stay in (token, read) order, so the sums
+    # over them are deterministic.
+    sorted_slots, order = torch.sort(indices.reshape(-1), stable=True)
+    bag_of_read = torch.div(order, reads, rounding_mode="floor")  # the token each read came from
+    return sorted_slots, bag_of_read, weights.reshape(-1)[order].to(dtype)
+
+
 def row_gradients(
     indices: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The table's gradient as (slots, rows): slots (U,) sorted distinct slots
-    read, rows (U, v_dim) = sum of weights * grad_out over each slot's reads.
+    """The table's gradient as (slots, rows): slots (U,) int64 sorted distinct
+    slots read, rows (U, v_dim) = sum of weights * grad_out over each slot's reads.
 
     indices, weights: (B, K); grad_out: (B, v_dim)."""
-    reads = indices.shape[1]
-    flat = indices.reshape(-1)
-    # Stable sort: each slot's reads stay in (token, read) order, so the sum
-    # below is deterministic.
-    sorted_slots, order = torch.sort(flat, stable=True)
+    sorted_slots, bag_of_read, w = _reads_by_slot(indices, weights, grad_out.dtype)
     slots, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
     offsets = torch.zeros_like(counts)
     offsets[1:] = torch.cumsum(counts, 0)[:-1]
-    bag_of_read = torch.div(order, reads, rounding_mode="floor")  # the token each read came from
-    rows = F.embedding_bag(
-        bag_of_read, grad_out, offsets, mode="sum",
-        per_sample_weights=weights.reshape(-1)[order].to(grad_out.dtype),
-    )
-    return slots, rows
+    rows = F.embedding_bag(bag_of_read, grad_out, offsets, mode="sum", per_sample_weights=w)
+    # int64 slots whatever the index dtype: COO tensors need them.
+    return slots.long(), rows
+
+
+def dense_gradient(
+    indices: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor, n_slots: int
+) -> torch.Tensor:
+    """The table's gradient as a dense (n_slots, v_dim) tensor: the same bags
+    as `row_gradients`, plus an empty bag (a zero row) for every slot not
+    read. Bit for bit row_gradients scattered into zeros, but one pass: no
+    zero-fill of the table followed by a scatter (2x faster at
+    bench/kernels.py's CPU shapes)."""
+    sorted_slots, bag_of_read, w = _reads_by_slot(indices, weights, grad_out.dtype)
+    every_slot = torch.arange(n_slots, dtype=sorted_slots.dtype, device=sorted_slots.device)
+    offsets = torch.searchsorted(sorted_slots, every_slot)  # where each slot's reads start
+    return F.embedding_bag(bag_of_read, grad_out, offsets, mode="sum", per_sample_weights=w)
+
+
+def weight_gradients(
+    values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor
+) -> torch.Tensor:
+    """(B, K): d y[t] / d w[t, k] = values[indices[t, k]] . grad_y[t].
+
+    PyTorch's fused per-sample-weights backward computes these dot products
+    without gathering a (B, K, v_dim) tensor. On CPU we call it directly (aten
+    op, stable since torch 1.10): this skips re-running the forward, about a
+    third of this gradient's time at bench/kernels.py's shapes. Elsewhere, or
+    if the op's signature ever changes, the public route re-runs the cheap
+    forward under autograd."""
+    bags, reads = indices.shape
+    if values.device.type == "cpu":
+        flat = indices.reshape(-1)
+        offsets = torch.arange(0, bags * reads, reads, dtype=flat.dtype)
+        bag_of_read = torch.arange(bags, dtype=flat.dtype).repeat_interleave(reads)
+        try:
+            return torch.ops.aten._embedding_bag_per_sample_weights_backward(
+                grad_out, values.detach(), flat, offsets, bag_of_read, 0, -1  # mode 0 = sum
+            ).view(bags, reads)
+        except (AttributeError, RuntimeError, TypeError):
+            pass
+    with torch.enable_grad():
+        w = weights.detach().requires_grad_()
+        y = F.embedding_bag(indices, values.detach(), per_sample_weights=w, mode="sum")
+        (grad_weights,) = torch.autograd.grad(y, w, grad_out)
+    return grad_weights
 
 
 class _EmbeddingBag(torch.autograd.Function):
@@ -119,21 +266,14 @@ class _EmbeddingBag(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_values = grad_weights = None
         if ctx.needs_input_grad[2]:
-            # d y[t] / d w[t, k] = values[indices[t, k]] . grad_y[t]: PyTorch's
-            # fused kernel computes these dot products without gathering a
-            # (B, K, v_dim) tensor; re-running its cheap forward is the public
-            # way to reach it.
-            with torch.enable_grad():
-                w = weights.detach().requires_grad_()
-                y = F.embedding_bag(indices, values.detach(), per_sample_weights=w, mode="sum")
-                (grad_weights,) = torch.autograd.grad(y, w, grad_out)
+            grad_weights = weight_gradients(values, indices, weights, grad_out)
         if ctx.needs_input_grad[0]:
-            slots, rows = row_gradients(indices, weights, grad_out)
-            rows = rows.to(values.dtype)
             if ctx.sparse:
+                slots, rows = row_gradients(indices, weights, grad_out)
                 grad_values = torch.sparse_coo_tensor(
-                    slots.unsqueeze(0), rows, values.shape, is_coalesced=True, check_invariants=False
+                    slots.unsqueeze(0), rows.to(values.dtype), values.shape,
+                    is_coalesced=True, check_invariants=False,
                 )
             else:
-                grad_values = values.new_zeros(values.shape).index_copy_(0, slots, rows)
+                grad_values = dense_gradient(indices, weights, grad_out, values.shape[0]).to(values.dtype)
         return grad_values, None, grad_weights, None

@@ -154,5 +154,5 @@ def test_pool_reader_hook_replaces_the_local_read():
 
     layer.values.reader = reader
     out = layer(torch.randn(3, 8, dtype=torch.float64))
-    assert calls == [(torch.Size([3, 2 * 3]), False, "torch")]
+    assert calls == [(torch.Size([3, 2 * 3]), False, "auto")]  # the config value; resolved per call by device
     assert torch.equal(out, torch.zeros_like(out))  # W2(0 * gate) = 0

@@ -86,7 +86,7 @@ def test_shapes_and_kernels_are_checked():
     values, indices, weights, _ = _inputs()
     with pytest.raises(ValueError, match="bags, reads"):
         embedding_bag(values, indices.flatten(), weights.flatten())
-    assert resolve_kernel("auto") == "torch"
+    assert resolve_kernel("auto", "cpu") == "torch"
     assert resolve_kernel("torch") == "torch"
     with pytest.raises(ConfigError, match="memory.kernel") as err:
         resolve_kernel("cuda")
