@@ -181,3 +181,25 @@ def test_resharding_restores_model_and_optimizer(tmp_path, saved_on, resumed_on)
         for k in a[part]:
             assert torch.equal(a[part][k], b[part][k]), f"{part} {k}"
     assert any("exp_avg_sq" in k for k in a["optim"])
+
+
+@pytest.mark.slow
+def test_sigusr1_checkpoints_and_stops_then_resume_finishes(tmp_path):
+    overrides = [*BASE, "steps=100000", f"dump_dir={tmp_path}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "memlm.train", *overrides], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    for line in proc.stdout:
+        if "step 3/" in line:
+            proc.send_signal(signal.SIGUSR1)
+            break
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=300) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["preempted"] is True and "preempted" in rest
+    stopped = summary["steps"]
+    assert 3 <= stopped < 100000
+    assert (tmp_path / "checkpoints" / f"step_{stopped:08d}" / "meta.json").is_file()
+    t = Trainer(compose([*BASE, f"steps={stopped + 2}", f"dump_dir={tmp_path}", "resume=auto"]))
+    assert t.step == stopped
+    assert t.fit()["steps"] == stopped + 2

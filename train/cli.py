@@ -20,6 +20,7 @@ Under torchrun every rank runs the same command.
 Config groups and their presets:
 {groups}
 Print the composed config without training: python -m memlm.train --cfg [overrides]
+Sweep (Hydra multirun), one run after another: python -m memlm.train -m memory.n_keys=64,128 [overrides]
 """
 
 
@@ -29,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         groups = "\n".join(f"  {g:<11} {', '.join(group_options(g))}" for g in GROUPS)
         print(USAGE.format(groups=groups))
         return 0
+    if any(a in ("-m", "--multirun") for a in argv):
+        from memlm.launch.multirun import multirun
+
+        return multirun(argv)  # one run per sweep point, one after another
     show_only = "--cfg" in argv
     overrides = [a for a in argv if a != "--cfg"]
     try:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from memlm.errors import ConfigError
+from memlm.launch.preemption import install_preemption_handler
 from memlm.model import Transformer
 from memlm.train import memory_hooks
 from memlm.train.checkpoint import Checkpointer
@@ -75,6 +76,7 @@ class Trainer:
         self._nonfinite_run = 0
         self._nonfinite_at = nonfinite_at  # test hook: steps whose loss is replaced by NaN
         self.checkpointer = Checkpointer(self.dump_dir, cfg.checkpoint)
+        self._last_saved_step = -1
         self._check_eval_config()
         self.resumed_from = self._restore()
 
@@ -107,6 +109,7 @@ class Trainer:
         return path
 
     def save_checkpoint(self):
+        self._last_saved_step = self.step
         return self.checkpointer.save(
             self.step, self.model, self.optimizer, self.scheduler, self.train_loader,
             {"tokens": self.tokens, "nonfinite_total": self.nonfinite_total}, to_yaml(self.cfg),
@@ -233,6 +236,10 @@ class Trainer:
         first_step = self.step
         eval_results: dict[str, Any] = {}
         window_tokens, last, val_loss = self.tokens, {}, None
+        preempted = False
+        # SIGUSR1 (Slurm, before the time limit) -> checkpoint after the current step and stop.
+        preemption = install_preemption_handler(
+            lambda: self.save_checkpoint() if self._last_saved_step != self.step else None)
         try:
             while self.step < last_step:
                 last = self.train_step()
@@ -255,6 +262,11 @@ class Trainer:
                     saved = self.save_checkpoint()
                 if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.steps:
                     eval_results = self._evaluate(saved or self.save_checkpoint(), logger)
+                if preemption.check():  # collective: every rank stops after the same step
+                    preempted = True
+                    break
+            if preempted:
+                return self._finish(start, last, None, eval_results, preempted=True)
             val_loss = self._log_validation(logger) if self.val_loader is not None else val_loss
             just_saved = cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0
             final = None
@@ -263,13 +275,19 @@ class Trainer:
             if cfg.eval.after_training and final is not None and self.step == cfg.steps:
                 eval_results = self._evaluate(final, logger)
         finally:
+            preemption.uninstall()
             logger.close()
-        summary = {"name": cfg.name, "steps": self.step, "tokens": self.tokens, "final_loss": last.get("loss"),
-                   "val_loss": val_loss, "evals": eval_results, "nonfinite_skipped": self.nonfinite_total,
+        return self._finish(start, last, val_loss, eval_results)
+
+    def _finish(self, start: float, last: dict, val_loss, eval_results: dict, preempted: bool = False) -> dict:
+        summary = {"name": self.cfg.name, "steps": self.step, "tokens": self.tokens,
+                   "final_loss": last.get("loss"), "val_loss": val_loss, "evals": eval_results,
+                   "nonfinite_skipped": self.nonfinite_total, "preempted": preempted,
                    "seconds": round(time.perf_counter() - start, 2), "dump_dir": str(self.dump_dir)}
-        if env.is_main:
+        if self.env.is_main:
             (self.dump_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-            print(f"[train] done: {summary}", flush=True)
+            word = "preempted: checkpointed and stopped" if preempted else "done"
+            print(f"[train] {word}: {summary}", flush=True)
         return summary
 
     def _evaluate(self, checkpoint: Path, logger: MetricsLogger) -> dict[str, Any]:

@@ -1,0 +1,96 @@
+"""Stop a training run cleanly when the cluster is about to take its nodes away.
+
+The Slurm job of memlm.launch.slurm forwards SIGUSR1 (sent before the time
+limit) to every rank. Checkpointing inside the signal handler itself would
+interleave the checkpoint's collectives with whatever collective the rank was
+in (a deadlock), and ranks receive the signal at slightly different moments.
+So the handler only sets a flag, and the training loop asks once per step:
+
+    from memlm.launch.preemption import install_preemption_handler
+
+    preemption = install_preemption_handler(self.save_checkpoint)   # in Trainer.fit, before the loop
+    while self.step < last_step:
+        ...one optimizer step, logging, periodic checkpoint...
+        if preemption.check():  # collective: call it on every rank, once per step
+            break               # the checkpoint is written; leave fit() and exit the process
+    preemption.uninstall()      # in a finally: restore the previous handlers
+
+`check()` all-reduces the flag (MAX over the default process group), so every
+rank stops after the same step even if only one of them got the signal, then
+runs the callback once on every rank (the checkpoint is collective too).
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Sequence
+
+
+class PreemptionHandler:
+    def __init__(self, callback: Callable[[], object] | None, signals: Sequence[signal.Signals]):
+        self.callback = callback
+        self.signals = tuple(signals)
+        self.received: signal.Signals | None = None  # the first signal this process got
+        self.stopped = False  # check() has returned True (and run the callback)
+        self._previous = {s: signal.signal(s, self._on_signal) for s in self.signals}
+
+    def _on_signal(self, signum: int, frame) -> None:
+        # Only a flag: the handler may run in the middle of a collective or a
+        # print, where doing real work (or even printing) is unsafe.
+        if self.received is None:
+            self.received = signal.Signals(signum)
+
+    @property
+    def requested(self) -> bool:
+        """Whether this process received one of the signals (no communication)."""
+        return self.received is not None
+
+    def should_stop(self) -> bool:
+        """Whether any rank received a signal. Collective when a process group
+        with more than one rank is initialized: every rank must call it at the
+        same point of the loop."""
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return self.requested
+        on_gpu = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def check(self) -> bool:
+        """Call once per step on every rank. True (after running the callback
+        once) when the run should stop; later calls return True without communicating."""
+        if self.stopped:
+            return True
+        if not self.should_stop():
+            return False
+        self.stopped = True
+        _print_main(f"[preemption] {self.received.name if self.received else 'a signal on another rank'}: "
+                    "writing a checkpoint and stopping; the next attempt resumes with resume=auto")
+        if self.callback is not None:
+            self.callback()
+        return True
+
+    def uninstall(self) -> None:
+        """Restore the handlers that were installed before."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+
+def install_preemption_handler(callback: Callable[[], object] | None = None,
+                               signals: Sequence[signal.Signals] = (signal.SIGUSR1,)) -> PreemptionHandler:
+    """Catch `signals` (default SIGUSR1) from now on; returns the handler whose
+    `check()` the training loop calls once per step. Must be called from the
+    main thread (Python delivers signals only there)."""
+    return PreemptionHandler(callback, signals)
+
+
+def _print_main(message: str) -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        print(message, flush=True)

@@ -1,0 +1,270 @@
+"""`python -m memlm.launch sweep`: the Cartesian product of Hydra sweep
+overrides, one run per point, run locally one after another or submitted to Slurm.
+
+    python -m memlm.launch sweep 'memory.n_keys=128,256' 'memory.knn=16,32' -- memory=memplus steps=500
+
+Sweep syntax is Hydra's own (parsed by its OverridesParser): `a,b,c`,
+`choice(a,b)`, `range(start,stop[,step])`, `glob(pattern)` for config groups
+(`model=glob(1*)`), with `shuffle()`/`sort()`. Each point gets
+`dump_dir=<base dump_dir>/<its overrides>` and `name=<base name>/<its overrides>`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from memlm.errors import ConfigError
+from memlm.launch.local import read_summary, run_streaming, torchrun_command, torchrun_env
+from memlm.launch.validate import LaunchError, check_positive, compose_for_launch
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]")
+RESERVED = ("dump_dir", "name")  # set per point by the sweep
+
+
+@dataclass
+class SweepPoint:
+    label: str  # the swept overrides of this point, e.g. "memory.n_keys=128,memory.knn=16"
+    items: list[str]  # this point's key=value for every argument before `--` (swept or not)
+    overrides: list[str]  # everything passed to the trainer, in order
+    dump_dir: Path
+    result: dict = field(default_factory=dict)
+
+
+class _GroupOptions:
+    """What Hydra's glob() asks a config loader for: the presets of a config group."""
+
+    def get_group_options(self, group: str, results_filter=None, config_name=None, overrides=None) -> list[str]:
+        from memlm.train.config import GROUPS, group_options
+
+        if group not in GROUPS:
+            raise ConfigError(group, "glob(...)", f"glob() only expands config groups: {', '.join(GROUPS)}")
+        return group_options(group)
+
+
+def expand(sweep_args: Sequence[str]) -> tuple[list[str], list[list[str]]]:
+    """Parse `sweep_args` with Hydra's grammar; return (swept keys, points).
+    Each point is one `key=value` per argument; non-sweep arguments appear in every point."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create(config_loader=_GroupOptions())
+    try:
+        parsed = parser.parse_overrides(list(sweep_args))
+    except HydraException as err:
+        raise ConfigError("sweep", list(sweep_args), f"Hydra sweep syntax (a,b / range() / glob()); "
+                                                     f"Hydra said: {err}") from None
+    axes: dict[str, list[str]] = {}
+    swept: list[str] = []
+    for o in parsed:
+        key = o.get_key_element()
+        if key in axes:
+            raise ConfigError("sweep", o.input_line, f"one argument per key; {key} appears twice")
+        if not o.is_sweep_override():
+            axes[key] = [f"{key}={o.get_value_element_as_str()}"]
+            continue
+        if not o.is_discrete_sweep():
+            raise ConfigError(key, o.get_value_string(), "a list a,b / choice() / range() / glob(); interval() "
+                                                         "needs an optimizing sweeper, which memlm does not run")
+        values = list(o.sweep_string_iterator())
+        if not values:
+            raise ConfigError(key, o.get_value_string(), "a sweep with at least one value (it matched nothing)")
+        axes[key] = [f"{key}={v}" for v in values]
+        swept.append(key)
+    return swept, [list(p) for p in itertools.product(*axes.values())]
+
+
+def point_label(items: Sequence[str], swept: Sequence[str]) -> str:
+    keys = set(swept)
+    return ",".join(i for i in items if i.split("=", 1)[0] in keys) or "default"
+
+
+def safe_dirname(label: str) -> str:
+    """A directory name for a point label: unsafe characters -> '_', long ones shortened with a hash."""
+    name = _UNSAFE.sub("_", label).lstrip(".-") or "point"
+    if len(name) > 150:
+        name = f"{name[:140]}-{hashlib.sha1(label.encode()).hexdigest()[:8]}"
+    return name
+
+
+def plan(sweep_args: Sequence[str], base: Sequence[str], world_size: int, world_desc: str) -> list[SweepPoint]:
+    """Expand and validate every point before anything runs."""
+    from memlm.launch.slurm import hydra_value
+    from memlm.launch.validate import split_sweeps
+
+    base_sweeps = split_sweeps(base)
+    if base_sweeps:
+        raise ConfigError("overrides", base_sweeps,
+                          "single values after `--`; put sweeps before `--` (sweep 'a=1,2' -- b=3)")
+    swept, points = expand(sweep_args)
+    base_keys = {b.lstrip("+~").split("=", 1)[0] for b in base}
+    for key in swept:
+        if key.lstrip("+~") in RESERVED:
+            raise ConfigError(key, "(swept)", f"not swept: the sweep sets {key} for every point")
+    both = sorted(base_keys & {k.lstrip("+~") for k in swept})
+    if both:
+        raise ConfigError(both[0], "(swept and fixed)", "either swept (before `--`) or fixed (after `--`), not both")
+    # Non-swept arguments before `--` (e.g. name=x under `-m`) count as fixed for the root too.
+    fixed = [i for i in points[0] if i.split("=", 1)[0] not in set(swept)]
+    base_cfg = compose_for_launch([*base, *fixed], world_size, world_desc)
+    root = Path(base_cfg.dump_dir)
+    out, seen = [], set()
+    for items in points:
+        label = point_label(items, swept)
+        dirname = safe_dirname(label)
+        if dirname in seen:  # two labels that differ only in unsafe characters
+            dirname = f"{dirname}-{len(seen)}"
+        seen.add(dirname)
+        dump_dir = root / dirname
+        overrides = [*base, *items, f"dump_dir={hydra_value(str(dump_dir))}",
+                     f"name={hydra_value(f'{base_cfg.name}/{dirname}')}"]
+        out.append(SweepPoint(label, items, overrides, dump_dir))
+    for i, point in enumerate(out, 1):
+        try:
+            compose_for_launch(point.overrides, world_size, world_desc)
+        except ConfigError as err:
+            raise ConfigError(err.key, err.value, f"{err.valid} (sweep point {i}/{len(out)}: {point.label})") from None
+    return out
+
+
+def describe(point: SweepPoint) -> dict:
+    """Parameter counts and forward FLOPs/token of a point (no model is allocated)."""
+    from memlm.train.describe import describe_row
+
+    row = describe_row(point.overrides, None)
+    return {"total": row["total"], "active": row["active"], "flops_per_token": row["flops_per_token"]}
+
+
+def eval_metrics(dump_dir: Path) -> dict[str, float]:
+    """Scalar results of the newest `<dump_dir>/evals/*.json` (highest step), flattened."""
+    newest, step = None, -1
+    for path in sorted((dump_dir / "evals").glob("*.json")):
+        try:
+            payload = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(payload, dict) and isinstance(payload.get("step", 0), int) and payload.get("step", 0) >= step:
+            newest, step = payload, payload.get("step", 0)
+    flat: dict[str, float] = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}/{k}" if prefix else str(k), v)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            flat[prefix] = value
+
+    walk("", (newest or {}).get("results", {}))
+    return flat
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool) or value is None:
+        return "-" if value is None else str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.3e}"
+    return str(value)
+
+
+def summary_table(points: Sequence[SweepPoint]) -> str:
+    metric_keys = sorted({k for p in points for k in p.result.get("evals", {})})
+    cols = ["point", "status", "params", "active", "fwd_flops/token", "final_loss", "val_loss", *metric_keys]
+    rows = []
+    for p in points:
+        r = p.result
+        rows.append([p.label, r.get("status", "-"), r.get("total"), r.get("active"), r.get("flops_per_token"),
+                     r.get("final_loss"), r.get("val_loss"), *(r.get("evals", {}).get(k) for k in metric_keys)])
+    cells = [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+    for row in cells:
+        lines.append("  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))))
+    return "\n".join(lines)
+
+
+def run_local(points: Sequence[SweepPoint], nproc: int = 1, max_restarts: int = 0) -> int:
+    """Run the points one after another; a failed point is reported and the sweep goes on."""
+    failed = 0
+    for i, point in enumerate(points, 1):
+        print(f"[sweep] point {i}/{len(points)}: {point.label} -> {point.dump_dir}", flush=True)
+        if nproc == 1 and not max_restarts:
+            cmd = [sys.executable, "-m", "memlm.train", *point.overrides]
+        else:
+            cmd = torchrun_command(point.overrides, nproc, max_restarts)
+        started = time.time()
+        rc = run_streaming(cmd, point.dump_dir, torchrun_env(max_restarts))
+        summary = read_summary(point.dump_dir, started) or {}
+        point.result.update(status="ok" if rc == 0 else f"failed ({rc})", final_loss=summary.get("final_loss"),
+                            val_loss=summary.get("val_loss"), evals=eval_metrics(point.dump_dir))
+        failed += rc != 0
+    for point in points:
+        point.result.update(describe(point))
+    print(f"\n[sweep] {len(points) - failed}/{len(points)} point(s) finished"
+          + (f", {failed} failed" if failed else "") + "\n" + summary_table(points), flush=True)
+    print("\nfwd_flops/token: forward FLOPs per token (a training step is ~3x); final_loss: last training step; "
+          "eval columns: the newest <dump_dir>/evals/*.json", flush=True)
+    write_record(points)
+    return 1 if failed else 0
+
+
+def write_record(points: Sequence[SweepPoint]) -> None:
+    root = points[0].dump_dir.parent
+    record = [{"point": p.label, "dump_dir": str(p.dump_dir), "overrides": p.overrides, **p.result} for p in points]
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "sweep.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"[sweep] wrote {root / 'sweep.json'}", flush=True)
+
+
+def run_slurm(points: Sequence[SweepPoint], opts, dry_run: bool = False) -> int:
+    """One sbatch job per point, all sharing one code snapshot under the sweep's root."""
+    from memlm.launch import slurm
+
+    out = sys.stderr if dry_run else sys.stdout
+    code_dir = points[0].dump_dir.parent.absolute() / "launch" / "code"
+    # Every script is rendered (and so checked) before the first submission.
+    jobs = [slurm.prepare_job(point.overrides, opts, code_dir) for point in points]
+    if not dry_run:
+        slurm.sbatch_path()
+        files, size = slurm.snapshot_code(code_dir)
+        print(f"[sweep] code snapshot: {files} files, {size / 2**20:.1f} MiB -> {code_dir / 'memlm'}", flush=True)
+    failed = 0
+    for i, (point, job) in enumerate(zip(points, jobs), 1):
+        print(f"[sweep] point {i}/{len(points)}: {point.label}", file=out, flush=True)
+        failed += slurm.submit_job(job, opts, dry_run, snapshot=False) != 0
+    print(f"[sweep] {len(points) - failed}/{len(points)} point(s) " + ("printed (dry run)" if dry_run else "submitted")
+          + (f", {failed} failed" if failed else ""), file=out, flush=True)
+    return 1 if failed else 0
+
+
+def sweep(sweep_args: Sequence[str], base: Sequence[str], nproc: int = 1, max_restarts: int = 0,
+          slurm_opts=None, dry_run: bool = False) -> int:
+    if not sweep_args:
+        raise LaunchError("sweep needs at least one override before `--`, e.g. 'memory.n_keys=128,256'")
+    if slurm_opts is None:
+        check_positive("--nproc", nproc)
+        world, desc = nproc, f"--nproc {nproc}"
+    else:
+        world = slurm_opts.nodes * slurm_opts.gpus_per_node
+        desc = f"--nodes {slurm_opts.nodes} x --gpus-per-node {slurm_opts.gpus_per_node}"
+    points = plan(sweep_args, base, world, desc)
+    out = sys.stderr if dry_run else sys.stdout
+    print(f"[sweep] {len(points)} point(s) under {points[0].dump_dir.parent}:", file=out, flush=True)
+    for point in points:
+        print(f"  {point.label}", file=out, flush=True)
+    if slurm_opts is not None:
+        return run_slurm(points, slurm_opts, dry_run)
+    if dry_run:
+        for point in points:
+            print(shlex.join([sys.executable, "-m", "memlm.train", *point.overrides]))
+        return 0
+    return run_local(points, nproc, max_restarts)
