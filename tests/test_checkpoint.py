@@ -108,15 +108,30 @@ def test_mismatched_config_lists_tensors(tmp_path):
     assert "tok_embeddings.weight" in message and "(128, 64)" in message and "(128, 32)" in message
 
 
-def test_crafted_pickle_is_refused(tmp_path):
+def test_crafted_pickle_in_a_checkpoint_is_refused(tmp_path):
+    """A shard replaced by a malicious pickle (with a manifest that matches it,
+    as an attacker would write) fails to load without running its payload."""
+    import zlib
+
     class Evil:
         def __reduce__(self):
             return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
 
+    Trainer(compose([*BASE, "steps=2", f"dump_dir={tmp_path / 'run'}"])).fit()
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
+    shard = next(ckpt.glob("__0_*.distcp"))
+    payload = pickle.dumps(Evil())
+    shard.write_bytes(payload * (shard.stat().st_size // len(payload) + 1))
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["manifest"][shard.name] = {"size": shard.stat().st_size, "crc32": zlib.crc32(shard.read_bytes())}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="UnpicklingError"):
+        Trainer(compose([*BASE, "steps=4", f"dump_dir={tmp_path / 'run'}", f"resume={ckpt}"]))
+    assert not (tmp_path / "pwned").exists()
     path = tmp_path / "evil.pt"
     path.write_bytes(pickle.dumps({"x": Evil()}))
     with pytest.raises(pickle.UnpicklingError):
-        torch.load(path, weights_only=True)
+        torch.load(path, weights_only=True)  # what our loaders use for any torch file
     assert not (tmp_path / "pwned").exists()
 
 
@@ -203,3 +218,20 @@ def test_sigusr1_checkpoints_and_stops_then_resume_finishes(tmp_path):
     t = Trainer(compose([*BASE, f"steps={stopped + 2}", f"dump_dir={tmp_path}", "resume=auto"]))
     assert t.step == stopped
     assert t.fit()["steps"] == stopped + 2
+
+
+def test_async_save_lands_and_resumes_exactly(tmp_path):
+    sync, background = tmp_path / "sync", tmp_path / "async"
+    Trainer(compose([*BASE, "steps=6", "checkpoint.every=2", f"dump_dir={sync}"])).fit()
+    t = Trainer(compose([*BASE, "steps=6", "checkpoint.every=2", "checkpoint.async_save=true",
+                         f"dump_dir={background}"]))
+    t.fit()
+    names = sorted(p.name for p in (background / "checkpoints").iterdir())
+    assert names == ["latest", "step_00000004", "step_00000006"]  # keep=2, all published
+    for step in (4, 6):
+        verify(background / "checkpoints" / f"step_{step:08d}")
+    a = Trainer(compose([*BASE, "steps=6", f"dump_dir={sync}", "resume=auto"]))
+    b = Trainer(compose([*BASE, "steps=6", f"dump_dir={background}", "resume=auto"]))
+    assert a.step == b.step == 6
+    sa, sb = full_state(a.model), full_state(b.model)
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)

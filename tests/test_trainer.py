@@ -174,3 +174,34 @@ def test_sparse_updates_equal_dense_adamw_when_every_row_is_read(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
         assert usage_metrics(sparse.model)["memory/layer1/usage"] == 1.0
     assert torch.allclose(_value_table(dense), _value_table(sparse), atol=1e-6, rtol=0)
+
+
+def test_missing_data_paths_fail_before_training(tmp_path):
+    from memlm.data.stats import DataError
+    from memlm.data.tokenizer import train_tokenizer
+
+    missing = tmp_path / "nowhere" / "*.jsonl"
+    raw = [*BASE, "data.kind=raw", f"data.sources=[{{path: '{missing}'}}]", f"dump_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match="missing.model"):
+        Trainer(compose([*raw, f"data.tokenizer={tmp_path / 'missing.model'}"]))
+    tok = tmp_path / "tok.model"
+    train_tokenizer([f"document number {i} about things" for i in range(200)], str(tok), 300)
+    with pytest.raises((ConfigError, DataError, FileNotFoundError)) as err:
+        Trainer(compose([*raw, f"data.tokenizer={tok}"]))
+    assert "nowhere" in str(err.value)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_gives_the_same_step(tmp_path, mode):
+    memory = ["model.n_layers=3", "memory=memplus", "memory.layers=[1]", "memory.n_keys=8", "memory.knn=4",
+              "memory.eval_knn=4", "memory.heads=2", "memory.k_dim=16", "data.micro_batch=2"]
+    batches = _batches(2, 2)
+    ref = Trainer(compose([*BASE, *memory, f"dump_dir={tmp_path / 'a'}"]), train_loader=iter(batches))
+    ac = Trainer(compose([*BASE, *memory, f"parallel.activation_checkpoint={mode}", f"dump_dir={tmp_path / 'b'}"]),
+                 train_loader=iter(batches))
+    wrapped = [type(m).__name__ for m in ac.model.modules() if "Checkpoint" in type(m).__name__]
+    assert wrapped, "no module was wrapped for recomputation"
+    for _ in range(2):
+        a, b = ref.train_step(), ac.train_step()
+        assert a["loss"] == b["loss"] and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -53,10 +54,18 @@ class CheckpointError(RuntimeError):
 
 
 def _dcp(fn, *args, **kwargs):
-    """DCP save/load; one process runs without a process group (no warning)."""
+    """DCP save/load; one process runs without a process group (no warning).
+    DCP's CheckpointException derives from BaseException: it becomes a
+    CheckpointError naming the checkpoint and the first rank's error."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        return fn(*args, no_dist=not dist.is_initialized(), **kwargs)
+        try:
+            return fn(*args, no_dist=not dist.is_initialized(), **kwargs)
+        except CheckpointException as err:
+            first = next(iter(err.failures.values()), err)
+            first = getattr(first, "exc", first)
+            raise CheckpointError(f"checkpoint {kwargs.get('checkpoint_id')}: {type(first).__name__}: "
+                                  f"{str(first).splitlines()[0] if str(first) else ''}") from None
 
 
 def _barrier() -> None:
@@ -168,10 +177,16 @@ class Checkpointer:
     def __init__(self, dump_dir: Path, cfg: CheckpointConfig):
         self.root = Path(dump_dir) / "checkpoints"
         self.cfg = cfg
+        self._pending = None  # an async save in flight: (future, tmp, final, meta, start)
 
     # ---------------------------------------------------------------- save
     def save(self, step: int, model, optimizer, scheduler, loader, trainer_state: dict[str, Any],
              config_yaml: str) -> Path:
+        """Write a checkpoint of the current state. With `checkpoint.async_save`
+        the tensors are staged in host memory and written in the background;
+        the checkpoint becomes visible (renamed, `latest`) when the next save
+        starts or `finalize()` is called."""
+        self.finalize()  # one save in flight at most
         start = time.perf_counter()
         name = f"{PREFIX}{step:08d}"
         tmp, final = self.root / f".tmp_{name}", self.root / name
@@ -184,34 +199,53 @@ class Checkpointer:
             tmp.mkdir()
         _barrier()
         osd = get_optimizer_state_dict(model, optimizer)
-        _dcp(dcp.save, {"model": get_model_state_dict(model), "optim": {"state": osd["state"]}},
-             checkpoint_id=str(tmp))
+        state = {"model": get_model_state_dict(model), "optim": {"state": osd["state"]}}
         loader_state = loader.state_dict() if hasattr(loader, "state_dict") else None
         _atomic_write(tmp / f"rank{_rank()}.json", json.dumps({"loader": loader_state, "rng": rng_state()}))
+        meta = {"step": step, "world_size": _world(), **trainer_state, "scheduler": scheduler.state_dict(),
+                "param_groups": osd["param_groups"], "config": config_yaml}
+        if self.cfg.async_save:
+            future = _dcp(dcp.async_save, state, checkpoint_id=str(tmp))
+            self._pending = (future, tmp, final, meta, start)
+            if _rank() == 0:
+                print(f"[checkpoint] staged step {step} for a background write (training blocked "
+                      f"{time.perf_counter() - start:.2f}s)", flush=True)
+            return final
+        _dcp(dcp.save, state, checkpoint_id=str(tmp))
+        self._publish(tmp, final, meta, start)
+        return final
+
+    def finalize(self) -> None:
+        """Wait for a background save (if any) and make it the newest checkpoint."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            future, tmp, final, meta, start = pending
+            result = future.result() if hasattr(future, "result") else future.upload_completion.result()
+            del result
+            self._publish(tmp, final, meta, start)
+
+    def _publish(self, tmp: Path, final: Path, meta: dict[str, Any], start: float) -> None:
+        """Every rank has written into tmp: add the manifest, rename, point `latest` at it."""
         _barrier()
         if _rank() == 0:
-            meta = {
-                "step": step, "world_size": _world(), **trainer_state,
-                "scheduler": scheduler.state_dict(), "param_groups": osd["param_groups"],
-                "config": config_yaml,
-                "manifest": _manifest(tmp, self.cfg.verify == "checksum"),
-            }
+            meta = {**meta, "manifest": _manifest(tmp, self.cfg.verify == "checksum")}
             _atomic_write(tmp / "meta.json", json.dumps(meta))
             if final.exists():  # re-saving a step (e.g. after a resume): keep the old one until replaced
-                old = self.root / f".old_{name}"
+                old = self.root / f".old_{final.name}"
                 shutil.rmtree(old, ignore_errors=True)
                 os.replace(final, old)
                 os.replace(tmp, final)
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(tmp, final)
-            _atomic_write(self.root / "latest", name + "\n")
+            _atomic_write(self.root / "latest", final.name + "\n")
             self._prune()
             size = sum(p.stat().st_size for p in final.iterdir())
-            print(f"[checkpoint] saved {final} ({size / 2**20:.1f} MiB, training blocked "
+            verb = "wrote in the background" if self.cfg.async_save else "saved"
+            print(f"[checkpoint] {verb} {final} ({size / 2**20:.1f} MiB, "
+                  f"{'since staging' if self.cfg.async_save else 'training blocked'} "
                   f"{time.perf_counter() - start:.2f}s)", flush=True)
         _barrier()
-        return final
 
     def _prune(self) -> None:
         kept = complete_checkpoints(self.root)

@@ -120,6 +120,9 @@ class CheckpointConfig:
     # checksum (crc32 of every file) | size (file sizes only, for huge runs).
     verify: str = "checksum"
     at_end: bool = True
+    # Stage tensors in host memory and write them in a background thread: training
+    # is blocked only for the copy (for GPU runs with large states).
+    async_save: bool = False
 
     def validate(self, prefix: str = "checkpoint") -> None:
         for key in ("every", "keep_every"):

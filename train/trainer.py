@@ -276,6 +276,7 @@ class Trainer:
                 eval_results = self._evaluate(final, logger)
         finally:
             preemption.uninstall()
+            self.checkpointer.finalize()  # a background save must land before the process exits
             logger.close()
         return self._finish(start, last, val_loss, eval_results)
 
@@ -297,6 +298,7 @@ class Trainer:
         from memlm.evals import run_suite
         from memlm.train.load import load_model
 
+        self.checkpointer.finalize()
         loaded = load_model(checkpoint, device=self.env.device)
         results = run_suite(
             loaded.model, Tokenizer(loaded.tokenizer_path), self.cfg.eval, self.step, self.dump_dir / "evals",
