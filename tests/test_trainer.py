@@ -205,3 +205,15 @@ def test_activation_checkpointing_gives_the_same_step(tmp_path, mode):
     for _ in range(2):
         a, b = ref.train_step(), ac.train_step()
         assert a["loss"] == b["loss"] and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_like_eager_and_keep_parameter_names(tmp_path):
+    batches = _batches(3, 2)
+    eager = Trainer(compose([*BASE, "data.micro_batch=2", f"dump_dir={tmp_path / 'e'}"]), train_loader=iter(batches))
+    compiled = Trainer(compose([*BASE, "data.micro_batch=2", "parallel.compile=true", f"dump_dir={tmp_path / 'c'}"]),
+                       train_loader=iter(batches))
+    for _ in range(3):
+        a, b = eager.train_step(), compiled.train_step()
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+    assert list(eager.model.state_dict()) == list(compiled.model.state_dict())

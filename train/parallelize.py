@@ -40,8 +40,10 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
 
 
 def apply_compile(model: Transformer) -> None:
-    for i, block in enumerate(model.layers):
-        model.layers[i] = torch.compile(block)
+    """Compile each block in place (`Module.compile`): parameter names, and so
+    checkpoints, stay the same with and without compilation."""
+    for block in model.layers:
+        block.compile()
 
 
 def param_dtype(cfg: ParallelConfig, device: torch.device) -> torch.dtype:
