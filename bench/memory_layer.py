@@ -160,8 +160,8 @@ def render(rows, baseline, lookup, load_before, load_after, quick, repeats) -> s
         f"- Lookup at {large['slots']:,} slots, one head, forward, per token: product keys "
         f"{pk * 1e6:.1f} us, flat scoring of every slot {flat * 1e6:.0f} us: "
         f"{flat / pk:.0f}x faster (goal >= 20x: {'met' if flat / pk >= 20 else 'not met'}).",
-        "- Other jobs shared this machine's cores during the run (load average above), so "
-        "absolute times are noisy; each figure is the fastest of its repeats.",
+        "- The cores may be shared with other jobs (see the load average above), so absolute "
+        "times are noisy; each figure is the fastest of its repeats.",
         "",
     ]
     return "\n".join(lines)

@@ -47,34 +47,45 @@ def batches(n: int, cfg) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def time_bare(overrides: list[str], data, warmup: int) -> float:
-    """Seconds per step of a hand-written loop: forward, loss, backward, clip, AdamW."""
+def bare_step(overrides: list[str]):
+    """A hand-written step: forward, loss, backward, clip, AdamW (the baseline)."""
     cfg = compose(overrides)
     model = build_model(cfg.model, cfg.memory if cfg.memory.kind != "none" else None, seed=0).train()
     opt = build_optimizer(model, cfg, torch.device("cpu"))
-    times = []
-    for i, (x, y) in enumerate(data):
-        start = time.perf_counter()
+
+    def step(x, y):
         loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
         clip_(list(model.parameters()), cfg.optim.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+
+    return step
 
 
-def time_trainer(overrides: list[str], data, warmup: int, dump_dir: str) -> float:
-    cfg = compose([*overrides, f"dump_dir={dump_dir}", "logging.wandb.mode=disabled", f"steps={len(data)}"])
-    trainer = Trainer(cfg, train_loader=iter(data))
-    times = []
-    for i in range(len(data)):
-        start = time.perf_counter()
+def trainer_step(overrides: list[str], dump_dir: str, steps: int):
+    cfg = compose([*overrides, f"dump_dir={dump_dir}", "logging.wandb.mode=disabled", f"steps={steps}"])
+    feed: list = []
+    trainer = Trainer(cfg, train_loader=iter(lambda: feed.pop(), None))
+
+    def step(x, y):
+        feed.append((x, y))
         trainer.train_step()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+
+    return step
+
+
+def median_times(steps: dict, data, warmup: int) -> dict[str, float]:
+    """Round-robin over the variants, one step each in turn, so drifting
+    background load affects all of them alike; median seconds per step."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i, (x, y) in enumerate(data):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step(x, y)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main(argv=None) -> int:
@@ -89,11 +100,11 @@ def main(argv=None) -> int:
     header = machine_line()
     print(header)
     with tempfile.TemporaryDirectory() as tmp:
-        # Interleave the measurements so background load hits both alike.
-        bare_d = time_bare(MODEL, data, warmup)
-        trainer_d = time_trainer(MODEL, data, warmup, f"{tmp}/d")
-        bare_m = time_bare([*MODEL, *MEMPLUS], data, warmup)
-        trainer_m = time_trainer([*MODEL, *MEMPLUS], data, warmup, f"{tmp}/m")
+        t = median_times({
+            "bare_d": bare_step(MODEL), "trainer_d": trainer_step(MODEL, f"{tmp}/d", steps),
+            "bare_m": bare_step([*MODEL, *MEMPLUS]), "trainer_m": trainer_step([*MODEL, *MEMPLUS], f"{tmp}/m", steps),
+        }, data, warmup)
+    bare_d, trainer_d, bare_m, trainer_m = t["bare_d"], t["trainer_d"], t["bare_m"], t["trainer_m"]
     rows = [
         ("dense", bare_d, trainer_d),
         ("Memory+ (3 layers, 16K slots shared)", bare_m, trainer_m),
@@ -105,7 +116,8 @@ def main(argv=None) -> int:
     body = "\n".join([
         header, "",
         f"Model: dim 256, 6 layers, 8 heads, vocab 4096, seq_len 256 x micro_batch 8 ({tokens} tokens/step); "
-        f"median of {steps - warmup} steps after {warmup} warm-up steps.", "",
+        f"median of {steps - warmup} steps after {warmup} warm-up steps, the four variants "
+        "measured in turn, one step each, on the same batches.", "",
         *lines, "",
         f"- Trainer / bare loop (dense): {bare_d / trainer_d:.2f} (goal >= 0.9).",
         f"- Memory+ / dense step time in the trainer: {ratio:.2f} (goal <= 1.25).",

@@ -9,6 +9,7 @@ top-k, so scoring the k*k candidates built from the two half top-k's suffices
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -23,19 +24,44 @@ def subkey_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.einsum("thcd,hcnd->thcn", query, keys)
 
 
+@functools.lru_cache(maxsize=64)
+def _candidate_pairs(knn: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ranks (a, b) in the two sorted top-k lists with (a + 1) * (b + 1) <= knn.
+
+    With both lists sorted descending, s1[a] + s2[b] is at most each of the
+    (a + 1) * (b + 1) sums s1[a'] + s2[b'] with a' <= a, b' <= b; if that count
+    exceeds knn, knn other candidates are at least as good and (a, b) cannot
+    be needed. That leaves about knn * ln(knn) candidates instead of knn**2
+    (119 instead of 1024 for knn = 32). Built on the host once per (knn,
+    device): a read-only memo, no host sync on the hot path."""
+    pairs = [(a, b) for a in range(knn) for b in range(knn) if (a + 1) * (b + 1) <= knn]
+    ranks = torch.tensor(pairs, dtype=torch.long).t().contiguous()
+    return ranks[0].to(device), ranks[1].to(device)
+
+
 def product_key_topk(sub_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-`knn` of s1[i] + s2[j] over all n_keys**2 slots, per token and head.
+    """Exact top-`knn` of s1[i] + s2[j] over all n_keys**2 slots, per token and head
+    (ties aside: among equal sums any may be kept).
 
     sub_scores: (T, H, 2, n_keys) -> scores (T, H, knn) descending, slots
     (T, H, knn) int64 with slot = i * n_keys + j."""
     n_keys = sub_scores.shape[-1]
     # One top-k over both halves (not one per slice): its backward then builds
-    # one zero-filled (T, H, 2, n_keys) gradient instead of three.
+    # one zero-filled (T, H, 2, n_keys) gradient instead of three. Sorted, so
+    # only the pairs of _candidate_pairs can reach the final top-k.
     half_scores, half_idx = sub_scores.topk(knn, dim=-1)  # (T, H, 2, knn)
     s1, s2 = half_scores.unbind(2)  # (T, H, knn) each
     i1, i2 = half_idx.unbind(2)
-    cand = (s1.unsqueeze(-1) + s2.unsqueeze(-2)).flatten(-2)  # (T, H, knn*knn)
-    cand_slots = (i1.unsqueeze(-1) * n_keys + i2.unsqueeze(-2)).flatten(-2)  # (T, H, knn*knn)
+    a, b = _candidate_pairs(knn, sub_scores.device)
+    lead = s1.shape[:-1]
+
+    def pick(x: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+        # On a 2-D contiguous tensor, index_select along dim 1 is ~15x faster
+        # on CPU than along the last dim of the strided (T, H, knn) view.
+        return x.reshape(-1, knn).index_select(1, ranks).view(*lead, -1)
+
+    cand = pick(s1, a) + pick(s2, b)  # (T, H, ~knn ln knn)
+    cand_slots = pick(i1, a) * n_keys + pick(i2, b)
     scores, best = cand.topk(knn, dim=-1)  # (T, H, knn)
     return scores, cand_slots.gather(-1, best)
 
