@@ -27,9 +27,9 @@ Choices, and why:
   projection and sub-keys are dense. Consequence: `num_params()` counts them
   as memory, and the trainer's optimizer puts them in the memory-value group
   (`memory.value_lr`, `value_weight_decay`, `value_grad_clip`).
-- The product-key top-k is written here, not imported from memlm.memory:
-  PEER's keys are shared across heads and it must not depend on that
-  package's internals.
+- The sub-key scores are computed here (PEER's keys are shared across heads);
+  the exact top-k of pair sums is the memory layers' own
+  (`memlm.memory.product_keys.product_key_topk`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memlm.errors import ConfigError
+from memlm.memory.product_keys import product_key_topk as topk_of_pair_sums
 from memlm.model.ffn import FFNContext, register_ffn
 
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
@@ -54,14 +55,8 @@ def product_key_topk(
     index = i * n_keys + j. Exact because each half of a top-knn pair must be in
     its half's own top-knn.
     """
-    n_keys = keys.shape[1]
     s = torch.einsum("thcd,cnd->thcn", q, keys)  # (T, H, 2, n_keys)
-    s1, i1 = s[:, :, 0].topk(knn, dim=-1)  # (T, H, knn)
-    s2, i2 = s[:, :, 1].topk(knn, dim=-1)  # (T, H, knn)
-    cand = (s1.unsqueeze(-1) + s2.unsqueeze(-2)).flatten(-2)  # (T, H, knn*knn)
-    cand_idx = (i1.unsqueeze(-1) * n_keys + i2.unsqueeze(-2)).flatten(-2)  # (T, H, knn*knn)
-    scores, best = cand.topk(knn, dim=-1)  # (T, H, knn)
-    return scores, cand_idx.gather(-1, best)
+    return topk_of_pair_sums(s, knn)  # the memory layers' exact search
 
 
 class ExpertTable(nn.Module):
