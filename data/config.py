@@ -41,6 +41,7 @@ class SyntheticConfig:
     people: int = 1000
     docs_per_person: int = 4  # paraphrased biographies per person (helps knowledge extraction)
     seed: int = 0
+    qa_fraction: float = 0.0  # people who also get QA-format training text (held-out phrasings stay unseen)
 
 
 @dataclass
@@ -87,6 +88,8 @@ class DataConfig:
         if self.kind == "synthetic":
             if self.synthetic.people <= 0 or self.synthetic.docs_per_person <= 0:
                 raise ConfigError(f"{prefix}.synthetic", self.synthetic, "people and docs_per_person > 0")
+            if not 0.0 <= self.synthetic.qa_fraction <= 1.0:
+                raise ConfigError(f"{prefix}.synthetic.qa_fraction", self.synthetic.qa_fraction, "a fraction in [0, 1]")
             if not self.tokenizer and self.vocab_size < MIN_SPM_VOCAB:
                 raise ConfigError(
                     f"{prefix}.vocab_size", self.vocab_size,

@@ -99,7 +99,8 @@ def _open_raw(cfg: DataConfig, sources: list[SourceConfig], tokenizer_path: str,
 
 def synthetic_dir(cfg: DataConfig) -> str:
     syn = cfg.synthetic
-    return os.path.join(cfg.cache_dir, f"synthetic-p{syn.people}-d{syn.docs_per_person}-s{syn.seed}")
+    qa = f"-q{syn.qa_fraction:g}" if syn.qa_fraction > 0 else ""
+    return os.path.join(cfg.cache_dir, f"synthetic-p{syn.people}-d{syn.docs_per_person}-s{syn.seed}{qa}")
 
 
 def materialize_synthetic(cfg: DataConfig) -> dict[str, str]:
@@ -112,13 +113,13 @@ def materialize_synthetic(cfg: DataConfig) -> dict[str, str]:
 
     folder = synthetic_dir(cfg)
     os.makedirs(folder, exist_ok=True)
-    paths = {"train": os.path.join(folder, "train.jsonl"), "qa": os.path.join(folder, "qa.jsonl"),
-             "tokenizer": cfg.tokenizer or os.path.join(folder, f"tokenizer-v{cfg.vocab_size}.model")}
+    paths = {name: os.path.join(folder, f"{name}.jsonl") for name in ("train", "qa", "qa_seen", "qa_unseen")}
+    paths["tokenizer"] = cfg.tokenizer or os.path.join(folder, f"tokenizer-v{cfg.vocab_size}.model")
     with open(os.path.join(folder, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (os.path.isfile(paths["train"]) and os.path.isfile(paths["qa"])):
             syn = cfg.synthetic
-            write_corpus(folder, syn.people, syn.docs_per_person, syn.seed)
+            write_corpus(folder, syn.people, syn.docs_per_person, syn.seed, syn.qa_fraction)
         if not os.path.isfile(paths["tokenizer"]):
             with open(paths["train"]) as fh:
                 docs = (json.loads(line)["text"] for line in fh)

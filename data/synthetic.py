@@ -6,7 +6,14 @@ writes `train.jsonl` ({"text": biography}, `docs_per_person` paraphrased
 biographies per person, sentences in random order), `qa.jsonl`
 ({"question": ..., "answer": [...]}, one question per person and attribute, in
 NQ-open format) and `people.jsonl` (the facts, for analysis). The same
-(people, docs_per_person, seed) always gives byte-identical files.
+(people, docs_per_person, seed, qa_fraction) always gives byte-identical files.
+
+With `--qa-fraction f > 0` the first f of the people also get one training
+document of question/answer pairs ("Q: ...?\nA: ...", the evaluation's prompt
+layout) in phrasings disjoint from the evaluation's (TRAIN_QUESTION_TEMPLATES):
+the model then learns the format and to answer from stored facts, as in
+pretraining data that mixes encyclopedic text with QA. `qa_seen.jsonl` and
+`qa_unseen.jsonl` split `qa.jsonl` into those people and the biography-only rest.
 
 Every person has a unique name and seven attributes drawn uniformly from large
 value sets (see synthetic_vocab), so recall is limited by model capacity.
@@ -25,7 +32,12 @@ from dataclasses import asdict, dataclass
 from tqdm import tqdm
 
 from memlm.data import synthetic_vocab as vocab
-from memlm.data.synthetic_templates import ATTRIBUTES, BIO_TEMPLATES, QUESTION_TEMPLATES
+from memlm.data.synthetic_templates import (
+    ATTRIBUTES,
+    BIO_TEMPLATES,
+    QUESTION_TEMPLATES,
+    TRAIN_QUESTION_TEMPLATES,
+)
 from memlm.errors import ConfigError
 
 
@@ -102,10 +114,32 @@ def answers(person: Person, attribute: str) -> list[str]:
     return [value]
 
 
-def generate(people: int, docs_per_person: int = 4, seed: int = 0) -> tuple[list[Person], list[str], list[dict]]:
-    """(people, training documents, QA items), all deterministic in the arguments."""
+def qa_people(people: int, qa_fraction: float) -> int:
+    """How many people (the first ones of make_people's list) get QA training text."""
+    if not 0.0 <= qa_fraction <= 1.0:
+        raise ConfigError("qa_fraction", qa_fraction, "a fraction in [0, 1]")
+    return round(people * qa_fraction)
+
+
+def qa_document(person: Person, rng: random.Random) -> str:
+    """All of a person's facts as question/answer pairs, in random order, laid
+    out like evaluation prompts (evals.prompts.qa_text + " " + answer)."""
+    order = list(ATTRIBUTES)
+    rng.shuffle(order)
+    pairs = [f"Q: {rng.choice(TRAIN_QUESTION_TEMPLATES[a]).format(n=person.name)}\nA: {getattr(person, a)}"
+             for a in order]
+    return "\n\n".join(pairs)
+
+
+def generate(
+    people: int, docs_per_person: int = 4, seed: int = 0, qa_fraction: float = 0.0,
+) -> tuple[list[Person], list[str], list[dict]]:
+    """(people, training documents, QA items), all deterministic in the arguments.
+    QA items are in people order, so the first qa_people(...) * len(ATTRIBUTES)
+    are the questions about people with QA training text."""
     if docs_per_person <= 0:
         raise ConfigError("docs_per_person", docs_per_person, "a positive integer")
+    n_seen = qa_people(people, qa_fraction)
     persons = make_people(people, seed)
     rng = random.Random(seed + 1)
     docs = [biography(p, rng) for p in persons for _ in range(docs_per_person)]
@@ -114,6 +148,11 @@ def generate(people: int, docs_per_person: int = 4, seed: int = 0) -> tuple[list
         {"question": rng.choice(QUESTION_TEMPLATES[a]).format(n=p.name), "answer": answers(p, a)}
         for p in persons for a in ATTRIBUTES
     ]
+    if n_seen:
+        # Its own stream, so the biographies and questions do not depend on qa_fraction.
+        qa_rng = random.Random(seed + 2)
+        docs += [qa_document(p, qa_rng) for p in persons[:n_seen]]
+        qa_rng.shuffle(docs)
     return persons, docs, qa
 
 
@@ -125,12 +164,19 @@ def _write_jsonl(path: str, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def write_corpus(out_dir: str, people: int, docs_per_person: int = 4, seed: int = 0) -> dict[str, str]:
-    persons, docs, qa = generate(people, docs_per_person, seed)
+def write_corpus(
+    out_dir: str, people: int, docs_per_person: int = 4, seed: int = 0, qa_fraction: float = 0.0,
+) -> dict[str, str]:
+    persons, docs, qa = generate(people, docs_per_person, seed, qa_fraction)
     os.makedirs(out_dir, exist_ok=True)
-    paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in ("train", "qa", "people")}
+    names = ("train", "qa", "people") + (("qa_seen", "qa_unseen") if qa_fraction > 0 else ())
+    paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in names}
     _write_jsonl(paths["people"], [asdict(p) for p in persons])
     _write_jsonl(paths["qa"], qa)
+    if qa_fraction > 0:
+        cut = qa_people(people, qa_fraction) * len(ATTRIBUTES)
+        _write_jsonl(paths["qa_seen"], qa[:cut])
+        _write_jsonl(paths["qa_unseen"], qa[cut:])
     _write_jsonl(paths["train"], [{"text": d} for d in tqdm(docs, desc="writing", unit="doc", disable=len(docs) < 10000)])
     return paths
 
@@ -142,10 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--docs-per-person", type=int, default=4, help="paraphrased biographies per person")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--qa-fraction", type=float, default=0.0,
+                        help="fraction of people who also get QA-format training text (0 to 1)")
     args = parser.parse_args(argv)
-    paths = write_corpus(args.out, args.people, args.docs_per_person, args.seed)
+    try:
+        paths = write_corpus(args.out, args.people, args.docs_per_person, args.seed, args.qa_fraction)
+    except ConfigError as err:
+        parser.error(str(err))
     sizes = {k: os.path.getsize(p) for k, p in paths.items()}
+    n_qa = qa_people(args.people, args.qa_fraction)
     print(f"wrote {args.people * args.docs_per_person:,} biographies of {args.people:,} people "
+          f"(+ QA text for {n_qa:,}) "
           f"({sizes['train'] / 1e6:.1f} MB) to {paths['train']}, {args.people * len(ATTRIBUTES):,} questions "
           f"to {paths['qa']}, facts to {paths['people']}")
     return 0

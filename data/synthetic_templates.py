@@ -103,3 +103,45 @@ QUESTION_TEMPLATES: dict[str, tuple[str, ...]] = {
         "What does {n} prefer to eat?",
     ),
 }
+
+# Question phrasings that appear in the *training* text (SyntheticConfig.qa_fraction):
+# they teach the Q/A format and the link from a question to the stored fact.
+# Disjoint from QUESTION_TEMPLATES down to word trigrams of the fixed text (tested),
+# so the evaluation still asks every fact in words the model never saw.
+TRAIN_QUESTION_TEMPLATES: dict[str, tuple[str, ...]] = {
+    "birth_date": (
+        "Which date is the birthday of {n}?",
+        "{n} was born on which date?",
+        "What birthday does {n} have?",
+    ),
+    "birth_city": (
+        "Which town was {n} born in?",
+        "{n} comes from which city?",
+        "What town is the hometown of {n}?",
+    ),
+    "university": (
+        "{n} graduated from which university?",
+        "At what university did {n} study?",
+        "Which institution gave {n} a degree?",
+    ),
+    "major": (
+        "{n} majored in which subject?",
+        "What was the college major of {n}?",
+        "Which field did {n} study at university?",
+    ),
+    "employer": (
+        "Who is the employer of {n}?",
+        "{n} works at which company?",
+        "Which business pays {n}'s salary?",
+    ),
+    "occupation": (
+        "What is {n}'s job?",
+        "What kind of work does {n} do?",
+        "{n} works in which profession?",
+    ),
+    "food": (
+        "What is {n}'s favourite dish?",
+        "Which meal does {n} enjoy most?",
+        "{n} loves which food?",
+    ),
+}

@@ -111,6 +111,7 @@ def _run(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from memlm.data.tokenizer import Tokenizer
+    from memlm.evals.registry import SYNTHETIC_QA_FILES
     from memlm.evals.suite import run_suite
     from memlm.evals.tasks import load_task
     from memlm.train.config import compose
@@ -132,7 +133,7 @@ def _run(argv: list[str]) -> int:
     # Task files are read and checked before the (possibly long) model load;
     # synthetic_qa depends on the run's data config, known only after it.
     for name in eval_cfg.tasks:
-        if name != "synthetic_qa":
+        if name not in SYNTHETIC_QA_FILES:
             load_task(name, eval_cfg)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     own_group = world_size > 1 and not dist.is_initialized()

@@ -61,6 +61,10 @@ TASKS: dict[str, TaskSpec] = {
                  ("train.jsonl", "train.json"), "qa", QA_FORMAT),
         # Generated in memory (or from the run's synthetic data config): no files.
         TaskSpec("synthetic_qa", "qa", "", (), (), "qa", QA_FORMAT),
+        # ... only the people with QA-format training text, or only the biography-only ones
+        # (data.synthetic.qa_fraction > 0): recall of a trained format vs knowledge extraction.
+        TaskSpec("synthetic_qa_seen", "qa", "", (), (), "qa", QA_FORMAT),
+        TaskSpec("synthetic_qa_unseen", "qa", "", (), (), "qa", QA_FORMAT),
         TaskSpec("mmlu", "mmlu", "mmlu", ("test", "test.jsonl"), ("dev", "dev.jsonl"), "mmlu", MMLU_FORMAT),
         _choice("openbookqa"),
         _choice("piqa"),
@@ -70,6 +74,9 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec("ppl", "ppl", "ppl", ("test.jsonl", "test.txt"), (), "ppl", PPL_FORMAT),
     )
 }
+
+# Synthetic-corpus tasks -> the corpus file they ask (memlm.data.synthetic).
+SYNTHETIC_QA_FILES = {"synthetic_qa": "qa", "synthetic_qa_seen": "qa_seen", "synthetic_qa_unseen": "qa_unseen"}
 
 # `<prefix>:<folder>`: the user's own data in a known format.
 PREFIXES = {"qa": (QA_FORMAT, "qa"), "choice": (CHOICE_FORMAT, "choice"), "ppl": (PPL_FORMAT, "ppl")}

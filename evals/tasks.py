@@ -25,7 +25,7 @@ from memlm.evals.formats import (
     read_records,
     read_texts,
 )
-from memlm.evals.registry import TaskSpec, task_spec
+from memlm.evals.registry import SYNTHETIC_QA_FILES, TaskSpec, task_spec
 
 
 @dataclass
@@ -39,8 +39,8 @@ class TaskData:
 def load_task(name: str, cfg: EvalConfig, data_cfg: Any = None) -> TaskData:
     spec = task_spec(name)
     k = cfg.fewshot_for(name) if spec.kind != "ppl" else 0
-    if spec.name == "synthetic_qa":
-        examples, pool = _synthetic_qa(data_cfg), None
+    if spec.name in SYNTHETIC_QA_FILES:
+        examples, pool = _synthetic_qa(data_cfg, spec.name), None
     else:
         if not cfg.data_dir:
             raise ConfigError("eval.data_dir", cfg.data_dir,
@@ -98,18 +98,27 @@ def _mmlu_shots(examples: list[dict], pool: list[dict] | None, k: int, name: str
     return kept, shots, source
 
 
-def _synthetic_qa(data_cfg: Any) -> list[dict]:
+def _synthetic_qa(data_cfg: Any, task: str = "synthetic_qa") -> list[dict]:
     """The synthetic corpus' held-out question phrasings: from the run's data
     config when it trained on the synthetic corpus (same people and facts),
-    else generated in memory from the default SyntheticConfig.
+    else generated in memory from the default SyntheticConfig. The _seen /
+    _unseen tasks keep the people with / without QA training text.
 
     qa.jsonl lists each person's questions together; a seeded shuffle makes the
     shots (and a `limit` prefix) span many people instead of one person's facts."""
-    if data_cfg is not None and getattr(data_cfg, "kind", "") == "synthetic":
+    split = SYNTHETIC_QA_FILES[task]
+    synthetic = data_cfg is not None and getattr(data_cfg, "kind", "") == "synthetic"
+    if split != "qa" and not (synthetic and 0 < data_cfg.synthetic.qa_fraction < 1):
+        got = data_cfg.synthetic.qa_fraction if synthetic else "no synthetic corpus"
+        raise ConfigError("data.synthetic.qa_fraction", got,
+                          f"a fraction strictly between 0 and 1 in the run's config for task {task}, "
+                          "so that both people with and without QA training text exist; or task synthetic_qa")
+    if synthetic:
         from memlm.data.corpus import materialize_synthetic
 
-        path = Path(materialize_synthetic(data_cfg)["qa"])
-        examples = [parse_qa(w, r, "qa", "synthetic qa.jsonl") for w, r in read_records(path, "synthetic qa.jsonl")]
+        path = Path(materialize_synthetic(data_cfg)[split])
+        where = f"synthetic {path.name}"
+        examples = [parse_qa(w, r, "qa", where) for w, r in read_records(path, where)]
     else:
         from memlm.data.config import SyntheticConfig
         from memlm.data.synthetic import generate

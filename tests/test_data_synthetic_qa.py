@@ -1,0 +1,104 @@
+"""Synthetic corpus with QA training text (qa_fraction): held-out phrasings stay unseen, splits are right."""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+
+import pytest
+
+from memlm.data.synthetic import ATTRIBUTES, generate, main, write_corpus
+from memlm.data.synthetic_templates import (
+    BIO_TEMPLATES,
+    QUESTION_TEMPLATES,
+    TRAIN_QUESTION_TEMPLATES,
+)
+from memlm.errors import ConfigError
+from memlm.evals.prompts import TARGET_DELIMITER, qa_text
+
+
+def _trigrams(template: str) -> set[str]:
+    grams = set()
+    for fragment in re.split(r"\{\w+\}", template):
+        words = fragment.lower().translate(str.maketrans("", "", string.punctuation)).split()
+        grams |= {" ".join(words[i:i + 3]) for i in range(len(words) - 2)}
+    return grams
+
+
+def test_training_question_templates_are_disjoint_from_evaluation_ones():
+    assert set(TRAIN_QUESTION_TEMPLATES) == set(ATTRIBUTES)
+    for attribute in ATTRIBUTES:
+        train = set().union(*map(_trigrams, TRAIN_QUESTION_TEMPLATES[attribute]))
+        for other in ATTRIBUTES:  # no evaluation template of any attribute shares a trigram
+            for template in QUESTION_TEMPLATES[other]:
+                assert not _trigrams(template) & train, (template, _trigrams(template) & train)
+        assert not set(TRAIN_QUESTION_TEMPLATES[attribute]) & set(QUESTION_TEMPLATES[attribute])
+        assert not set(TRAIN_QUESTION_TEMPLATES[attribute]) & set(BIO_TEMPLATES[attribute])
+
+
+def test_qa_fraction_adds_qa_documents_for_the_first_people_only():
+    people, bios_only, qa0 = generate(40, 2, seed=5)
+    people_q, docs, qa = generate(40, 2, seed=5, qa_fraction=0.25)
+    assert people_q == people and qa == qa0  # people and evaluation questions do not depend on it
+    qa_docs = [d for d in docs if d.startswith("Q: ")]
+    assert sorted(set(docs) - set(qa_docs)) == sorted(bios_only)  # the same biographies
+    assert len(qa_docs) == 10
+    for person in people[:10]:
+        (doc,) = [d for d in qa_docs if person.name in d]
+        pairs = doc.split("\n\n")
+        assert len(pairs) == len(ATTRIBUTES)
+        for attribute in ATTRIBUTES:
+            assert any(p.endswith("\nA: " + getattr(person, attribute)) for p in pairs), attribute
+    assert not any(p.name in d for p in people[10:] for d in qa_docs)
+
+
+def test_qa_documents_use_the_evaluation_prompt_layout_but_never_its_phrasings():
+    _, docs, qa = generate(30, 2, seed=1, qa_fraction=1.0)
+    text = "\n".join(docs).lower()
+    for item in qa:
+        assert item["question"].lower() not in text
+    eval_grams = set().union(*(_trigrams(t) for ts in QUESTION_TEMPLATES.values() for t in ts))
+    words = text.translate(str.maketrans("", "", string.punctuation)).split()
+    assert not eval_grams & {" ".join(words[i:i + 3]) for i in range(len(words) - 2)}
+    pair = next(d for d in docs if d.startswith("Q: ")).split("\n\n")[0]
+    question, answer = pair[len("Q: "):].split("\nA: ")
+    assert pair == qa_text(question) + TARGET_DELIMITER + answer  # what evaluation prompts look like
+
+
+def test_seen_and_unseen_files_split_the_questions(tmp_path):
+    paths = write_corpus(str(tmp_path), 20, 1, seed=2, qa_fraction=0.5)
+    rows = {k: [json.loads(line) for line in open(paths[k])] for k in ("qa", "qa_seen", "qa_unseen")}
+    assert len(rows["qa_seen"]) == len(rows["qa_unseen"]) == 10 * len(ATTRIBUTES)
+    assert rows["qa_seen"] + rows["qa_unseen"] == rows["qa"]
+    train = open(paths["train"]).read()
+    people = [json.loads(line)["name"] for line in open(paths["people"])]
+    assert all("Q: " in train and name in train for name in people)
+    seen_names = {n for n in people if any(n in r["question"] for r in rows["qa_seen"])}
+    assert seen_names == set(people[:10])
+
+
+def test_bad_qa_fraction(capsys):
+    with pytest.raises(ConfigError, match=r"qa_fraction.*\[0, 1\]"):
+        generate(10, 1, qa_fraction=1.5)
+    with pytest.raises(SystemExit):
+        main(["--people", "3", "--out", "/nonexistent-unused", "--qa-fraction", "-0.1"])
+    assert "qa_fraction" in capsys.readouterr().err
+
+
+def test_seen_and_unseen_eval_tasks(tmp_path):
+    from memlm.data.config import DataConfig, SyntheticConfig
+    from memlm.evals.config import EvalConfig
+    from memlm.evals.tasks import load_task
+
+    cfg = EvalConfig(tasks=["synthetic_qa_seen"], num_fewshot=2)
+    data = DataConfig(kind="synthetic", vocab_size=400, cache_dir=str(tmp_path),
+                      synthetic=SyntheticConfig(people=12, docs_per_person=1, qa_fraction=0.25))
+    seen = load_task("synthetic_qa_seen", cfg, data)
+    unseen = load_task("synthetic_qa_unseen", cfg, data)
+    assert len(seen.examples) + 2 == 3 * len(ATTRIBUTES) and len(unseen.examples) + 2 == 9 * len(ATTRIBUTES)
+    names = [json.loads(line)["name"] for line in open(next(tmp_path.glob("synthetic-*")) / "people.jsonl")]
+    assert all(any(n in ex["question"] for n in names[:3]) for ex in seen.examples + seen.shots[""])
+    data.synthetic.qa_fraction = 0.0
+    with pytest.raises(ConfigError, match="qa_fraction.*strictly between 0 and 1"):
+        load_task("synthetic_qa_unseen", cfg, data)
