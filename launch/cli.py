@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("sweep", nargs="+", help="Hydra sweep overrides: a,b / choice() / range() / glob()")
     sweep.add_argument("--nproc", type=int, default=1, help="ranks per point for a local sweep (default 1)")
     sweep.add_argument("--max-restarts", type=int, default=0, help="torchrun elastic restarts per point")
+    sweep.add_argument("--jobs", type=int, default=1,
+                       help="local points run at the same time (default 1); output then goes to <point>/sweep.log")
     sweep.add_argument("--slurm", action="store_true", help="submit one Slurm job per point")
     sweep.add_argument("--dry-run", action="store_true", help="print the commands or scripts; run nothing")
     _add_slurm_options(sweep)
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         from memlm.launch.sweep import sweep
 
         opts = slurm_options(args) if args.slurm else None
-        return sweep(args.sweep, overrides, args.nproc, args.max_restarts, opts, args.dry_run)
+        return sweep(args.sweep, overrides, args.nproc, args.max_restarts, opts, args.dry_run, args.jobs)
     except (ConfigError, LaunchError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

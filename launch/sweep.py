@@ -1,5 +1,6 @@
 """`python -m memlm.launch sweep`: the Cartesian product of Hydra sweep
-overrides, one run per point, run locally one after another or submitted to Slurm.
+overrides, one run per point, run locally (one after another, or `--jobs N` at a time)
+or submitted to Slurm.
 
     python -m memlm.launch sweep 'memory.n_keys=128,256' 'memory.knn=16,32' -- memory=memplus steps=500
 
@@ -16,6 +17,7 @@ import itertools
 import json
 import re
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -192,20 +194,54 @@ def summary_table(points: Sequence[SweepPoint]) -> str:
     return "\n".join(lines)
 
 
-def run_local(points: Sequence[SweepPoint], nproc: int = 1, max_restarts: int = 0) -> int:
-    """Run the points one after another; a failed point is reported and the sweep goes on."""
+def _command(point: SweepPoint, nproc: int, max_restarts: int) -> list[str]:
+    if nproc == 1 and not max_restarts:
+        return [sys.executable, "-m", "memlm.train", *point.overrides]
+    return torchrun_command(point.overrides, nproc, max_restarts)
+
+
+def _record(point: SweepPoint, rc: int, started: float) -> None:
+    summary = read_summary(point.dump_dir, started) or {}
+    point.result.update(status="ok" if rc == 0 else f"failed ({rc})", final_loss=summary.get("final_loss"),
+                        val_loss=summary.get("val_loss"), evals=eval_metrics(point.dump_dir))
+
+
+def _run_concurrently(points: Sequence[SweepPoint], jobs: int, nproc: int, max_restarts: int) -> int:
+    """Up to `jobs` points at once (e.g. one per CPU core); each one's output goes
+    to <dump_dir>/sweep.log, the console gets a line when a point starts and ends."""
+    failed, queue, running = 0, list(enumerate(points, 1)), []
+    while queue or running:
+        while queue and len(running) < jobs:
+            i, point = queue.pop(0)
+            point.dump_dir.mkdir(parents=True, exist_ok=True)
+            log = open(point.dump_dir / "sweep.log", "w")
+            print(f"[sweep] point {i}/{len(points)} started: {point.label} (log: {log.name})", flush=True)
+            proc = subprocess.Popen(_command(point, nproc, max_restarts), stdout=log, stderr=subprocess.STDOUT,
+                                    env=torchrun_env(max_restarts))
+            running.append((i, point, proc, log, time.time()))
+        time.sleep(0.5)
+        for entry in [e for e in running if e[2].poll() is not None]:
+            i, point, proc, log, started = entry
+            running.remove(entry)
+            log.close()
+            _record(point, proc.returncode, started)
+            failed += proc.returncode != 0
+            print(f"[sweep] point {i}/{len(points)} {point.result['status']} after {time.time() - started:.0f}s: "
+                  f"{point.label}" + ("" if proc.returncode == 0 else f" (see {log.name})"), flush=True)
+    return failed
+
+
+def run_local(points: Sequence[SweepPoint], nproc: int = 1, max_restarts: int = 0, jobs: int = 1) -> int:
+    """Run the points (one after another, or `jobs` at a time); a failed point is
+    reported and the sweep goes on."""
     failed = 0
-    for i, point in enumerate(points, 1):
+    if jobs > 1:
+        failed = _run_concurrently(points, jobs, nproc, max_restarts)
+    for i, point in enumerate(points if jobs == 1 else (), 1):
         print(f"[sweep] point {i}/{len(points)}: {point.label} -> {point.dump_dir}", flush=True)
-        if nproc == 1 and not max_restarts:
-            cmd = [sys.executable, "-m", "memlm.train", *point.overrides]
-        else:
-            cmd = torchrun_command(point.overrides, nproc, max_restarts)
         started = time.time()
-        rc = run_streaming(cmd, point.dump_dir, torchrun_env(max_restarts))
-        summary = read_summary(point.dump_dir, started) or {}
-        point.result.update(status="ok" if rc == 0 else f"failed ({rc})", final_loss=summary.get("final_loss"),
-                            val_loss=summary.get("val_loss"), evals=eval_metrics(point.dump_dir))
+        rc = run_streaming(_command(point, nproc, max_restarts), point.dump_dir, torchrun_env(max_restarts))
+        _record(point, rc, started)
         failed += rc != 0
     for point in points:
         point.result.update(describe(point))
@@ -247,9 +283,12 @@ def run_slurm(points: Sequence[SweepPoint], opts, dry_run: bool = False) -> int:
 
 
 def sweep(sweep_args: Sequence[str], base: Sequence[str], nproc: int = 1, max_restarts: int = 0,
-          slurm_opts=None, dry_run: bool = False) -> int:
+          slurm_opts=None, dry_run: bool = False, jobs: int = 1) -> int:
     if not sweep_args:
         raise LaunchError("sweep needs at least one override before `--`, e.g. 'memory.n_keys=128,256'")
+    check_positive("--jobs", jobs)
+    if slurm_opts is not None and jobs != 1:
+        raise LaunchError(f"--jobs {jobs} runs local points side by side; with --slurm every point is its own job")
     if slurm_opts is None:
         check_positive("--nproc", nproc)
         world, desc = nproc, f"--nproc {nproc}"
@@ -267,4 +306,4 @@ def sweep(sweep_args: Sequence[str], base: Sequence[str], nproc: int = 1, max_re
         for point in points:
             print(shlex.join([sys.executable, "-m", "memlm.train", *point.overrides]))
         return 0
-    return run_local(points, nproc, max_restarts)
+    return run_local(points, nproc, max_restarts, jobs)

@@ -177,3 +177,25 @@ def test_slurm_sweep_submits_one_job_per_point_sharing_one_snapshot(tmp_path, ca
     assert log.read_text().splitlines() == [f"sbatch {tmp_path}/sw/seed={s}/launch/job.sbatch" for s in (1, 2)]
     assert (tmp_path / "sw" / "launch" / "code" / "memlm" / "train" / "cli.py").is_file()
     assert not (tmp_path / "sw" / "seed=1" / "launch" / "code").exists()  # one snapshot for the sweep
+
+
+@pytest.mark.slow
+def test_concurrent_local_sweep_logs_each_point(tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    rc = main(["sweep", "model.n_layers=1,2", "--jobs", "2", "--", *TINY, f"dump_dir={tmp_path}", "name=sw"])
+    stdout, stderr = capfd.readouterr()
+    assert rc == 0, stdout + stderr
+    assert stdout.count("started:") == 2 and "2/2 point(s) finished" in stdout
+    for layers in (1, 2):
+        point = tmp_path / f"model.n_layers={layers}"
+        assert json.loads((point / "summary.json").read_text())["steps"] == 4
+        assert "[train] done" in (point / "sweep.log").read_text()  # the point's output, not the console's
+    assert "[train] done" not in stdout
+    assert [r["status"] for r in json.loads((tmp_path / "sweep.json").read_text())] == ["ok", "ok"]
+
+
+def test_bad_jobs_values(capsys):
+    assert main(["sweep", "seed=1,2", "--jobs", "0", "--", *TINY]) == 2
+    assert "--jobs 0: must be an integer >= 1" in capsys.readouterr().err
+    assert main(["sweep", "seed=1,2", "--jobs", "2", "--slurm", "--gpus-per-node", "1", "--", *TINY]) == 2
+    assert "with --slurm every point is its own job" in capsys.readouterr().err
