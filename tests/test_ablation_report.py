@@ -1,0 +1,72 @@
+"""The ablation report: tables and goal checks come from the run folders, the doc keeps its prose."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memlm.launch.ablation_report import BEGIN, END, main
+
+VARIANTS = ["ablation_dense", "ablation_moe", "ablation_peer", "ablation_memory", "ablation_memplus"]
+
+
+def _fake_run(dump: Path, em_seen: float, val_loss: float, usage: float | None) -> None:
+    (dump / "evals").mkdir(parents=True)
+    (dump / "summary.json").write_text(json.dumps({"tokens": 8192000, "seconds": 600.0, "final_loss": 0.9,
+                                                   "val_loss": val_loss}))
+    results = {"synthetic_qa_seen": {"exact_match": em_seen, "n": 1000},
+               "synthetic_qa_unseen": {"exact_match": em_seen / 4, "n": 1000}}
+    (dump / "evals" / "2000.json").write_text(json.dumps({"step": 2000, "results": results}))
+    last = {"step": 2000, **({"memory/layer2/usage": usage} if usage is not None else {})}
+    (dump / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n" + json.dumps(last) + "\n")
+
+
+def _fake_sweep(root: Path, points: list[tuple[str, list[str], float, float, float | None]]) -> None:
+    record = []
+    for label, overrides, em, loss, usage in points:
+        _fake_run(root / label, em, loss, usage)
+        record.append({"point": label, "dump_dir": str(root / label), "status": "ok",
+                       "overrides": [*overrides, f"dump_dir={root / label}", f"name=x/{label}"]})
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "sweep.json").write_text(json.dumps(record))
+
+
+@pytest.fixture
+def roots(tmp_path):
+    ems = {"ablation_dense": 0.10, "ablation_moe": 0.11, "ablation_peer": 0.12, "ablation_memory": 0.14,
+           "ablation_memplus": 0.20}
+    _fake_sweep(tmp_path / "ab", [(f"experiment={v}", [f"experiment={v}"], ems[v], 1.0 - ems[v],
+                                   None if v in ("ablation_dense", "ablation_moe") else 0.9) for v in VARIANTS])
+    sizes = {32: 0.12, 64: 0.15, 128: 0.20, 256: 0.19}  # not rising: the check must say so
+    _fake_sweep(tmp_path / "sw", [(f"memory.n_keys={n}", ["experiment=ablation_memplus", f"memory.n_keys={n}"],
+                                   em, 1.0 - em, 0.8) for n, em in sizes.items()])
+    return tmp_path
+
+
+def test_report_tables_goals_and_plot(roots, capsys):
+    doc = roots / "results.md"
+    doc.write_text(f"# Results\n\nProse before.\n\n{BEGIN}\nold table\n{END}\n\nProse after.\n")
+    assert main([str(roots / "ab"), str(roots / "sw"), "--doc", str(doc), "--plot", str(roots / "s.png")]) == 0
+    text = doc.read_text()
+    assert "Prose before." in text and "Prose after." in text and "old table" not in text
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    assert set(rows) >= {"Dense", "MoE", "PEER", "Memory", "Memory+"}
+    cells = [c.strip() for c in rows["Memory+"].split("|")[1:-1]]
+    assert cells[4:7] == ["8,192,000", "20.0", "5.0"] and cells[9] == "90.0"
+    assert [c.strip() for c in rows["Dense"].split("|")[1:-1]][9] == "-"  # no memory, no usage
+    assert "Memory+ EM >= 1.5x Dense (seen people): 20.0% vs 10.0% = 2.00x: met" in text
+    assert "Memory+ above Memory: 20.0% vs 14.0%: met" in text
+    assert "EM rising with memory size across the sweep: 12.0% -> 15.0% -> 20.0% -> 19.0%: NOT met" in text
+    assert "within 10% across variants" in text
+    assert (roots / "s.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_missing_sweep_and_markers_are_clear_errors(roots, capsys):
+    assert main([str(roots / "nope"), "--plot", ""]) == 2
+    assert "sweep.json not found" in capsys.readouterr().err
+    doc = roots / "plain.md"
+    doc.write_text("# Results without markers\n")
+    assert main([str(roots / "ab"), "--doc", str(doc), "--plot", ""]) == 2
+    assert "lacks the markers" in capsys.readouterr().err
