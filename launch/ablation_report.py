@@ -126,7 +126,7 @@ def render(ablation: list[dict], sweep: list[dict]) -> str:
     if sweep:
         parts += ["", "### Memory+ size sweep", ""]
         parts += table(sorted(sweep, key=lambda r: r["memory_params"]),
-                       lambda r: f"{r['memory_params']:,} memory params ({r['point']})")
+                       lambda r: f"{r['memory_params']:,} memory params ({r['point'].replace('experiment=', '')})")
     parts += ["", "### Goals", "", *goals(ablation, sweep), END]
     return "\n".join(parts)
 
@@ -181,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ablation = load_points(Path(args.ablation))
         sweep = load_points(Path(args.sweep)) if args.sweep else []
+        # The ablation's Memory+ run is a point of the size sweep too, unless the sweep ran its size.
+        sizes = {r["memory_params"] for r in sweep}
+        sweep += [r for r in ablation if sweep and variant_name(r) == "Memory+" and r["memory_params"] not in sizes]
         text = render(ablation, sweep)
         write_doc(Path(args.doc), text)
         if args.plot and sweep:
