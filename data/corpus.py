@@ -98,9 +98,13 @@ def _open_raw(cfg: DataConfig, sources: list[SourceConfig], tokenizer_path: str,
 
 
 def synthetic_dir(cfg: DataConfig) -> str:
+    from memlm.data.synthetic import generator_digest
+
     syn = cfg.synthetic
     qa = f"-q{syn.qa_fraction:g}" if syn.qa_fraction > 0 else ""
-    return os.path.join(cfg.cache_dir, f"synthetic-p{syn.people}-d{syn.docs_per_person}-s{syn.seed}{qa}")
+    # The generator's digest: a corpus cached by an older memlm is regenerated, not reused.
+    name = f"synthetic-p{syn.people}-d{syn.docs_per_person}-s{syn.seed}{qa}-g{generator_digest()}"
+    return os.path.join(cfg.cache_dir, name)
 
 
 def materialize_synthetic(cfg: DataConfig) -> dict[str, str]:

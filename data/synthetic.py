@@ -54,6 +54,21 @@ class Person:
     food: str
 
 
+GENERATOR_VERSION = 2  # bump when the generation logic (not only templates or values) changes
+
+
+def generator_digest() -> str:
+    """8 hex digits of everything that shapes the corpus (templates, value sets):
+    part of the cache folder name, so that a cached corpus is never reused
+    after the generator changed."""
+    import hashlib
+
+    parts = [GENERATOR_VERSION, BIO_TEMPLATES, QUESTION_TEMPLATES, TRAIN_QUESTION_TEMPLATES,
+             {k: v for k, v in sorted(vars(vocab).items()) if k.isupper()},
+             [vocab.cities(), vocab.companies(), vocab.universities()]]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=list).encode()).hexdigest()[:8]
+
+
 def max_people() -> int:
     return len(vocab.FIRST_NAMES) * len(vocab.LAST_NAMES)
 
