@@ -109,3 +109,17 @@ def test_two_ranks_give_the_one_rank_numbers(run_dir, data_dir, tmp_path):
     assert two["world_size"] == 2
     assert two["results"] == one["results"]
     assert (tmp_path / "two_samples.jsonl").read_text() == (tmp_path / "one_samples.jsonl").read_text()
+
+
+def test_run_keeps_its_tokenizer_so_a_lost_corpus_cache_does_not_matter(tmp_path_factory):
+    import filecmp
+    import shutil
+
+    from memlm.train.load import load_model
+
+    root = tmp_path_factory.mktemp("tokrun")
+    run = train_tiny_run(root / "run", root / "cache")
+    (cached,) = (root / "cache").glob("synthetic-*/tokenizer-v*.model")
+    assert filecmp.cmp(run / "tokenizer.model", cached, shallow=False)
+    shutil.rmtree(root / "cache")  # e.g. a newer memlm regenerates it differently, or it was cleaned
+    assert load_model(run).tokenizer_path == str(run / "tokenizer.model")

@@ -90,7 +90,7 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9) -> 
     (out_dir / CONFIG_NAME).write_text(json.dumps(memlm_config, indent=2))
     if dense:
         to_hf_config(cfg.model, torch_dtype="float32").save_pretrained(str(out_dir))
-    tokenizer = run_tokenizer_path(cfg)
+    tokenizer = run_tokenizer_path(cfg, checkpoint)
     if tokenizer and Path(tokenizer).is_file():
         shutil.copy(tokenizer, out_dir / "tokenizer.model")
     return out_dir

@@ -29,9 +29,15 @@ from memlm.train.checkpoint import Checkpointer
 from memlm.train.config import Config, to_yaml
 from memlm.train.data_source import build_train_loader, has_validation
 from memlm.train.distributed import DistEnv, Meshes, build_meshes, init_distributed, seed_everything
+from memlm.train.load import keep_tokenizer
 from memlm.train.metrics import MetricsLogger, device_peak_flops, format_eta, peak_memory_gib
 from memlm.train.optim import build_optimizer, build_scheduler, clip_, memory_value_params
-from memlm.train.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp, reshard
+from memlm.train.parallelize import (
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_fsdp,
+    reshard,
+)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -64,6 +70,8 @@ class Trainer:
             (self.dump_dir / "config.yaml").write_text(to_yaml(cfg))
         # Data first: it checks every file and the vocabulary before the model is built.
         self.train_loader = train_loader if train_loader is not None else self._default_loader("train")
+        if self.env.is_main:
+            keep_tokenizer(cfg, self.dump_dir)
         if val_loader is None and train_loader is None and cfg.val_batches and has_validation(cfg):
             val_loader = self._default_loader("val")
         self.val_loader = val_loader
