@@ -10,8 +10,10 @@ See docs/memory.md for the math, the config keys and the training hooks
 from memlm.memory.config import MemoryConfig
 from memlm.memory.layers import Memory, MemoryPlus, ProductKeyMemory, value_parameters
 from memlm.memory.ops import embedding_bag
-from memlm.memory.product_keys import ProductKeys, balance_loss, product_key_topk, subkey_scores
+from memlm.memory.product_keys import ProductKeys, balance_loss
 from memlm.memory.schedule import apply_knn_schedule, knn_at_step, set_knn
+from memlm.memory.search import product_key_topk, subkey_scores
+from memlm.memory.search_grad import product_key_search
 from memlm.memory.sparse_adamw import SparseRowAdamW, clip_grad_norm_
 from memlm.memory.usage import SlotUsage, reset_usage, usage_metrics
 from memlm.memory.values import ValuePool
@@ -30,6 +32,7 @@ __all__ = [
     "clip_grad_norm_",
     "embedding_bag",
     "knn_at_step",
+    "product_key_search",
     "product_key_topk",
     "reset_usage",
     "set_knn",

@@ -101,11 +101,14 @@ class ProductKeyMemory(nn.Module):
 
     def read(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, dim) -> y (T, v_dim): the weighted bag of H*knn value rows per token."""
-        weights, slots, sub = self.lookup(x)  # (T, H*knn), (T, H*knn), (T, H, 2, n_keys)
+        balance = self.training and self.balance_loss_coef > 0
+        # Only the balance loss needs the gradient of the full sub-key scores:
+        # without it the search's backward touches only the selected sub-keys.
+        weights, slots, sub = self.lookup(x, sub="grad" if balance else "none")  # (T, H*knn) x 2, sub or None
         self.last_aux_loss = None
         if self.training:
             self.usage.record(slots)
-            if self.balance_loss_coef > 0:
+            if balance:
                 self.last_aux_loss = self.balance_loss_coef * balance_loss(sub)
         return self.values.read(slots, weights, sparse=self.sparse_updates, kernel=self.kernel)
 

@@ -1,15 +1,12 @@
 """Product-key lookup: which value slots a token reads, and with what weight.
 
-N = n_keys**2 slots; slot (i, j) has key [k1_i ; k2_j], so its score against a
-query [q1 ; q2] is s1[i] + s2[j]. The top-k of all N sums is found exactly at
-sqrt(N) cost: a pair in the overall top-k has each half in its own half's
-top-k, so scoring the k*k candidates built from the two half top-k's suffices
-(Lample et al. 2019; MEMORY_LAYERS.md section 1).
+The `ProductKeys` module (query projection + sub-keys) and the slot-balance
+loss. The exact search itself, and its sparse backward, are in
+memory/search.py and memory/search_grad.py (re-exported here).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -17,53 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from memlm.errors import ConfigError
+from memlm.memory.search import product_key_topk, subkey_scores
+from memlm.memory.search_grad import product_key_search
 
+SUB_MODES = ("detached", "grad", "none")
 
-def subkey_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """query (T, H, 2, half), keys (H, 2, n_keys, half) -> scores (T, H, 2, n_keys)."""
-    return torch.einsum("thcd,hcnd->thcn", query, keys)
-
-
-@functools.lru_cache(maxsize=64)
-def _candidate_pairs(knn: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ranks (a, b) in the two sorted top-k lists with (a + 1) * (b + 1) <= knn.
-
-    With both lists sorted descending, s1[a] + s2[b] is at most each of the
-    (a + 1) * (b + 1) sums s1[a'] + s2[b'] with a' <= a, b' <= b; if that count
-    exceeds knn, knn other candidates are at least as good and (a, b) cannot
-    be needed. That leaves about knn * ln(knn) candidates instead of knn**2
-    (119 instead of 1024 for knn = 32). Built on the host once per (knn,
-    device): a read-only memo, no host sync on the hot path."""
-    pairs = [(a, b) for a in range(knn) for b in range(knn) if (a + 1) * (b + 1) <= knn]
-    ranks = torch.tensor(pairs, dtype=torch.long).t().contiguous()
-    return ranks[0].to(device), ranks[1].to(device)
-
-
-def product_key_topk(sub_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-`knn` of s1[i] + s2[j] over all n_keys**2 slots, per token and head
-    (ties aside: among equal sums any may be kept).
-
-    sub_scores: (T, H, 2, n_keys) -> scores (T, H, knn) descending, slots
-    (T, H, knn) int64 with slot = i * n_keys + j."""
-    n_keys = sub_scores.shape[-1]
-    # One top-k over both halves (not one per slice): its backward then builds
-    # one zero-filled (T, H, 2, n_keys) gradient instead of three. Sorted, so
-    # only the pairs of _candidate_pairs can reach the final top-k.
-    half_scores, half_idx = sub_scores.topk(knn, dim=-1)  # (T, H, 2, knn)
-    s1, s2 = half_scores.unbind(2)  # (T, H, knn) each
-    i1, i2 = half_idx.unbind(2)
-    a, b = _candidate_pairs(knn, sub_scores.device)
-    lead = s1.shape[:-1]
-
-    def pick(x: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
-        # On a 2-D contiguous tensor, index_select along dim 1 is ~15x faster
-        # on CPU than along the last dim of the strided (T, H, knn) view.
-        return x.reshape(-1, knn).index_select(1, ranks).view(*lead, -1)
-
-    cand = pick(s1, a) + pick(s2, b)  # (T, H, ~knn ln knn)
-    cand_slots = pick(i1, a) * n_keys + pick(i2, b)
-    scores, best = cand.topk(knn, dim=-1)  # (T, H, knn)
-    return scores, cand_slots.gather(-1, best)
+__all__ = ["ProductKeys", "balance_loss", "check_knn", "product_key_search", "product_key_topk", "subkey_scores"]
 
 
 def balance_loss(sub_scores: torch.Tensor) -> torch.Tensor:
@@ -122,28 +78,48 @@ class ProductKeys(nn.Module):
     def current_knn(self) -> int:
         return self.knn if self.training else self.eval_knn
 
-    def sub_scores(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, dim) -> sub-key scores (T, H, 2, n_keys), at least float32 so
-        that top-k and softmax do not suffer bf16 ties."""
+    def query_and_keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, dim) -> query (T, H, 2, half) and sub-keys (H, 2, n_keys, half),
+        at least float32 so that top-k and softmax do not suffer bf16 ties."""
         compute = torch.promote_types(x.dtype, torch.float32)
-        q = self.query(x).view(-1, self.heads, 2, self.half).to(compute)  # (T, H, 2, half)
+        q = self.query(x).view(-1, self.heads, 2, self.half).to(compute)
         keys = self.keys.to(compute)
         if self.qk_norm:
             # QK-norm as in attention: unit-RMS query halves and sub-key rows,
             # dot product over sqrt(half), so the scores are sqrt(half) * cosine
-            # whatever the scale the query projection drifts to.
-            q = F.rms_norm(q, (self.half,))
+            # whatever the scale the query projection drifts to. The 1/sqrt(half)
+            # goes on the (small) query, not on the (T, H, 2, n_keys) scores.
+            q = F.rms_norm(q, (self.half,)) * self.half**-0.5
             keys = F.rms_norm(keys, (self.half,))
-            return subkey_scores(q, keys) / math.sqrt(self.half)
-        return subkey_scores(q, keys)
+        return q, keys
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def sub_scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, dim) -> sub-key scores (T, H, 2, n_keys), differentiable (dense)."""
+        return subkey_scores(*self.query_and_keys(x))
+
+    def forward(
+        self, x: torch.Tensor, sub: str = "detached"
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x (T, dim) -> weights (T, H*knn) softmax per head in float32 (or
-        wider), slots (T, H*knn) int64, sub-key scores (T, H, 2, n_keys)."""
-        sub = self.sub_scores(x)
-        scores, slots = product_key_topk(sub, self.current_knn)  # (T, H, knn) each
+        wider), slots (T, H*knn) int64, sub-key scores (T, H, 2, n_keys).
+
+        `sub` says what the sub-key scores are for: "detached" (default: for
+        metrics), "grad" (differentiable: a loss on them, e.g. the balance
+        loss) or "none" (not needed: None is returned, and the search may run
+        in chunks of tokens). Except with "grad", the search's backward
+        touches only the selected sub-keys (memory/search_grad.py); with "grad"
+        the gradient goes through autograd's dense path, which a loss on the
+        sub-scores needs anyway."""
+        if sub not in SUB_MODES:
+            raise ValueError(f"sub must be one of {SUB_MODES}, got {sub!r}")
+        q, keys = self.query_and_keys(x)
+        if sub == "grad":
+            sub_scores = subkey_scores(q, keys)
+            scores, slots = product_key_topk(sub_scores, self.current_knn)  # (T, H, knn) each
+        else:
+            scores, slots, sub_scores = product_key_search(q, keys, self.current_knn, keep_sub=sub == "detached")
         weights = scores.softmax(dim=-1)
-        return weights.flatten(1), slots.flatten(1), sub
+        return weights.flatten(1), slots.flatten(1), sub_scores
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -34,6 +34,8 @@ from collections.abc import Iterable
 import torch
 from torch.optim.adamw import adamw
 
+from memlm.memory.hugepages import advise_huge_pages
+
 
 class SparseRowAdamW(torch.optim.Optimizer):
     def __init__(
@@ -65,8 +67,8 @@ class SparseRowAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg"] = _zeros_like_table(p)
+                    state["exp_avg_sq"] = _zeros_like_table(p)
                 state["step"] += 1
                 if p.grad.is_sparse:
                     self._sparse_update(p, p.grad, state, group)
@@ -97,6 +99,14 @@ class SparseRowAdamW(torch.optim.Optimizer):
 # Rows per gather/update/scatter chunk of a sparse update (512 rows of 512
 # floats: 1 MB per tensor).
 ROW_CHUNK = 512
+
+
+def _zeros_like_table(p: torch.Tensor) -> torch.Tensor:
+    """A moment buffer: zeros like `p`, on huge pages when large (its rows are
+    updated at random, like the table's; see memory/hugepages.py)."""
+    buf = torch.empty_like(p, memory_format=torch.preserve_format)
+    advise_huge_pages(buf)  # before the first write
+    return buf.zero_()
 
 
 def _adamw(p, grad, m, v, step: int, group: dict) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from memlm.memory.hugepages import advise_huge_pages
 from memlm.memory.ops import embedding_bag
 
 
@@ -52,6 +53,9 @@ class ValuePool(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
+        # Before the first write (a fresh table is untouched until here): a
+        # large CPU table read at random rows is ~2x faster on huge pages.
+        advise_huge_pages(self.weight)
         # Values ~ N(0, v_dim**-0.5) (the published init): a bag of k rows with
         # softmax weights then has roughly unit-scale entries.
         nn.init.normal_(self.weight, mean=0.0, std=self.v_dim**-0.5)

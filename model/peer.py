@@ -27,9 +27,9 @@ Choices, and why:
   projection and sub-keys are dense. Consequence: `num_params()` counts them
   as memory, and the trainer's optimizer puts them in the memory-value group
   (`memory.value_lr`, `value_weight_decay`, `value_grad_clip`).
-- The sub-key scores are computed here (PEER's keys are shared across heads);
-  the exact top-k of pair sums is the memory layers' own
-  (`memlm.memory.product_keys.product_key_topk`).
+- The search is the memory layers' own (`memlm.memory.search_grad.product_key_search`,
+  which takes keys shared by the heads), with its backward through the selected
+  sub-keys only.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memlm.errors import ConfigError
-from memlm.memory.product_keys import product_key_topk as topk_of_pair_sums
+from memlm.memory.search_grad import product_key_search
 from memlm.model.ffn import FFNContext, register_ffn
 
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
@@ -53,10 +53,11 @@ def product_key_topk(
     q: (T, H, 2, half) queries; keys: (2, n_keys, half) sub-keys shared by the heads.
     Returns scores (T, H, knn) in q's dtype and expert indices (T, H, knn),
     index = i * n_keys + j. Exact because each half of a top-knn pair must be in
-    its half's own top-knn.
+    its half's own top-knn. The memory layers' search, with its backward that
+    touches only the selected sub-keys.
     """
-    s = torch.einsum("thcd,cnd->thcn", q, keys)  # (T, H, 2, n_keys)
-    return topk_of_pair_sums(s, knn)  # the memory layers' exact search
+    scores, idx, _ = product_key_search(q, keys, knn)
+    return scores, idx
 
 
 class ExpertTable(nn.Module):
