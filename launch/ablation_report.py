@@ -34,24 +34,46 @@ def _last_json_line(path: Path) -> dict:
     return json.loads(lines[-1]) if lines else {}
 
 
-def load_points(root: Path) -> list[dict]:
-    """One row per point of a finished sweep: config facts + measured results."""
-    from memlm.train.describe import describe_row
+def _counts(dump: Path) -> dict:
+    """Parameter counts and FLOPs/token from the run's own saved config (not
+    from today's configs/, which may have changed since the run)."""
+    import torch
 
+    from memlm.model import Transformer
+    from memlm.train.config import from_yaml
+
+    cfg = from_yaml((dump / "config.yaml").read_text())
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cfg.memory if cfg.memory.kind != "none" else None)
+    return {**model.num_params(), "flops": model.flops_per_token(cfg.data.seq_len), "name": cfg.name}
+
+
+def _run_dirs(root: Path) -> list[tuple[str, Path]]:
+    """(point label, dump_dir) of a sweep: from its sweep.json, or, for a sweep
+    that was stopped before writing it, every sub-folder with a summary.json."""
     record = root / "sweep.json"
-    if not record.exists():
-        raise ReportError(f"{record} not found: run the sweep first (docs/results.md lists the commands)")
+    if record.exists():
+        return [(p["point"], Path(p["dump_dir"])) for p in json.loads(record.read_text())]
+    found = sorted((d.name, d) for d in root.iterdir() if (d / "summary.json").exists()) if root.is_dir() else []
+    if not found:
+        raise ReportError(f"{record} not found and no finished runs under {root}: run the sweep first "
+                          "(docs/results.md lists the commands)")
+    return found
+
+
+def load_points(root: Path) -> list[dict]:
+    """One row per finished point of a sweep: config facts + measured results."""
     rows = []
-    for point in json.loads(record.read_text()):
-        dump = Path(point["dump_dir"])
-        summary = json.loads((dump / "summary.json").read_text()) if (dump / "summary.json").exists() else {}
+    for label, dump in _run_dirs(root):
+        if not (dump / "summary.json").exists():
+            raise ReportError(f"{dump}: no summary.json, the run did not finish")
+        summary = json.loads((dump / "summary.json").read_text())
         last = _last_json_line(dump / "metrics.jsonl")
         usage = [v for k, v in last.items() if k.startswith("memory/") and k.endswith("/usage")]
-        counts = describe_row([o for o in point["overrides"] if not o.startswith(("dump_dir=", "name="))], None)
+        counts = _counts(dump)
         rows.append({
-            "point": point["point"], "status": point.get("status"), "overrides": point["overrides"],
-            "total": counts["total"], "active": counts["active"], "memory_params": counts["memory"],
-            "flops": counts["flops_per_token"], "tokens": summary.get("tokens"),
+            "point": label, "name": counts["name"], "total": counts["total"], "active": counts["active"],
+            "memory_params": counts["memory"], "flops": counts["flops"], "tokens": summary.get("tokens"),
             "seconds": summary.get("seconds"), "final_loss": summary.get("final_loss"),
             "val_loss": summary.get("val_loss"), "usage": sum(usage) / len(usage) if usage else None,
             **eval_metrics(dump),
@@ -75,7 +97,7 @@ def _ppl(loss) -> str:
 
 def variant_name(row: dict) -> str:
     for key, name in VARIANTS.items():
-        if f"experiment={key}" in row["point"] or f"experiment={key}" in row["overrides"]:
+        if f"experiment={key}" in row["point"]:
             return name
     return row["point"]
 
@@ -174,13 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memlm.launch.ablation_report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("ablation", help="sweep root of the five ablation_* experiments")
-    parser.add_argument("sweep", nargs="?", help="sweep root of the Memory+ memory-size sweep")
+    parser.add_argument("sweep", nargs="*", help="sweep root(s) of the Memory+ memory-size sweep")
     parser.add_argument("--doc", default="docs/results.md", help="markdown file with the GENERATED markers")
     parser.add_argument("--plot", default="docs/scaling.png", help="where to draw the figure ('' for none)")
     args = parser.parse_args(argv)
     try:
         ablation = load_points(Path(args.ablation))
-        sweep = load_points(Path(args.sweep)) if args.sweep else []
+        sweep = [row for root in args.sweep for row in load_points(Path(root))]
         # The ablation's Memory+ run is a point of the size sweep too, unless the sweep ran its size.
         sizes = {r["memory_params"] for r in sweep}
         sweep += [r for r in ablation if sweep and variant_name(r) == "Memory+" and r["memory_params"] not in sizes]

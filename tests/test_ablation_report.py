@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 
 from memlm.launch.ablation_report import BEGIN, END, main
+from memlm.train.config import compose, to_yaml
 
 VARIANTS = ["ablation_dense", "ablation_moe", "ablation_peer", "ablation_memory", "ablation_memplus"]
 
 
-def _fake_run(dump: Path, em_seen: float, val_loss: float, usage: float | None) -> None:
+def _fake_run(dump: Path, overrides: list[str], em_seen: float, val_loss: float, usage: float | None) -> None:
     (dump / "evals").mkdir(parents=True)
+    (dump / "config.yaml").write_text(to_yaml(compose(overrides)))  # what the trainer saves
     (dump / "summary.json").write_text(json.dumps({"tokens": 8192000, "seconds": 600.0, "final_loss": 0.9,
                                                    "val_loss": val_loss}))
     results = {"synthetic_qa_seen": {"exact_match": em_seen, "n": 1000},
@@ -26,7 +28,7 @@ def _fake_run(dump: Path, em_seen: float, val_loss: float, usage: float | None) 
 def _fake_sweep(root: Path, points: list[tuple[str, list[str], float, float, float | None]]) -> None:
     record = []
     for label, overrides, em, loss, usage in points:
-        _fake_run(root / label, em, loss, usage)
+        _fake_run(root / label, overrides, em, loss, usage)
         record.append({"point": label, "dump_dir": str(root / label), "status": "ok",
                        "overrides": [*overrides, f"dump_dir={root / label}", f"name=x/{label}"]})
     root.mkdir(parents=True, exist_ok=True)
@@ -42,13 +44,18 @@ def roots(tmp_path):
     sizes = {32: 0.12, 64: 0.15, 256: 0.19}  # with the ablation's Memory+ (128: 0.20) not rising
     _fake_sweep(tmp_path / "sw", [(f"memory.n_keys={n}", ["experiment=ablation_memplus", f"memory.n_keys={n}"],
                                    em, 1.0 - em, 0.8) for n, em in sizes.items()])
+    # A second sweep root stopped before it wrote sweep.json: its finished runs still count.
+    _fake_sweep(tmp_path / "sw2", [("memory.n_keys=48", ["experiment=ablation_memplus", "memory.n_keys=48"],
+                                    0.16, 0.84, 0.8)])
+    (tmp_path / "sw2" / "sweep.json").unlink()
     return tmp_path
 
 
 def test_report_tables_goals_and_plot(roots, capsys):
     doc = roots / "results.md"
     doc.write_text(f"# Results\n\nProse before.\n\n{BEGIN}\nold table\n{END}\n\nProse after.\n")
-    assert main([str(roots / "ab"), str(roots / "sw"), "--doc", str(doc), "--plot", str(roots / "s.png")]) == 0
+    args = [str(roots / "ab"), str(roots / "sw"), str(roots / "sw2"), "--doc", str(doc), "--plot", str(roots / "s.png")]
+    assert main(args) == 0
     text = doc.read_text()
     assert "Prose before." in text and "Prose after." in text and "old table" not in text
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
@@ -58,7 +65,7 @@ def test_report_tables_goals_and_plot(roots, capsys):
     assert [c.strip() for c in rows["Dense"].split("|")[1:-1]][9] == "-"  # no memory, no usage
     assert "Memory+ EM >= 1.5x Dense (seen people): 20.0% vs 10.0% = 2.00x: met" in text
     assert "Memory+ above Memory: 20.0% vs 14.0%: met" in text
-    assert "EM rising with memory size across the sweep: 12.0% -> 15.0% -> 20.0% -> 19.0%: NOT met" in text
+    assert "EM rising with memory size across the sweep: 12.0% -> 16.0% -> 15.0% -> 20.0% -> 19.0%: NOT met" in text
     assert "within 10% across variants" in text
     assert "| 1,048,576 memory params (ablation_memplus) |" in text  # the ablation's Memory+ joins the sweep
     assert (roots / "s.png").read_bytes()[:4] == b"\x89PNG"
@@ -66,7 +73,7 @@ def test_report_tables_goals_and_plot(roots, capsys):
 
 def test_missing_sweep_and_markers_are_clear_errors(roots, capsys):
     assert main([str(roots / "nope"), "--plot", ""]) == 2
-    assert "sweep.json not found" in capsys.readouterr().err
+    assert "sweep.json not found and no finished runs" in capsys.readouterr().err
     doc = roots / "plain.md"
     doc.write_text("# Results without markers\n")
     assert main([str(roots / "ab"), "--doc", str(doc), "--plot", ""]) == 2
