@@ -29,9 +29,16 @@ class ReportError(Exception):
     pass
 
 
-def _last_json_line(path: Path) -> dict:
+def _last_usage(path: Path) -> list[float]:
+    """Slot usage per memory layer from the newest metrics.jsonl line that has
+    it (validation and eval lines do not)."""
     lines = path.read_text().splitlines() if path.exists() else []
-    return json.loads(lines[-1]) if lines else {}
+    for line in reversed(lines):
+        row = json.loads(line)
+        usage = [v for k, v in row.items() if k.startswith("memory/") and k.endswith("/usage")]
+        if usage:
+            return usage
+    return []
 
 
 def _counts(dump: Path) -> dict:
@@ -45,7 +52,8 @@ def _counts(dump: Path) -> dict:
     cfg = from_yaml((dump / "config.yaml").read_text())
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.memory if cfg.memory.kind != "none" else None)
-    return {**model.num_params(), "flops": model.flops_per_token(cfg.data.seq_len), "name": cfg.name}
+    slots = cfg.memory.n_keys**2 if cfg.memory.kind in ("memory", "memplus") else None
+    return {**model.num_params(), "flops": model.flops_per_token(cfg.data.seq_len), "name": cfg.name, "slots": slots}
 
 
 def _run_dirs(root: Path) -> list[tuple[str, Path]]:
@@ -68,11 +76,10 @@ def load_points(root: Path) -> list[dict]:
         if not (dump / "summary.json").exists():
             raise ReportError(f"{dump}: no summary.json, the run did not finish")
         summary = json.loads((dump / "summary.json").read_text())
-        last = _last_json_line(dump / "metrics.jsonl")
-        usage = [v for k, v in last.items() if k.startswith("memory/") and k.endswith("/usage")]
+        usage = _last_usage(dump / "metrics.jsonl")
         counts = _counts(dump)
         rows.append({
-            "point": label, "name": counts["name"], "total": counts["total"], "active": counts["active"],
+            "point": label, "name": counts["name"], "slots": counts["slots"], "total": counts["total"], "active": counts["active"],
             "memory_params": counts["memory"], "flops": counts["flops"], "tokens": summary.get("tokens"),
             "seconds": summary.get("seconds"), "final_loss": summary.get("final_loss"),
             "val_loss": summary.get("val_loss"), "usage": sum(usage) / len(usage) if usage else None,
@@ -148,7 +155,7 @@ def render(ablation: list[dict], sweep: list[dict]) -> str:
     if sweep:
         parts += ["", "### Memory+ size sweep", ""]
         parts += table(sorted(sweep, key=lambda r: r["memory_params"]),
-                       lambda r: f"{r['memory_params']:,} memory params ({r['point'].replace('experiment=', '')})")
+                       lambda r: f"Memory+ {r['slots']:,} slots ({r['memory_params']:,} params)")
     parts += ["", "### Goals", "", *goals(ablation, sweep), END]
     return "\n".join(parts)
 

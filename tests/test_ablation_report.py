@@ -22,7 +22,8 @@ def _fake_run(dump: Path, overrides: list[str], em_seen: float, val_loss: float,
                "synthetic_qa_unseen": {"exact_match": em_seen / 4, "n": 1000}}
     (dump / "evals" / "2000.json").write_text(json.dumps({"step": 2000, "results": results}))
     last = {"step": 2000, **({"memory/layer2/usage": usage} if usage is not None else {})}
-    (dump / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n" + json.dumps(last) + "\n")
+    lines = [{"step": 1}, last, {"step": 2000, "val_loss": val_loss}]  # the last line has no usage
+    (dump / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
 def _fake_sweep(root: Path, points: list[tuple[str, list[str], float, float, float | None]]) -> None:
@@ -67,7 +68,7 @@ def test_report_tables_goals_and_plot(roots, capsys):
     assert "Memory+ above Memory: 20.0% vs 14.0%: met" in text
     assert "EM rising with memory size across the sweep: 12.0% -> 16.0% -> 15.0% -> 20.0% -> 19.0%: NOT met" in text
     assert "within 10% across variants" in text
-    assert "| 1,048,576 memory params (ablation_memplus) |" in text  # the ablation's Memory+ joins the sweep
+    assert "| Memory+ 16,384 slots (1,048,576 params) |" in text  # the ablation's Memory+ joins the sweep
     assert (roots / "s.png").read_bytes()[:4] == b"\x89PNG"
 
 
