@@ -111,13 +111,14 @@ def variant_name(row: dict) -> str:
 
 def table(rows: list[dict], label) -> list[str]:
     out = ["| run | params total | params active | fwd FLOPs/token | tokens | EM seen % | EM unseen % "
-           "| val loss | val ppl | memory usage % | minutes |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| train loss | val loss | val ppl | memory usage % | minutes |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         minutes = "-" if r["seconds"] is None else f"{r['seconds'] / 60:.1f}"
         out.append(f"| {label(r)} | {_num(r['total'])} | {_num(r['active'])} | {_num(r['flops'])} "
                    f"| {_num(r['tokens'])} | {_pct(r.get(EM_SEEN))} | {_pct(r.get(EM_UNSEEN))} "
-                   f"| {_num(r['val_loss'], '.4f')} | {_ppl(r['val_loss'])} | {_pct(r['usage'])} | {minutes} |")
+                   f"| {_num(r['final_loss'], '.4f')} | {_num(r['val_loss'], '.4f')} | {_ppl(r['val_loss'])} "
+                   f"| {_pct(r['usage'])} | {minutes} |")
     return out
 
 

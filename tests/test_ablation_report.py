@@ -62,8 +62,8 @@ def test_report_tables_goals_and_plot(roots, capsys):
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
     assert set(rows) >= {"Dense", "MoE", "PEER", "Memory", "Memory+"}
     cells = [c.strip() for c in rows["Memory+"].split("|")[1:-1]]
-    assert cells[4:7] == ["8,192,000", "20.0", "5.0"] and cells[9] == "90.0"
-    assert [c.strip() for c in rows["Dense"].split("|")[1:-1]][9] == "-"  # no memory, no usage
+    assert cells[4:8] == ["8,192,000", "20.0", "5.0", "0.9000"] and cells[10] == "90.0"
+    assert [c.strip() for c in rows["Dense"].split("|")[1:-1]][10] == "-"  # no memory, no usage
     assert "Memory+ EM >= 1.5x Dense (seen people): 20.0% vs 10.0% = 2.00x: met" in text
     assert "Memory+ above Memory: 20.0% vs 14.0%: met" in text
     assert "EM rising with memory size across the sweep: 12.0% -> 16.0% -> 15.0% -> 20.0% -> 19.0%: NOT met" in text
