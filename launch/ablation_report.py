@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -150,9 +151,11 @@ def goals(ablation: list[dict], sweep: list[dict]) -> list[str]:
 
 
 def render(ablation: list[dict], sweep: list[dict]) -> str:
-    parts = [BEGIN, f"Machine: {platform.processor() or platform.machine()}, generated from the run folders.", "",
+    parts = [BEGIN, f"Machine: {platform.machine()}, {os.cpu_count()} cores, generated from the run folders.", "",
              "### Ablation (matched active FLOPs)", ""]
-    parts += table(ablation, variant_name)
+    order = list(VARIANTS.values())
+    parts += table(sorted(ablation, key=lambda r: order.index(variant_name(r)) if variant_name(r) in order
+                          else len(order)), variant_name)
     if sweep:
         parts += ["", "### Memory+ size sweep", ""]
         parts += table(sorted(sweep, key=lambda r: r["memory_params"]),
@@ -180,14 +183,12 @@ def plot(ablation: list[dict], sweep: list[dict], path: Path) -> None:
     for key, style, name in ((EM_SEEN, "o-", "EM, people with QA text"), (EM_UNSEEN, "s--", "EM, biography only")):
         ax_em.plot(xs, [100 * (r.get(key) or 0) for r in ordered], style, label=f"Memory+ {name}")
     ax_loss.plot(xs, [r["val_loss"] for r in ordered], "o-", label="Memory+")
-    for r in ablation:  # the other variants as horizontal reference lines
+    others = [r for r in ablation if variant_name(r) != "Memory+"]
+    for color, r in zip(("C2", "C3", "C4", "C5", "C6", "C7"), others):  # the other variants as reference lines
         name = variant_name(r)
-        if name in ("Memory+",):
-            continue
-        line = ax_em.axhline(100 * (r.get(EM_SEEN) or 0), linestyle=":", linewidth=1)
-        line.set_label(f"{name} (EM seen)")
+        ax_em.axhline(100 * (r.get(EM_SEEN) or 0), linestyle=":", color=color, label=f"{name} (EM seen)")
         if r["val_loss"] is not None:
-            ax_loss.axhline(r["val_loss"], linestyle=":", linewidth=1, color=line.get_color(), label=name)
+            ax_loss.axhline(r["val_loss"], linestyle=":", color=color, label=name)
     for ax, ylabel in ((ax_em, "exact match (%)"), (ax_loss, "validation loss (nats/token)")):
         ax.set_xscale("log")
         ax.set_xlabel("memory value parameters")
