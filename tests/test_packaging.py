@@ -24,8 +24,8 @@ def test_non_editable_install_imports_and_finds_configs(tmp_path):
     script = (
         "import memlm, memlm.model, memlm.memory\n"
         "from memlm.train.config import compose\n"
-        "assert memlm.__file__.startswith(%r), memlm.__file__\n"
-        "print(compose(['model=373m']).model.dim)\n" % str(target)
+        f"assert memlm.__file__.startswith({str(target)!r}), memlm.__file__\n"
+        "print(compose(['model=373m']).model.dim)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(target)}
     out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env,

@@ -12,10 +12,10 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from memlm.memory.parallel import value_pools
 from memlm.model import Transformer
 from memlm.train.config import ParallelConfig
 from memlm.train.distributed import Meshes
-from memlm.memory.parallel import value_pools
 
 
 def _is_memory_block(block: nn.Module) -> bool:
