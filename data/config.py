@@ -42,6 +42,7 @@ class SyntheticConfig:
     docs_per_person: int = 4  # paraphrased biographies per person (helps knowledge extraction)
     seed: int = 0
     qa_fraction: float = 0.0  # people who also get QA-format training text (held-out phrasings stay unseen)
+    qa_docs_per_person: int = 1  # QA documents per such person, each asking every fact in another phrasing
 
 
 @dataclass
@@ -90,6 +91,11 @@ class DataConfig:
                 raise ConfigError(f"{prefix}.synthetic", self.synthetic, "people and docs_per_person > 0")
             if not 0.0 <= self.synthetic.qa_fraction <= 1.0:
                 raise ConfigError(f"{prefix}.synthetic.qa_fraction", self.synthetic.qa_fraction, "a fraction in [0, 1]")
+            from memlm.data.synthetic import MAX_QA_DOCS
+
+            if not 1 <= self.synthetic.qa_docs_per_person <= MAX_QA_DOCS:
+                raise ConfigError(f"{prefix}.synthetic.qa_docs_per_person", self.synthetic.qa_docs_per_person,
+                                  f"an integer in [1, {MAX_QA_DOCS}] (the training phrasings per attribute)")
             if not self.tokenizer and self.vocab_size < MIN_SPM_VOCAB:
                 raise ConfigError(
                     f"{prefix}.vocab_size", self.vocab_size,

@@ -102,6 +102,8 @@ def synthetic_dir(cfg: DataConfig) -> str:
 
     syn = cfg.synthetic
     qa = f"-q{syn.qa_fraction:g}" if syn.qa_fraction > 0 else ""
+    if syn.qa_fraction > 0 and syn.qa_docs_per_person != 1:
+        qa += f"x{syn.qa_docs_per_person}"
     # The generator's digest: a corpus cached by an older memlm is regenerated, not reused.
     name = f"synthetic-p{syn.people}-d{syn.docs_per_person}-s{syn.seed}{qa}-g{generator_digest()}"
     return os.path.join(cfg.cache_dir, name)
@@ -117,13 +119,13 @@ def materialize_synthetic(cfg: DataConfig) -> dict[str, str]:
 
     folder = synthetic_dir(cfg)
     os.makedirs(folder, exist_ok=True)
-    paths = {name: os.path.join(folder, f"{name}.jsonl") for name in ("train", "qa", "qa_seen", "qa_unseen")}
+    paths = {name: os.path.join(folder, f"{name}.jsonl") for name in ("train", "qa", "qa_seen", "qa_unseen", "qa_trained")}
     paths["tokenizer"] = cfg.tokenizer or os.path.join(folder, f"tokenizer-v{cfg.vocab_size}.model")
     with open(os.path.join(folder, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (os.path.isfile(paths["train"]) and os.path.isfile(paths["qa"])):
             syn = cfg.synthetic
-            write_corpus(folder, syn.people, syn.docs_per_person, syn.seed, syn.qa_fraction)
+            write_corpus(folder, syn.people, syn.docs_per_person, syn.seed, syn.qa_fraction, syn.qa_docs_per_person)
         if not os.path.isfile(paths["tokenizer"]):
             with open(paths["train"]) as fh:
                 docs = (json.loads(line)["text"] for line in fh)

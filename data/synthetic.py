@@ -6,14 +6,19 @@ writes `train.jsonl` ({"text": biography}, `docs_per_person` paraphrased
 biographies per person, sentences in random order), `qa.jsonl`
 ({"question": ..., "answer": [...]}, one question per person and attribute, in
 NQ-open format) and `people.jsonl` (the facts, for analysis). The same
-(people, docs_per_person, seed, qa_fraction) always gives byte-identical files.
+(people, docs_per_person, seed, qa_fraction, qa_docs_per_person) always gives
+byte-identical files.
 
-With `--qa-fraction f > 0` the first f of the people also get one training
-document of question/answer pairs ("Q: ...?\nA: ...", the evaluation's prompt
-layout) in phrasings disjoint from the evaluation's (TRAIN_QUESTION_TEMPLATES):
-the model then learns the format and to answer from stored facts, as in
-pretraining data that mixes encyclopedic text with QA. `qa_seen.jsonl` and
-`qa_unseen.jsonl` split `qa.jsonl` into those people and the biography-only rest.
+With `--qa-fraction f > 0` the first f of the people also get
+`--qa-docs-per-person` training documents of question/answer pairs
+("Q: ...?\nA: ...", the evaluation's prompt layout) in phrasings disjoint from
+the evaluation's (TRAIN_QUESTION_TEMPLATES), each document asking every fact
+in another phrasing: the model then learns the format and to answer from
+stored facts, as in pretraining data that mixes encyclopedic text with QA.
+`qa_seen.jsonl` and `qa_unseen.jsonl` split `qa.jsonl` into those people and
+the biography-only rest; `qa_trained.jsonl` asks the seen people's facts in
+the phrasings of their first training document (recall of trained text: it
+separates what a model stored from whether it understands a new phrasing).
 
 Every person has a unique name and seven attributes drawn uniformly from large
 value sets (see synthetic_vocab), so recall is limited by model capacity.
@@ -40,6 +45,9 @@ from memlm.data.synthetic_templates import (
 )
 from memlm.errors import ConfigError
 
+# A seen person's QA documents each ask a fact in another training phrasing.
+MAX_QA_DOCS = min(len(t) for t in TRAIN_QUESTION_TEMPLATES.values())
+
 
 @dataclass(frozen=True)
 class Person:
@@ -54,7 +62,7 @@ class Person:
     food: str
 
 
-GENERATOR_VERSION = 2  # bump when the generation logic (not only templates or values) changes
+GENERATOR_VERSION = 3  # bump when the generation logic (not only templates or values) changes
 
 
 def generator_digest() -> str:
@@ -136,24 +144,45 @@ def qa_people(people: int, qa_fraction: float) -> int:
     return round(people * qa_fraction)
 
 
-def qa_document(person: Person, rng: random.Random) -> str:
+def qa_phrasings(person_index: int, seed: int, n_docs: int) -> list[dict[str, str]]:
+    """For each of a seen person's n_docs QA documents, the training template
+    of each attribute: distinct across the documents (n_docs <= the templates
+    per attribute). Seeded per person, so qa_trained.jsonl can be rebuilt."""
+    if not 1 <= n_docs <= MAX_QA_DOCS:
+        raise ConfigError("qa_docs_per_person", n_docs,
+                          f"an integer in [1, {MAX_QA_DOCS}] (one training phrasing per attribute and document)")
+    rng = random.Random(f"qa-phrasings-{seed}-{person_index}")
+    picks = {a: rng.sample(TRAIN_QUESTION_TEMPLATES[a], n_docs) for a in ATTRIBUTES}
+    return [{a: picks[a][d] for a in ATTRIBUTES} for d in range(n_docs)]
+
+
+def qa_document(person: Person, phrasing: dict[str, str], rng: random.Random) -> str:
     """All of a person's facts as question/answer pairs, in random order, laid
     out like evaluation prompts (evals.prompts.qa_text + " " + answer)."""
     order = list(ATTRIBUTES)
     rng.shuffle(order)
-    pairs = [f"Q: {rng.choice(TRAIN_QUESTION_TEMPLATES[a]).format(n=person.name)}\nA: {getattr(person, a)}"
-             for a in order]
+    pairs = [f"Q: {phrasing[a].format(n=person.name)}\nA: {getattr(person, a)}" for a in order]
     return "\n\n".join(pairs)
+
+
+def trained_questions(persons: list[Person], seed: int, qa_docs_per_person: int) -> list[dict]:
+    """The given (seen) people's facts asked in their first QA document's phrasings."""
+    return [
+        {"question": qa_phrasings(i, seed, qa_docs_per_person)[0][a].format(n=p.name), "answer": answers(p, a)}
+        for i, p in enumerate(persons) for a in ATTRIBUTES
+    ]
 
 
 def generate(
     people: int, docs_per_person: int = 4, seed: int = 0, qa_fraction: float = 0.0,
+    qa_docs_per_person: int = 1,
 ) -> tuple[list[Person], list[str], list[dict]]:
     """(people, training documents, QA items), all deterministic in the arguments.
     QA items are in people order, so the first qa_people(...) * len(ATTRIBUTES)
     are the questions about people with QA training text."""
     if docs_per_person <= 0:
         raise ConfigError("docs_per_person", docs_per_person, "a positive integer")
+    qa_phrasings(0, seed, qa_docs_per_person)  # validates qa_docs_per_person up front
     n_seen = qa_people(people, qa_fraction)
     persons = make_people(people, seed)
     rng = random.Random(seed + 1)
@@ -166,7 +195,8 @@ def generate(
     if n_seen:
         # Its own stream, so the biographies and questions do not depend on qa_fraction.
         qa_rng = random.Random(seed + 2)
-        docs += [qa_document(p, qa_rng) for p in persons[:n_seen]]
+        docs += [qa_document(p, phrasing, qa_rng) for i, p in enumerate(persons[:n_seen])
+                 for phrasing in qa_phrasings(i, seed, qa_docs_per_person)]
         qa_rng.shuffle(docs)
     return persons, docs, qa
 
@@ -181,10 +211,11 @@ def _write_jsonl(path: str, rows: list[dict]) -> None:
 
 def write_corpus(
     out_dir: str, people: int, docs_per_person: int = 4, seed: int = 0, qa_fraction: float = 0.0,
+    qa_docs_per_person: int = 1,
 ) -> dict[str, str]:
-    persons, docs, qa = generate(people, docs_per_person, seed, qa_fraction)
+    persons, docs, qa = generate(people, docs_per_person, seed, qa_fraction, qa_docs_per_person)
     os.makedirs(out_dir, exist_ok=True)
-    names = ("train", "qa", "people") + (("qa_seen", "qa_unseen") if qa_fraction > 0 else ())
+    names = ("train", "qa", "people") + (("qa_seen", "qa_unseen", "qa_trained") if qa_fraction > 0 else ())
     paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in names}
     _write_jsonl(paths["people"], [asdict(p) for p in persons])
     _write_jsonl(paths["qa"], qa)
@@ -192,6 +223,8 @@ def write_corpus(
         cut = qa_people(people, qa_fraction) * len(ATTRIBUTES)
         _write_jsonl(paths["qa_seen"], qa[:cut])
         _write_jsonl(paths["qa_unseen"], qa[cut:])
+        n_seen = qa_people(people, qa_fraction)
+        _write_jsonl(paths["qa_trained"], trained_questions(persons[:n_seen], seed, qa_docs_per_person))
     _write_jsonl(paths["train"], [{"text": d} for d in tqdm(docs, desc="writing", unit="doc", disable=len(docs) < 10000)])
     return paths
 
@@ -205,9 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--qa-fraction", type=float, default=0.0,
                         help="fraction of people who also get QA-format training text (0 to 1)")
+    parser.add_argument("--qa-docs-per-person", type=int, default=1,
+                        help=f"QA documents per such person, each in other phrasings (1 to {MAX_QA_DOCS})")
     args = parser.parse_args(argv)
     try:
-        paths = write_corpus(args.out, args.people, args.docs_per_person, args.seed, args.qa_fraction)
+        paths = write_corpus(args.out, args.people, args.docs_per_person, args.seed, args.qa_fraction,
+                             args.qa_docs_per_person)
     except ConfigError as err:
         parser.error(str(err))
     sizes = {k: os.path.getsize(p) for k, p in paths.items()}

@@ -65,6 +65,9 @@ TASKS: dict[str, TaskSpec] = {
         # (data.synthetic.qa_fraction > 0): recall of a trained format vs knowledge extraction.
         TaskSpec("synthetic_qa_seen", "qa", "", (), (), "qa", QA_FORMAT),
         TaskSpec("synthetic_qa_unseen", "qa", "", (), (), "qa", QA_FORMAT),
+        # ... the seen people's facts in the phrasings they were trained on: what the
+        # model stored, apart from whether it understands a new phrasing.
+        TaskSpec("synthetic_qa_trained", "qa", "", (), (), "qa", QA_FORMAT),
         TaskSpec("mmlu", "mmlu", "mmlu", ("test", "test.jsonl"), ("dev", "dev.jsonl"), "mmlu", MMLU_FORMAT),
         _choice("openbookqa"),
         _choice("piqa"),
@@ -76,7 +79,8 @@ TASKS: dict[str, TaskSpec] = {
 }
 
 # Synthetic-corpus tasks -> the corpus file they ask (memlm.data.synthetic).
-SYNTHETIC_QA_FILES = {"synthetic_qa": "qa", "synthetic_qa_seen": "qa_seen", "synthetic_qa_unseen": "qa_unseen"}
+SYNTHETIC_QA_FILES = {"synthetic_qa": "qa", "synthetic_qa_seen": "qa_seen", "synthetic_qa_unseen": "qa_unseen",
+                      "synthetic_qa_trained": "qa_trained"}
 
 # `<prefix>:<folder>`: the user's own data in a known format.
 PREFIXES = {"qa": (QA_FORMAT, "qa"), "choice": (CHOICE_FORMAT, "choice"), "ppl": (PPL_FORMAT, "ppl")}

@@ -102,15 +102,20 @@ def _synthetic_qa(data_cfg: Any, task: str = "synthetic_qa") -> list[dict]:
     """The synthetic corpus' held-out question phrasings: from the run's data
     config when it trained on the synthetic corpus (same people and facts),
     else generated in memory from the default SyntheticConfig. The _seen /
-    _unseen tasks keep the people with / without QA training text.
+    _unseen tasks keep the people with / without QA training text; _trained
+    asks the seen people's facts in the phrasings they were trained on.
 
     qa.jsonl lists each person's questions together; a seeded shuffle makes the
     shots (and a `limit` prefix) span many people instead of one person's facts."""
     split = SYNTHETIC_QA_FILES[task]
     synthetic = data_cfg is not None and getattr(data_cfg, "kind", "") == "synthetic"
-    if split != "qa" and not (synthetic and 0 < data_cfg.synthetic.qa_fraction < 1):
-        got = data_cfg.synthetic.qa_fraction if synthetic else "no synthetic corpus"
-        raise ConfigError("data.synthetic.qa_fraction", got,
+    fraction = data_cfg.synthetic.qa_fraction if synthetic else None
+    if split == "qa_trained" and not (fraction and fraction > 0):
+        raise ConfigError("data.synthetic.qa_fraction", fraction if synthetic else "no synthetic corpus",
+                          f"a fraction > 0 in the run's config for task {task}, so that some people "
+                          "have QA training text to be asked in; or task synthetic_qa")
+    if split in ("qa_seen", "qa_unseen") and not (synthetic and 0 < fraction < 1):
+        raise ConfigError("data.synthetic.qa_fraction", fraction if synthetic else "no synthetic corpus",
                           f"a fraction strictly between 0 and 1 in the run's config for task {task}, "
                           "so that both people with and without QA training text exist; or task synthetic_qa")
     if synthetic:

@@ -19,7 +19,8 @@ def _fake_run(dump: Path, overrides: list[str], em_seen: float, val_loss: float,
     (dump / "summary.json").write_text(json.dumps({"tokens": 8192000, "seconds": 600.0, "final_loss": 0.9,
                                                    "val_loss": val_loss}))
     results = {"synthetic_qa_seen": {"exact_match": em_seen, "n": 1000},
-               "synthetic_qa_unseen": {"exact_match": em_seen / 4, "n": 1000}}
+               "synthetic_qa_unseen": {"exact_match": em_seen / 4, "n": 1000},
+               "synthetic_qa_trained": {"exact_match": em_seen * 3, "n": 1000}}
     (dump / "evals" / "2000.json").write_text(json.dumps({"step": 2000, "results": results}))
     last = {"step": 2000, **({"memory/layer2/usage": usage} if usage is not None else {})}
     lines = [{"step": 1}, last, {"step": 2000, "val_loss": val_loss}]  # the last line has no usage
@@ -62,8 +63,8 @@ def test_report_tables_goals_and_plot(roots, capsys):
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
     assert set(rows) >= {"Dense", "MoE", "PEER", "Memory", "Memory+"}
     cells = [c.strip() for c in rows["Memory+"].split("|")[1:-1]]
-    assert cells[4:8] == ["8,192,000", "20.0", "5.0", "0.9000"] and cells[10] == "90.0"
-    assert [c.strip() for c in rows["Dense"].split("|")[1:-1]][10] == "-"  # no memory, no usage
+    assert cells[4:9] == ["8,192,000", "20.0", "5.0", "60.0", "0.9000"] and cells[11] == "90.0"
+    assert [c.strip() for c in rows["Dense"].split("|")[1:-1]][11] == "-"  # no memory, no usage
     assert "Memory+ EM >= 1.5x Dense (seen people): 20.0% vs 10.0% = 2.00x: met" in text
     assert "Memory+ above Memory: 20.0% vs 14.0%: met" in text
     assert "EM rising with memory size across the sweep: 12.0% -> 16.0% -> 15.0% -> 20.0% -> 19.0%: NOT met" in text

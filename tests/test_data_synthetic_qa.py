@@ -102,3 +102,60 @@ def test_seen_and_unseen_eval_tasks(tmp_path):
     data.synthetic.qa_fraction = 0.0
     with pytest.raises(ConfigError, match="qa_fraction.*strictly between 0 and 1"):
         load_task("synthetic_qa_unseen", cfg, data)
+
+
+def test_qa_docs_per_person_asks_each_fact_in_distinct_training_phrasings():
+    people, docs, _ = generate(12, 1, seed=4, qa_fraction=0.5, qa_docs_per_person=3)
+    qa_docs = [d for d in docs if d.startswith("Q: ")]
+    assert len(qa_docs) == 6 * 3
+    for person in people[:6]:
+        mine = [d for d in qa_docs if person.name in d]
+        assert len(mine) == 3
+        for attribute in ATTRIBUTES:
+            answer = "\nA: " + getattr(person, attribute)
+            questions = [p.split("\nA: ")[0] for d in mine for p in d.split("\n\n") if p.endswith(answer)]
+            templates = {t.format(n=person.name) for t in TRAIN_QUESTION_TEMPLATES[attribute]}
+            # One pair per document (values of other attributes never equal this one's text).
+            assert len(questions) == 3 and len(set(questions)) == 3, (attribute, questions)
+            assert {q[len("Q: "):] for q in questions} <= templates
+
+
+def test_qa_trained_file_asks_in_the_first_training_phrasing(tmp_path):
+    paths = write_corpus(str(tmp_path), 10, 1, seed=6, qa_fraction=0.4, qa_docs_per_person=2)
+    trained = [json.loads(line) for line in open(paths["qa_trained"])]
+    people = [json.loads(line) for line in open(paths["people"])]
+    assert len(trained) == 4 * len(ATTRIBUTES)
+    train = open(paths["train"]).read()
+    eval_questions = {json.loads(line)["question"] for line in open(paths["qa"])}
+    for row in trained:
+        assert any(p["name"] in row["question"] for p in people[:4])  # a seen person
+        assert json.dumps(f"Q: {row['question']}\nA: {row['answer'][0]}")[1:-1] in train  # a trained pair
+        assert row["question"] not in eval_questions
+    assert {r["question"].count(p["name"]) for r in trained for p in people[4:]} == {0}
+
+
+def test_bad_qa_docs_per_person():
+    from memlm.data.config import DataConfig, SyntheticConfig
+    from memlm.data.synthetic import MAX_QA_DOCS
+
+    with pytest.raises(ConfigError, match=rf"qa_docs_per_person.*\[1, {MAX_QA_DOCS}\]"):
+        generate(10, 1, qa_fraction=0.5, qa_docs_per_person=MAX_QA_DOCS + 1)
+    cfg = DataConfig(kind="synthetic", vocab_size=400, synthetic=SyntheticConfig(qa_fraction=0.5, qa_docs_per_person=0))
+    with pytest.raises(ConfigError, match=r"data\.synthetic\.qa_docs_per_person.*0"):
+        cfg.validate("data")
+
+
+def test_trained_eval_task(tmp_path):
+    from memlm.data.config import DataConfig, SyntheticConfig
+    from memlm.evals.config import EvalConfig
+    from memlm.evals.tasks import load_task
+
+    cfg = EvalConfig(tasks=["synthetic_qa_trained"], num_fewshot=0)
+    data = DataConfig(kind="synthetic", vocab_size=400, cache_dir=str(tmp_path),
+                      synthetic=SyntheticConfig(people=12, docs_per_person=1, qa_fraction=1.0, qa_docs_per_person=2))
+    trained = load_task("synthetic_qa_trained", cfg, data)
+    assert len(trained.examples) == 12 * len(ATTRIBUTES)
+    assert next(tmp_path.glob("synthetic-*")).name.startswith("synthetic-p12-d1-s0-q1x2-g")
+    data.synthetic.qa_fraction = 0.0
+    with pytest.raises(ConfigError, match="qa_fraction.*> 0"):
+        load_task("synthetic_qa_trained", cfg, data)
