@@ -60,16 +60,19 @@ def _counts(dump: Path) -> dict:
 
 
 def _run_dirs(root: Path) -> list[tuple[str, Path]]:
-    """(point label, dump_dir) of a sweep: from its sweep.json, or, for a sweep
-    that was stopped before writing it, every sub-folder with a summary.json."""
+    """(point label, dump_dir) of a sweep: the points of its sweep.json, plus
+    every other sub-folder with a summary.json (a sweep stopped before writing
+    sweep.json, or several sweep commands sharing one root: each rewrites
+    sweep.json with its own points)."""
     record = root / "sweep.json"
-    if record.exists():
-        return [(p["point"], Path(p["dump_dir"])) for p in json.loads(record.read_text())]
+    points = [(p["point"], Path(p["dump_dir"])) for p in json.loads(record.read_text())] if record.exists() else []
+    listed = {d.resolve() for _, d in points}
     found = sorted((d.name, d) for d in root.iterdir() if (d / "summary.json").exists()) if root.is_dir() else []
-    if not found:
+    points += [(name, d) for name, d in found if d.resolve() not in listed]
+    if not points:
         raise ReportError(f"{record} not found and no finished runs under {root}: run the sweep first "
                           "(docs/results.md lists the commands)")
-    return found
+    return points
 
 
 def load_points(root: Path) -> list[dict]:

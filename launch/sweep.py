@@ -234,15 +234,16 @@ def _run_concurrently(points: Sequence[SweepPoint], jobs: int, nproc: int, max_r
 def run_local(points: Sequence[SweepPoint], nproc: int = 1, max_restarts: int = 0, jobs: int = 1) -> int:
     """Run the points (one after another, or `jobs` at a time); a failed point is
     reported and the sweep goes on."""
-    failed = 0
     if jobs > 1:
         failed = _run_concurrently(points, jobs, nproc, max_restarts)
-    for i, point in enumerate(points if jobs == 1 else (), 1):
-        print(f"[sweep] point {i}/{len(points)}: {point.label} -> {point.dump_dir}", flush=True)
-        started = time.time()
-        rc = run_streaming(_command(point, nproc, max_restarts), point.dump_dir, torchrun_env(max_restarts))
-        _record(point, rc, started)
-        failed += rc != 0
+    else:
+        failed = 0
+        for i, point in enumerate(points, 1):
+            print(f"[sweep] point {i}/{len(points)}: {point.label} -> {point.dump_dir}", flush=True)
+            started = time.time()
+            rc = run_streaming(_command(point, nproc, max_restarts), point.dump_dir, torchrun_env(max_restarts))
+            _record(point, rc, started)
+            failed += rc != 0
     for point in points:
         point.result.update(describe(point))
     print(f"\n[sweep] {len(points) - failed}/{len(points)} point(s) finished"

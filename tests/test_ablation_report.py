@@ -50,6 +50,8 @@ def roots(tmp_path):
     _fake_sweep(tmp_path / "sw2", [("memory.n_keys=48", ["experiment=ablation_memplus", "memory.n_keys=48"],
                                     0.16, 0.84, 0.8)])
     (tmp_path / "sw2" / "sweep.json").unlink()
+    # A point of another sweep command into the same root (whose sweep.json the last one rewrote).
+    _fake_run(tmp_path / "sw" / "memory.n_keys=40", ["experiment=ablation_memplus", "memory.n_keys=40"], 0.10, 0.9, 0.8)
     return tmp_path
 
 
@@ -67,7 +69,7 @@ def test_report_tables_goals_and_plot(roots, capsys):
     assert [c.strip() for c in rows["Dense"].split("|")[1:-1]][11] == "-"  # no memory, no usage
     assert "Memory+ EM >= 1.5x Dense (seen people): 20.0% vs 10.0% = 2.00x: met" in text
     assert "Memory+ above Memory: 20.0% vs 14.0%: met" in text
-    assert "EM rising with memory size across the sweep: 12.0% -> 16.0% -> 15.0% -> 20.0% -> 19.0%: NOT met" in text
+    assert "EM rising with memory size across the sweep: 12.0% -> 10.0% -> 16.0% -> 15.0% -> 20.0% -> 19.0%: NOT met" in text
     assert "within 10% across variants" in text
     assert "| Memory+ 16,384 slots (1,048,576 params) |" in text  # the ablation's Memory+ joins the sweep
     assert (roots / "s.png").read_bytes()[:4] == b"\x89PNG"
