@@ -85,8 +85,11 @@ def expand(sweep_args: Sequence[str]) -> tuple[list[str], list[list[str]]]:
 
 
 def point_label(items: Sequence[str], swept: Sequence[str]) -> str:
+    """The swept `key=value`s of a point; for a one-point sweep (no argument
+    with several values) its arguments themselves, so a run of
+    `sweep memory.n_keys=32` is labelled (and its folder named) after them."""
     keys = set(swept)
-    return ",".join(i for i in items if i.split("=", 1)[0] in keys) or "default"
+    return ",".join(i for i in items if i.split("=", 1)[0] in keys) or ",".join(items) or "default"
 
 
 def safe_dirname(label: str) -> str:

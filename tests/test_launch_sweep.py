@@ -199,3 +199,12 @@ def test_bad_jobs_values(capsys):
     assert "--jobs 0: must be an integer >= 1" in capsys.readouterr().err
     assert main(["sweep", "seed=1,2", "--jobs", "2", "--slurm", "--gpus-per-node", "1", "--", *TINY]) == 2
     assert "with --slurm every point is its own job" in capsys.readouterr().err
+
+
+def test_one_point_sweep_is_labelled_by_its_arguments():
+    from memlm.launch.sweep import expand, point_label
+
+    swept, points = expand(["memory.n_keys=32"])
+    assert [point_label(p, swept) for p in points] == ["memory.n_keys=32"]
+    swept, points = expand(["memory.n_keys=32,64", "optim.lr=1e-3"])
+    assert [point_label(p, swept) for p in points] == ["memory.n_keys=32", "memory.n_keys=64"]
