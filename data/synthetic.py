@@ -167,10 +167,9 @@ def qa_document(person: Person, phrasing: dict[str, str], rng: random.Random) ->
 
 def trained_questions(persons: list[Person], seed: int, qa_docs_per_person: int) -> list[dict]:
     """The given (seen) people's facts asked in their first QA document's phrasings."""
-    return [
-        {"question": qa_phrasings(i, seed, qa_docs_per_person)[0][a].format(n=p.name), "answer": answers(p, a)}
-        for i, p in enumerate(persons) for a in ATTRIBUTES
-    ]
+    firsts = [qa_phrasings(i, seed, qa_docs_per_person)[0] for i in range(len(persons))]
+    return [{"question": first[a].format(n=p.name), "answer": answers(p, a)}
+            for p, first in zip(persons, firsts) for a in ATTRIBUTES]
 
 
 def generate(
@@ -220,10 +219,10 @@ def write_corpus(
     _write_jsonl(paths["people"], [asdict(p) for p in persons])
     _write_jsonl(paths["qa"], qa)
     if qa_fraction > 0:
-        cut = qa_people(people, qa_fraction) * len(ATTRIBUTES)
+        n_seen = qa_people(people, qa_fraction)
+        cut = n_seen * len(ATTRIBUTES)
         _write_jsonl(paths["qa_seen"], qa[:cut])
         _write_jsonl(paths["qa_unseen"], qa[cut:])
-        n_seen = qa_people(people, qa_fraction)
         _write_jsonl(paths["qa_trained"], trained_questions(persons[:n_seen], seed, qa_docs_per_person))
     _write_jsonl(paths["train"], [{"text": d} for d in tqdm(docs, desc="writing", unit="doc", disable=len(docs) < 10000)])
     return paths

@@ -110,7 +110,7 @@ def _synthetic_qa(data_cfg: Any, task: str = "synthetic_qa") -> list[dict]:
     split = SYNTHETIC_QA_FILES[task]
     synthetic = data_cfg is not None and getattr(data_cfg, "kind", "") == "synthetic"
     fraction = data_cfg.synthetic.qa_fraction if synthetic else None
-    if split == "qa_trained" and not (fraction and fraction > 0):
+    if split == "qa_trained" and not (fraction or 0) > 0:
         raise ConfigError("data.synthetic.qa_fraction", fraction if synthetic else "no synthetic corpus",
                           f"a fraction > 0 in the run's config for task {task}, so that some people "
                           "have QA training text to be asked in; or task synthetic_qa")
