@@ -144,6 +144,12 @@ def _check_indices(indices: torch.Tensor, n_slots: int) -> None:
         )
 
 
+# Eager under torch.compile: the read dispatches to hand-written kernels with
+# their own backward, and checks its indices on the host. Disabling tracing
+# here (and in the search, usage counting and pool read) splits a compiled
+# block around the memory kernels: the rest of the block (projections, norms,
+# gating) is still compiled and fused (the ablation runs use this).
+@torch.compiler.disable
 def embedding_bag(
     values: torch.Tensor,
     indices: torch.Tensor,

@@ -151,6 +151,9 @@ def _dense_backward(query, keys, half_idx, rank_grad, need_q, need_keys):
     return grad_query, grad_keys
 
 
+# Eager under torch.compile (as the other memory kernels, see memory/ops.py):
+# a data-dependent search with its own backward, already tuned op by op.
+@torch.compiler.disable
 def product_key_search(
     query: torch.Tensor, keys: torch.Tensor, knn: int, keep_sub: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

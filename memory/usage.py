@@ -32,6 +32,7 @@ class SlotUsage(nn.Module):
         # Not persistent: a window's statistics are logging state, not model state.
         self.register_buffer("counts", torch.zeros(n_slots, dtype=torch.long), persistent=False)
 
+    @torch.compiler.disable  # eager under torch.compile, see memory/ops.py
     @torch.no_grad()
     def record(self, slots: torch.Tensor) -> None:
         """slots: any shape, int64 slot indices read in this step."""

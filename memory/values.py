@@ -43,6 +43,7 @@ class ValuePool(nn.Module):
         """Called by each layer that reads this pool (at construction)."""
         self.reads_per_token += reads_per_token
 
+    @torch.compiler.disable  # a reader may run collectives; see memory/ops.py
     def read(
         self, indices: torch.Tensor, weights: torch.Tensor, sparse: bool = False, kernel: str = "auto"
     ) -> torch.Tensor:

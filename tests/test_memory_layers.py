@@ -156,3 +156,27 @@ def test_pool_reader_hook_replaces_the_local_read():
     out = layer(torch.randn(3, 8, dtype=torch.float64))
     assert calls == [(torch.Size([3, 2 * 3]), False, "auto")]  # the config value; resolved per call by device
     assert torch.equal(out, torch.zeros_like(out))  # W2(0 * gate) = 0
+
+
+def test_under_torch_compile_the_memory_kernels_run_eagerly():
+    """torch.compile traces the projections and gating around the memory
+    kernels and leaves the kernels to run eagerly: one graph per stretch
+    between them (query | search | softmax | usage count | read | gating: 4
+    graphs; tracing into the kernels broke the layer into more), and the
+    same outputs and gradients as eager."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = MemoryPlus(dim=16, n_keys=8, heads=2, knn=4, k_dim=8, qk_norm=True)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    ref = layer(x)
+    ref_grads = torch.autograd.grad(ref.square().sum(), [x, *layer.parameters()])
+    counter = CompileCounter()
+    compiled = torch.compile(layer, backend=counter)
+    out = compiled(x)
+    grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+    assert counter.frame_count == 4
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
