@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memlm.errors import ConfigError
+from memlm.memory.row_dots import row_dots
 from memlm.memory.search_grad import product_key_search
 from memlm.model.ffn import FFNContext, register_ffn
 
@@ -116,8 +117,8 @@ class PEER(nn.Module):
         x = x.reshape(-1, self.dim)  # (T, dim)
         weights, idx = self.retrieve(x)  # (T, H, knn) each
         idx = idx.flatten(1)  # (T, H*knn): one bag of H*knn experts per token
-        u = F.embedding(idx, self.experts.down)  # (T, H*knn, dim)
-        hidden = ACTIVATIONS[self.activation](torch.bmm(u, x.unsqueeze(-1)).squeeze(-1))  # (T, H*knn)
+        # u_i . x for each retrieved expert, without the (T, H*knn, dim) gather of u rows.
+        hidden = ACTIVATIONS[self.activation](row_dots(self.experts.down, idx, x))  # (T, H*knn)
         coef = weights.flatten(1).to(x.dtype) * hidden  # (T, H*knn)
         # Weighted sum of the v rows without materializing the (T, H*knn, dim) gather.
         out = F.embedding_bag(idx, self.experts.up, per_sample_weights=coef, mode="sum")  # (T, dim)
