@@ -64,8 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[demo] removing the previous demo run {dump}")
         shutil.rmtree(dump)
 
-    stage(1, f"synthetic factual corpus: {cfg.data.synthetic.people} people, "
-             f"{cfg.data.synthetic.docs_per_person} biographies each, and its tokenizer")
+    syn = cfg.data.synthetic
+    qa_text = (f", Q/A text in {syn.qa_docs_per_person} phrasings for {syn.qa_fraction:.0%} of them"
+               if syn.qa_fraction > 0 else "")
+    stage(1, f"synthetic factual corpus: {syn.people} people, {syn.docs_per_person} biographies each"
+             f"{qa_text}, and its tokenizer")
     corpus = materialize_synthetic(cfg.data)
     print(f"  corpus {corpus['train']}\n  questions {corpus['qa']}\n  tokenizer {corpus['tokenizer']}")
 
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
           f"validation {src['tokens']['val']:,} tokens / {src['docs']['val']:,} documents")
 
     stage(3, f"pretraining a Memory+ model for {cfg.steps} steps (checkpoints every {cfg.checkpoint.every}), "
-             "then factual QA on held-out question phrasings and validation perplexity")
+             f"then factual QA ({', '.join(cfg.eval.tasks)}) and validation perplexity")
     data = dataclasses.replace(cfg.data, kind="shards", shards_dir=str(shards), tokenizer=corpus["tokenizer"])
     cfg = dataclasses.replace(cfg, data=data)
     cfg.validate()

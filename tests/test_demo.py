@@ -23,9 +23,13 @@ def test_demo_runs_every_stage_and_prints_the_results_table(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     for stage in range(1, 5):
         assert f"[demo {stage}/4]" in out.stdout
-    assert "synthetic_qa exact_match (n=20)" in out.stdout and "validation perplexity" in out.stdout
+    for task in ("synthetic_qa_trained", "synthetic_qa_seen"):
+        assert f"{task} exact_match (n=20)" in out.stdout
+    assert "validation perplexity" in out.stdout
     run = tmp_path / "runs" / "demo"
-    assert json.loads((run / "evals" / "40.json").read_text())["results"]["synthetic_qa"]["n"] == 20
+    results = json.loads((run / "evals" / "40.json").read_text())["results"]
+    assert set(results) == {"synthetic_qa_trained", "synthetic_qa_seen"}
+    assert results["synthetic_qa_seen"]["n"] == 20
     assert (tmp_path / "exports" / "demo" / "model.safetensors").is_file()
     assert (run / "checkpoints" / "step_00000040" / "meta.json").is_file()
 
