@@ -8,6 +8,7 @@ from the evaluated set, so an example is never its own demonstration.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,10 +99,26 @@ def _mmlu_shots(examples: list[dict], pool: list[dict] | None, k: int, name: str
     return kept, shots, source
 
 
+def synthetic_folder_of_shards(data_cfg: Any) -> Path | None:
+    """The synthetic corpus folder that `kind: shards` data was prepared from,
+    else None. The shards' manifest names each source file; a synthetic
+    corpus' train.jsonl sits next to its question files (qa*.jsonl)."""
+    if data_cfg is None or getattr(data_cfg, "kind", "") != "shards" or not getattr(data_cfg, "shards_dir", ""):
+        return None
+    try:
+        sources = json.loads((Path(data_cfg.shards_dir) / "manifest.json").read_text())["sources"].values()
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+    paths = [Path(s["path"]) for s in sources if isinstance(s, dict) and isinstance(s.get("path"), str)]
+    folders = {p.parent for p in paths if p.name == "train.jsonl" and (p.parent / "qa.jsonl").is_file()}
+    return folders.pop() if len(folders) == 1 else None
+
+
 def _synthetic_qa(data_cfg: Any, task: str = "synthetic_qa") -> list[dict]:
     """The synthetic corpus' held-out question phrasings: from the run's data
     config when it trained on the synthetic corpus (same people and facts),
-    else generated in memory from the default SyntheticConfig. The _seen /
+    or from the corpus its shards were prepared from, else generated in
+    memory from the default SyntheticConfig. The _seen /
     _unseen tasks keep the people with / without QA training text; _trained
     asks the seen people's facts in the phrasings they were trained on.
 
@@ -109,6 +126,17 @@ def _synthetic_qa(data_cfg: Any, task: str = "synthetic_qa") -> list[dict]:
     shots (and a `limit` prefix) span many people instead of one person's facts."""
     split = SYNTHETIC_QA_FILES[task]
     synthetic = data_cfg is not None and getattr(data_cfg, "kind", "") == "synthetic"
+    folder = None if synthetic else synthetic_folder_of_shards(data_cfg)
+    if folder is not None:  # shards prepared from a synthetic corpus (the demo): its own questions
+        path = folder / f"{split}.jsonl"
+        where = f"synthetic {path.name}"
+        examples = [parse_qa(w, r, "qa", where) for w, r in read_records(path, where)] if path.is_file() else []
+        if not examples:
+            raise ConfigError("eval.tasks", task, f"a task with questions in {folder} ({path.name} is missing or "
+                              "empty: the corpus was generated without the QA text this task asks about); "
+                              "or task synthetic_qa")
+        random.Random(0).shuffle(examples)
+        return examples
     fraction = data_cfg.synthetic.qa_fraction if synthetic else None
     if split == "qa_trained" and not (fraction or 0) > 0:
         raise ConfigError("data.synthetic.qa_fraction", fraction if synthetic else "no synthetic corpus",

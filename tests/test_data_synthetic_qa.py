@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import string
+from pathlib import Path
 
 import pytest
 
@@ -159,3 +160,40 @@ def test_trained_eval_task(tmp_path):
     data.synthetic.qa_fraction = 0.0
     with pytest.raises(ConfigError, match="qa_fraction.*> 0"):
         load_task("synthetic_qa_trained", cfg, data)
+
+
+def test_shards_prepared_from_a_synthetic_corpus_are_asked_about_its_own_people(tmp_path):
+    """kind=shards data made from a synthetic corpus (as the demo does): the
+    synthetic tasks read that corpus' question files, found through the
+    shards' manifest, not questions about the default corpus' people."""
+    from memlm.data.config import DataConfig, SourceConfig, SyntheticConfig
+    from memlm.data.corpus import materialize_synthetic
+    from memlm.data.prepare import prepare
+    from memlm.evals.config import EvalConfig
+    from memlm.evals.tasks import load_task, synthetic_folder_of_shards
+
+    syn = DataConfig(kind="synthetic", vocab_size=400, cache_dir=str(tmp_path / "c"),
+                     synthetic=SyntheticConfig(people=12, docs_per_person=1, qa_fraction=0.5))
+    corpus = materialize_synthetic(syn)
+    prepare([SourceConfig(name="bios", path=corpus["train"])], corpus["tokenizer"], str(tmp_path / "s"), workers=1)
+    shards = DataConfig(kind="shards", shards_dir=str(tmp_path / "s"), tokenizer=corpus["tokenizer"])
+    folder = synthetic_folder_of_shards(shards)
+    assert folder is not None and folder.samefile(Path(corpus["train"]).parent)
+    cfg = EvalConfig(tasks=["synthetic_qa_trained"], num_fewshot=0)
+    names = [json.loads(line)["name"] for line in open(folder / "people.jsonl")]
+    for task, people in (("synthetic_qa_trained", names[:6]), ("synthetic_qa_seen", names[:6]), ("synthetic_qa", names)):
+        examples = load_task(task, cfg, shards).examples
+        assert examples and all(any(n in ex["question"] for n in people) for ex in examples), task
+    # Shards of another corpus: no synthetic folder (synthetic_qa falls back to the default corpus).
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"text": "plain text"}\n' * 4)
+    prepare([SourceConfig(name="web", path=str(other))], corpus["tokenizer"], str(tmp_path / "s2"), workers=1)
+    assert synthetic_folder_of_shards(DataConfig(kind="shards", shards_dir=str(tmp_path / "s2"))) is None
+    # A corpus without QA text: the task that needs it says so.
+    bare = DataConfig(kind="synthetic", vocab_size=400, cache_dir=str(tmp_path / "c2"),
+                      synthetic=SyntheticConfig(people=12, docs_per_person=1))
+    bare_corpus = materialize_synthetic(bare)
+    prepare([SourceConfig(name="bios", path=bare_corpus["train"])], bare_corpus["tokenizer"], str(tmp_path / "s3"),
+            workers=1)
+    with pytest.raises(ConfigError, match="synthetic_qa_trained.*qa_trained.jsonl is missing or empty"):
+        load_task("synthetic_qa_trained", cfg, DataConfig(kind="shards", shards_dir=str(tmp_path / "s3")))
