@@ -33,7 +33,7 @@ start=$SECONDS
 cat "$OUT/env.txt"
 
 echo "== kernel tests (log: $OUT/kernel_tests.log)"
-timeout 240 "$PY" -m pytest tests/test_kernels*.py \
+timeout 240 "$PY" -m pytest tests/test_kernels*.py tests/test_memory_row_dots.py \
     -q -rs -p no:cacheprovider --junitxml="$OUT/kernel_tests.xml" >"$OUT/kernel_tests.log" 2>&1
 tests_rc=$?
 tail -n 15 "$OUT/kernel_tests.log"

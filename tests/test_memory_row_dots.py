@@ -43,3 +43,25 @@ def test_gradcheck():
 def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match=r"x must be \(B, dim\) = \(2, 4\)"):
         row_dots(torch.zeros(5, 4), torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 5))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/device_check.sh runs it on one)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_the_cpu_path(dtype):
+    """On CUDA the dot products take the public route (the read re-run under
+    autograd); same values and gradients as on CPU, at a PEER-like shape."""
+    gen = torch.Generator().manual_seed(2)
+    table = torch.randn(4096, 256, generator=gen)
+    x = torch.randn(512, 256, generator=gen)
+    indices = torch.randint(0, 4096, (512, 128), generator=gen)
+    g = torch.randn(512, 128, generator=gen)
+    results = []
+    for device, dt in (("cpu", torch.float32), ("cuda", dtype)):
+        t = table.to(device, dt).requires_grad_()
+        v = x.to(device, dt).requires_grad_()
+        out = row_dots(t, indices.to(device), v)
+        grads = torch.autograd.grad(out, [t, v], g.to(device, out.dtype))
+        results.append([r.float().cpu() for r in (out, *grads)])
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.3, "rtol": 0.05}
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, **tol)
