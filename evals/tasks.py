@@ -127,31 +127,28 @@ def _synthetic_qa(data_cfg: Any, task: str = "synthetic_qa") -> list[dict]:
     split = SYNTHETIC_QA_FILES[task]
     synthetic = data_cfg is not None and getattr(data_cfg, "kind", "") == "synthetic"
     folder = None if synthetic else synthetic_folder_of_shards(data_cfg)
-    if folder is not None:  # shards prepared from a synthetic corpus (the demo): its own questions
-        path = folder / f"{split}.jsonl"
-        where = f"synthetic {path.name}"
-        examples = [parse_qa(w, r, "qa", where) for w, r in read_records(path, where)] if path.is_file() else []
-        if not examples:
-            raise ConfigError("eval.tasks", task, f"a task with questions in {folder} ({path.name} is missing or "
-                              "empty: the corpus was generated without the QA text this task asks about); "
-                              "or task synthetic_qa")
-        random.Random(0).shuffle(examples)
-        return examples
     fraction = data_cfg.synthetic.qa_fraction if synthetic else None
-    if split == "qa_trained" and not (fraction or 0) > 0:
+    if folder is None and split == "qa_trained" and not (fraction or 0) > 0:
         raise ConfigError("data.synthetic.qa_fraction", fraction if synthetic else "no synthetic corpus",
                           f"a fraction > 0 in the run's config for task {task}, so that some people "
                           "have QA training text to be asked in; or task synthetic_qa")
-    if split in ("qa_seen", "qa_unseen") and not (synthetic and 0 < fraction < 1):
+    if folder is None and split in ("qa_seen", "qa_unseen") and not (synthetic and 0 < fraction < 1):
         raise ConfigError("data.synthetic.qa_fraction", fraction if synthetic else "no synthetic corpus",
                           f"a fraction strictly between 0 and 1 in the run's config for task {task}, "
                           "so that both people with and without QA training text exist; or task synthetic_qa")
-    if synthetic:
-        from memlm.data.corpus import materialize_synthetic
+    if synthetic or folder is not None:
+        if synthetic:
+            from memlm.data.corpus import materialize_synthetic
 
-        path = Path(materialize_synthetic(data_cfg)[split])
+            path = Path(materialize_synthetic(data_cfg)[split])
+        else:  # shards prepared from a synthetic corpus (the demo): that corpus' questions
+            path = folder / f"{split}.jsonl"
         where = f"synthetic {path.name}"
-        examples = [parse_qa(w, r, "qa", where) for w, r in read_records(path, where)]
+        examples = [parse_qa(w, r, "qa", where) for w, r in read_records(path, where)] if path.is_file() else []
+        if not examples and folder is not None:
+            raise ConfigError("eval.tasks", task, f"a task with questions in {folder} ({path.name} is missing or "
+                              "empty: the corpus was generated without the QA text this task asks about); "
+                              "or task synthetic_qa")
     else:
         from memlm.data.config import SyntheticConfig
         from memlm.data.synthetic import generate
