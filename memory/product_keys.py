@@ -115,9 +115,11 @@ class ProductKeys(nn.Module):
         q, keys = self.query_and_keys(x)
         if sub == "grad":
             sub_scores = subkey_scores(q, keys)
-            scores, slots = product_key_topk(sub_scores, self.current_knn)  # (T, H, knn) each
+            scores, slots = product_key_topk(sub_scores, self.current_knn, ordered=False)  # (T, H, knn) each
         else:
-            scores, slots, sub_scores = product_key_search(q, keys, self.current_knn, keep_sub=sub == "detached")
+            scores, slots, sub_scores = product_key_search(
+                q, keys, self.current_knn, keep_sub=sub == "detached", ordered=False
+            )
         weights = scores.softmax(dim=-1)
         return weights.flatten(1), slots.flatten(1), sub_scores
 

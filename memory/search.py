@@ -74,19 +74,26 @@ def _candidate_pairs(knn: int, device: torch.device) -> tuple[torch.Tensor, torc
     return ranks[:, 0].contiguous(), ranks[:, 1].contiguous(), ranks
 
 
-def product_key_topk(sub_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
+def product_key_topk(
+    sub_scores: torch.Tensor, knn: int, ordered: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-`knn` of s1[i] + s2[j] over all n_keys**2 slots, per token and head
     (ties aside: among equal sums any may be kept). Differentiable through
     autograd (dense); `product_key_search` is the same search with the sparse
     backward.
 
-    sub_scores: (T, H, 2, n_keys) -> scores (T, H, knn) descending, slots
-    (T, H, knn) int64 with slot = i * n_keys + j."""
-    scores, half_idx, ranks = topk_with_ranks(sub_scores, knn)
+    sub_scores: (T, H, 2, n_keys) -> scores (T, H, knn), slots (T, H, knn)
+    int64 with slot = i * n_keys + j. Descending if `ordered`; else the same
+    knn (score, slot) pairs in an unspecified order (the memory layers' case:
+    a softmax and a weighted sum do not need the order, and skipping the sort
+    of each row's winners makes the final top-k ~1.4x faster on CPU)."""
+    scores, half_idx, ranks = topk_with_ranks(sub_scores, knn, ordered)
     return scores, slots_of(half_idx, ranks, sub_scores.shape[-1])
 
 
-def topk_with_ranks(sub_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def topk_with_ranks(
+    sub_scores: torch.Tensor, knn: int, ordered: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """product_key_topk, with the winners given by their ranks in the half
     lists: scores (T, H, knn), half_idx (T, H, 2, knn) the sorted top-knn
     sub-keys of each half, ranks (T, H, 2, knn): winner k is the pair
@@ -103,7 +110,8 @@ def topk_with_ranks(sub_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, t
         # on CPU than along the last dim of the strided (T, H, knn) view.
         return x.reshape(-1, knn).index_select(1, ranks).view(*lead, -1)
 
-    scores, best = (pick(s1, a) + pick(s2, b)).topk(knn, dim=-1)  # (T, H, knn) of ~knn ln knn
+    # (T, H, knn) of ~knn ln knn; the half lists must be sorted, the winners need not be.
+    scores, best = (pick(s1, a) + pick(s2, b)).topk(knn, dim=-1, sorted=ordered)
     # The winners' (a, b) in one 1-D index_select (3x faster than a[best], b[best] + stack).
     ranks = pairs.index_select(0, best.reshape(-1)).view(*lead, knn, 2).transpose(-1, -2)
     return scores, half_idx, ranks

@@ -41,7 +41,7 @@ SPARSE_BACKWARD_RATIO = 8
 CHUNK_BYTES = 16 << 20
 
 
-def _search(query, keys, knn, keep_sub):
+def _search(query, keys, knn, keep_sub, ordered=True):
     """Forward of the search, no graph: scores, the half top-k lists and the
     winners' ranks in them (search.topk_with_ranks), and the sub-key scores
     if `keep_sub` (else None).
@@ -53,20 +53,20 @@ def _search(query, keys, knn, keep_sub):
     n_keys 1024, 2048 tokens x 4 heads, where the whole tensor is 64 MB)."""
     if keep_sub:
         sub = subkey_scores(query, keys)
-        return (*topk_with_ranks(sub, knn), sub)
+        return (*topk_with_ranks(sub, knn, ordered), sub)
     per_token = query.shape[1] * 2 * keys.shape[-2] * query.element_size()
     chunk = max(1, CHUNK_BYTES // per_token)
     if chunk >= query.shape[0] or query.device.type != "cpu":  # (accelerators: caching allocators)
-        return (*topk_with_ranks(subkey_scores(query, keys), knn), None)
-    parts = [topk_with_ranks(subkey_scores(q, keys), knn) for q in query.split(chunk)]
+        return (*topk_with_ranks(subkey_scores(query, keys), knn, ordered), None)
+    parts = [topk_with_ranks(subkey_scores(q, keys), knn, ordered) for q in query.split(chunk)]
     return (*(torch.cat(p) for p in zip(*parts)), None)
 
 
 class _ProductKeySearch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, keys, knn, keep_sub):
+    def forward(ctx, query, keys, knn, keep_sub, ordered):
         # query (T, H, 2, half); keys (H, 2, n_keys, half) or (2, n_keys, half).
-        scores, half_idx, ranks, sub = _search(query, keys, knn, keep_sub)
+        scores, half_idx, ranks, sub = _search(query, keys, knn, keep_sub, ordered)
         slots = slots_of(half_idx, ranks, keys.shape[-2])
         ctx.save_for_backward(query, keys, half_idx, ranks)
         ctx.mark_non_differentiable(slots)
@@ -82,7 +82,7 @@ class _ProductKeySearch(torch.autograd.Function):
     def backward(ctx, grad_scores, *_unused):  # no gradient for slots (and sub-scores)
         query, keys, half_idx, ranks = ctx.saved_tensors
         if grad_scores is None:  # the scores were not used in the loss
-            return None, None, None, None
+            return None, None, None, None, None
         t, h, knn = grad_scores.shape
         n_keys, half = keys.shape[-2:]
         # G: the gradient of each half's sub-score at each rank of its top-k
@@ -95,7 +95,7 @@ class _ProductKeySearch(torch.autograd.Function):
         else:
             used = torch.zeros_like(half_idx, dtype=torch.bool).scatter_(-1, ranks, True)
             grads = _sparse_backward(query, keys, half_idx, rank_grad, used, need_q, need_keys)
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
 def _compact_reads(device: torch.device) -> bool:
@@ -155,17 +155,18 @@ def _dense_backward(query, keys, half_idx, rank_grad, need_q, need_keys):
 # a data-dependent search with its own backward, already tuned op by op.
 @torch.compiler.disable
 def product_key_search(
-    query: torch.Tensor, keys: torch.Tensor, knn: int, keep_sub: bool = False
+    query: torch.Tensor, keys: torch.Tensor, knn: int, keep_sub: bool = False, ordered: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Exact top-`knn` slots per token and head, differentiable in the scores.
 
     query (T, H, 2, half); keys (H, 2, n_keys, half), or (2, n_keys, half)
-    shared by the heads (PEER). Returns scores (T, H, knn) descending, slots
-    (T, H, knn) int64 (slot = i * n_keys + j), and, if `keep_sub`, the sub-key
+    shared by the heads (PEER). Returns scores (T, H, knn) (descending if
+    `ordered`, else unordered: see product_key_topk), slots (T, H, knn) int64
+    (slot = i * n_keys + j), and, if `keep_sub`, the sub-key
     scores (T, H, 2, n_keys) detached, else None (then the search may run in
     chunks of tokens and never hold them all). A loss on the sub-key scores
     needs `subkey_scores` + `product_key_topk`, whose gradient is dense.
     Same results as product_key_topk(subkey_scores(query, keys), knn); the
     gradients w.r.t. query and keys equal autograd's through it."""
-    out = _ProductKeySearch.apply(query, keys, knn, keep_sub)
+    out = _ProductKeySearch.apply(query, keys, knn, keep_sub, ordered)
     return (*out, None) if len(out) == 2 else out

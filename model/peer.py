@@ -55,9 +55,10 @@ def product_key_topk(
     Returns scores (T, H, knn) in q's dtype and expert indices (T, H, knn),
     index = i * n_keys + j. Exact because each half of a top-knn pair must be in
     its half's own top-knn. The memory layers' search, with its backward that
-    touches only the selected sub-keys.
+    touches only the selected sub-keys. Unordered, like the memory layers'
+    (see memlm.memory.product_key_topk): the layer only sums over the winners.
     """
-    scores, idx, _ = product_key_search(q, keys, knn)
+    scores, idx, _ = product_key_search(q, keys, knn, ordered=False)
     return scores, idx
 
 

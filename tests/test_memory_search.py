@@ -66,6 +66,25 @@ def test_forward_equals_dense_path(shared, n_keys, knn):
     assert scores.requires_grad and not sub.requires_grad and not slots.requires_grad
 
 
+@pytest.mark.parametrize("n_keys,knn", [(40, 8), (64, 3), (9, 9), (128, 32)])
+def test_unordered_search_keeps_the_same_winners(backward, n_keys, knn):
+    # The layers ask for the winners unordered (ordered=False): the same
+    # (score, slot) pairs, and the same gradients, as the ordered search.
+    q, keys = _inputs(n_keys=n_keys, seed=2)
+    scores, slots, _ = product_key_search(q, keys, knn, ordered=False)
+    ref_scores, ref_slots, _ = product_key_search(q, keys, knn)
+    order = scores.argsort(dim=-1, descending=True)
+    assert torch.equal(slots.gather(-1, order), ref_slots)
+    assert torch.equal(scores.gather(-1, order), ref_scores)
+    dense_scores, dense_slots = product_key_topk(subkey_scores(q, keys), knn, ordered=False)
+    assert torch.equal(dense_slots.sort(-1).values, ref_slots.sort(-1).values)
+    probe = torch.randn(q.shape[0], q.shape[1], n_keys**2, dtype=torch.float64)  # a weight per slot
+    got = torch.autograd.grad((scores * probe.gather(-1, slots)).sum(), (q, keys))
+    want = torch.autograd.grad((ref_scores * probe.gather(-1, ref_slots)).sum(), (q, keys))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("n_keys,knn", [(40, 8), (64, 3), (9, 9)])
 def test_gradients_equal_autograd_through_dense_path(backward, shared, n_keys, knn):
