@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from memlm.memory.native_topk import topk as rows_topk
+
 # Half top-k through block maxima (see half_topk) from n_keys >= this * knn.
 BLOCK_TOPK_RATIO = 16
 BLOCK = 4
@@ -33,7 +35,9 @@ def subkey_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def half_topk(sub_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-`knn` of each row's last dim, sorted descending: values and indices.
 
-    torch's CPU top-k costs ~10 ns per element scanned, whatever k. For long
+    On CPU the top-k runs through memlm.memory.native_topk (a C kernel, 4-5x
+    faster than torch.topk on short rows). Its cost still grows with the
+    elements scanned, whatever k. For long
     rows on CPU we first take the max of each block of BLOCK scores (a vectorized
     pass), keep the knn blocks with the largest maxima, and take the top-knn
     of their knn*BLOCK scores: n/BLOCK + knn*BLOCK elements scanned instead of
@@ -46,15 +50,15 @@ def half_topk(sub_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.T
     slices (3x faster than reducing blocks of adjacent elements)."""
     n = sub_scores.shape[-1]
     if n < BLOCK_TOPK_RATIO * knn or n % BLOCK or sub_scores.device.type != "cpu":
-        return sub_scores.topk(knn, dim=-1)  # (on accelerators top-k is cheap: no detour)
+        return rows_topk(sub_scores, knn)  # (torch.topk on accelerators, where it is cheap: no detour)
     width = n // BLOCK
     # Along the last dim only: the einsum's (T, H, 2, n) output is a permuted
     # view, and flattening it to rows would copy the whole score tensor.
     block_max = sub_scores.unflatten(-1, (BLOCK, width)).amax(dim=-2)  # (..., n / BLOCK)
-    blocks = block_max.topk(knn, dim=-1, sorted=False).indices  # (..., knn)
+    blocks = rows_topk(block_max, knn)[1]  # (..., knn)
     offsets = torch.arange(0, n, width, device=blocks.device, dtype=blocks.dtype)
     cand_idx = (blocks.unsqueeze(-1) + offsets).flatten(-2)  # (..., knn * BLOCK)
-    values, best = sub_scores.gather(-1, cand_idx).topk(knn, dim=-1)
+    values, best = rows_topk(sub_scores.gather(-1, cand_idx), knn)
     return values, cand_idx.gather(-1, best)
 
 
@@ -110,8 +114,13 @@ def topk_with_ranks(
         # on CPU than along the last dim of the strided (T, H, knn) view.
         return x.reshape(-1, knn).index_select(1, ranks).view(*lead, -1)
 
-    # (T, H, knn) of ~knn ln knn; the half lists must be sorted, the winners need not be.
-    scores, best = (pick(s1, a) + pick(s2, b)).topk(knn, dim=-1, sorted=ordered)
+    # (T, H, knn) of ~knn ln knn; the half lists must be sorted, the winners need
+    # not be (torch.topk skips their sort; the CPU kernel sorts at no extra cost).
+    candidates = pick(s1, a) + pick(s2, b)
+    if candidates.device.type == "cpu":
+        scores, best = rows_topk(candidates, knn)
+    else:
+        scores, best = candidates.topk(knn, dim=-1, sorted=ordered)
     # The winners' (a, b) in one 1-D index_select (3x faster than a[best], b[best] + stack).
     ranks = pairs.index_select(0, best.reshape(-1)).view(*lead, knn, 2).transpose(-1, -2)
     return scores, half_idx, ranks

@@ -1,0 +1,128 @@
+"""memory/native_topk.py: the C top-k kernel gives torch.topk's results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memlm.memory.native_topk as native
+
+
+@pytest.fixture(autouse=True)
+def _kernel_required():
+    # Every machine memlm's tests run on has a C compiler (torch.compile needs
+    # one too): a missing kernel is a failure here, not a silent fallback.
+    assert native.available(), "the native top-k kernel did not build (see the RuntimeWarning)"
+
+
+def distinct(*shape, seed=0):
+    """Float32 values without ties (a random permutation), so indices are unique."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 1
+    for s in shape:
+        n *= s
+    return (torch.randperm(n, generator=gen).float() - n / 2).view(*shape) / 7
+
+
+@pytest.mark.parametrize("n,k", [(128, 32), (119, 32), (1024, 32), (32, 32), (37, 1), (300, 64), (128, 128), (9, 8)])
+def test_equals_torch_topk(n, k):
+    x = distinct(53, n, seed=n + k)  # 53 rows: not a multiple of the vector lanes
+    values, indices = native.topk(x, k)
+    ref_values, ref_indices = x.topk(k, dim=-1)
+    assert torch.equal(values, ref_values) and torch.equal(indices, ref_indices)
+
+
+def test_strided_leading_dims():
+    # The product-key scores are a permuted view (T, H, 2, n) of the einsum's output.
+    x = distinct(4, 2, 6, 128, seed=1).permute(2, 0, 1, 3)
+    assert not x.is_contiguous()
+    values, indices = native.topk(x, 32)
+    ref_values, ref_indices = x.topk(32, dim=-1)
+    assert values.shape == (6, 4, 2, 32)
+    assert torch.equal(values, ref_values) and torch.equal(indices, ref_indices)
+
+
+def test_ties_keep_equal_values():
+    x = torch.randint(0, 5, (40, 128)).float()  # many ties
+    values, indices = native.topk(x, 32)
+    assert torch.equal(values, x.topk(32, dim=-1).values)
+    assert torch.equal(x.gather(-1, indices), values)
+    assert all(len(set(row.tolist())) == 32 for row in indices)  # distinct elements
+
+
+def test_nan_ranks_highest_and_padding_never_wins():
+    x = torch.full((3, 40), float("-inf"))  # 40: padded to 64 inside
+    x[1, 7] = float("nan")
+    x[2, :5] = torch.tensor([1.0, float("inf"), -2.0, float("nan"), 0.0])
+    values, indices = native.topk(x, 32)
+    assert (indices < 40).all() and (indices >= 0).all()
+    assert all(len(set(row.tolist())) == 32 for row in indices)
+    assert values[1, 0].isnan() and indices[1, 0] == 7
+    assert values[2, 0].isnan() and indices[2, 0] == 3
+    assert values[2, 1:5].tolist() == [float("inf"), 1.0, 0.0, -2.0]
+    assert torch.isneginf(values[:, 5:]).all()
+
+
+def test_threads_split_rows_with_the_same_result():
+    x = distinct(5000, 128, seed=3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.topk(x, 32)
+        torch.set_num_threads(3)  # 3 parts, whatever the machine has
+        three = native.topk(x, 32)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], three[0]) and torch.equal(one[1], three[1])
+
+
+def test_values_carry_autograd():
+    x = distinct(6, 64, seed=4).requires_grad_()
+    probe = torch.randn(6, 16)
+    values, _ = native.topk(x, 16)
+    (grad,) = torch.autograd.grad((values * probe).sum(), x)
+    ref_values, _ = x.topk(16, dim=-1)
+    (ref,) = torch.autograd.grad((ref_values * probe).sum(), x)
+    assert torch.equal(grad, ref)
+
+
+@pytest.mark.parametrize("case", ["float64", "k=24", "strided columns", "k>n"])
+def test_unsupported_inputs_fall_back_to_torch(case):
+    x = distinct(10, 64, seed=5)
+    k = 16
+    if case == "float64":
+        x = x.double()
+    elif case == "k=24":
+        k = 24
+    elif case == "strided columns":
+        x = distinct(64, 10, seed=5).t()
+    else:
+        x, k = x[:, :8], 16
+        with pytest.raises(RuntimeError):
+            native.topk(x, k)
+        return
+    assert not native._supported(x, k)
+    values, indices = native.topk(x, k)
+    ref_values, ref_indices = x.topk(k, dim=-1)
+    assert torch.equal(values, ref_values) and torch.equal(indices, ref_indices)
+
+
+def test_switch_and_missing_compiler(monkeypatch, tmp_path):
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    try:
+        native._library.cache_clear()
+        monkeypatch.setenv(native.ENABLE_ENV, "0")
+        assert native._library() is None  # switched off: no warning, no build
+        native._library.cache_clear()
+        monkeypatch.setenv(native.ENABLE_ENV, "1")
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+        with pytest.warns(RuntimeWarning, match="no-such-cc"):
+            assert native._library() is None
+        x = distinct(10, 64)
+        assert torch.equal(native.topk(x, 8)[1], x.topk(8, dim=-1)[1])  # torch.topk then
+        native._library.cache_clear()
+        monkeypatch.delenv("CC")
+        assert native._library() is not None  # builds into the fresh cache dir
+        assert list((tmp_path / "native").glob("topk_rows-*.so"))
+    finally:
+        native._library.cache_clear()
