@@ -126,3 +126,28 @@ def test_switch_and_missing_compiler(monkeypatch, tmp_path):
         assert list((tmp_path / "native").glob("topk_rows-*.so"))
     finally:
         native._library.cache_clear()
+
+
+@pytest.mark.parametrize("n_keys,knn", [(128, 32), (1024, 32), (64, 8)])
+def test_product_key_search_through_the_kernel_equals_brute_force(monkeypatch, n_keys, knn):
+    # Sub-key scores whose n_keys**2 pair sums are distinct and exact in
+    # float32 (s1 multiples of 4096, s2 below 4096), so the winners are unique.
+    import memlm.memory.search as search
+
+    calls = []
+
+    def spy(x, k):
+        calls.append(native._supported(x, k))
+        return native.topk(x, k)
+
+    monkeypatch.setattr(search, "rows_topk", spy)
+    gen = torch.Generator().manual_seed(n_keys)
+    tokens, heads = 33, 3
+    s1 = torch.stack([torch.randperm(n_keys, generator=gen) for _ in range(tokens * heads)]).float() * 4096
+    s2 = torch.stack([torch.randperm(4096, generator=gen)[:n_keys] for _ in range(tokens * heads)]).float()
+    sub = torch.stack([s1, s2], dim=1).view(tokens, heads, 2, n_keys)
+    scores, slots = search.product_key_topk(sub, knn)
+    pair_sums = (sub[:, :, 0].unsqueeze(-1) + sub[:, :, 1].unsqueeze(-2)).flatten(-2)
+    ref_scores, ref_slots = pair_sums.topk(knn, dim=-1)
+    assert calls and all(calls), "every top-k of the CPU float32 search goes through the kernel"
+    assert torch.equal(slots, ref_slots) and torch.equal(scores, ref_scores)
