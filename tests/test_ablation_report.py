@@ -82,3 +82,44 @@ def test_missing_sweep_and_markers_are_clear_errors(roots, capsys):
     doc.write_text("# Results without markers\n")
     assert main([str(roots / "ab"), "--doc", str(doc), "--plot", ""]) == 2
     assert "lacks the markers" in capsys.readouterr().err
+
+
+def test_replicates_pool_into_means_and_runs_table(roots, capsys):
+    # Seed-1 runs of Dense and of the 256^2 sweep point, a byte-identical rerun of seed-0 Memory+
+    # (not another draw: counted once) and a run of a config the study does not have.
+    rep = roots / "rep"
+    _fake_sweep(rep, [
+        ("experiment=ablation_dense", ["experiment=ablation_dense", "seed=1", "data.seed=1"], 0.20, 0.90, None),
+        ("memory.n_keys=256", ["experiment=ablation_memplus", "memory.n_keys=256", "seed=1"], 0.29, 0.70, 0.8),
+        ("experiment=ablation_memplus", ["experiment=ablation_memplus"], 0.20, 0.80, 0.9),
+        ("other", ["experiment=ablation_memplus", "memory.knn=8"], 0.5, 0.5, 0.9),
+    ])
+    doc = roots / "results.md"
+    doc.write_text(f"{BEGIN}\n{END}\n")
+    args = [str(roots / "ab"), str(roots / "sw"), "--replicates", str(rep), "--doc", str(doc), "--plot", ""]
+    assert main(args) == 0
+    text, err = doc.read_text(), capsys.readouterr().err
+    assert "means over the independent runs" in text
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+            for line in text.split("### Runs")[0].splitlines() if line.startswith("| ")}
+    assert rows["Dense"][5] == "15.0" and rows["Dense"][-1] == "2"  # mean of 10% and 20%
+    assert rows["Memory+"][5] == "20.0" and rows["Memory+"][-1] == "1"  # the identical rerun is not a new run
+    assert rows["MoE"][-1] == "1"
+    big = rows["Memory+ 65,536 slots (4,194,304 params)"]
+    assert big[5] == "24.0" and big[9] == "0.7550" and big[-1] == "2"  # EM (19+29)/2, val loss (0.81+0.70)/2
+    assert "Memory+ EM >= 1.5x Dense (seen people): 20.0% vs 15.0% = 1.33x: NOT met" in text
+    runs = text.split("### Runs")[1]
+    assert "| Dense | 0,0 / 1,1 | 10.0 / 20.0 | 10.0 |" in runs
+    assert "| Memory+ 65,536 slots (4,194,304 params) | 0,0 / 1,0 | 19.0 / 29.0 | 10.0 |" in runs
+    assert "ignored" in err and "other" in err and err.count("ignored") == 1
+
+
+def test_config_key_ignores_only_run_identity():
+    from memlm.launch.replicates import config_key
+
+    def key(*overrides):
+        return config_key(to_yaml(compose(["experiment=ablation_memplus", *overrides])))
+
+    base = key()
+    assert key("seed=3", "data.seed=2", "dump_dir=/x", "name=y", "data.cache_dir=/c") == base
+    assert key("memory.knn=8") != base and key("data.synthetic.seed=1") != base and key("steps=10") != base

@@ -1,0 +1,82 @@
+"""Pool repeated runs of one config (other seeds) into one row with means.
+
+A small model trained for many passes over a fact corpus moves its held-out
+exact match by several points between seeds (docs/results.md, "Replicates"),
+so the ablation report compares means over independent runs. Runs are the
+same config when their saved config.yaml files agree on everything except
+the fields listed in RUN_IDENTITY.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+
+import yaml
+
+# Fields that name or place a run, or pick its random draws: they may differ
+# between replicates of one config. Everything else must match.
+RUN_IDENTITY = ("name", "dump_dir", "seed", "data.seed", "data.cache_dir", "logging", "checkpoint")
+# Row fields averaged over a group's runs (None where a run lacks the figure).
+AVERAGED = ("final_loss", "val_loss", "usage", "seconds")
+
+
+def config_key(config_yaml: str) -> str:
+    """Digest of a saved run config without its RUN_IDENTITY fields."""
+    cfg = yaml.safe_load(config_yaml)
+    for dotted in RUN_IDENTITY:
+        *parents, leaf = dotted.split(".")
+        node = cfg
+        for part in parents:
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def seeds_of(config_yaml: str) -> tuple[int, int]:
+    """(seed, data.seed) of a saved run config."""
+    cfg = yaml.safe_load(config_yaml)
+    return int(cfg.get("seed", 0)), int(cfg.get("data", {}).get("seed", 0))
+
+
+def _same_result(a: dict, b: dict, metrics: tuple[str, ...]) -> bool:
+    return all(a.get(m) == b.get(m) for m in (*metrics, "val_loss", "final_loss"))
+
+
+def independent(runs: list[dict], metrics: tuple[str, ...]) -> list[dict]:
+    """Drop a run that repeats another's seeds and every result exactly: a
+    rerun of unchanged code, not another draw (a rerun at the same seeds whose
+    results differ, e.g. after a change of summation order, is kept)."""
+    kept: list[dict] = []
+    for run in runs:
+        if not any(k["seeds"] == run["seeds"] and _same_result(k, run, metrics) for k in kept):
+            kept.append(run)
+    return kept
+
+
+def _mean(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None
+
+
+def pool(primary: list[dict], extra: list[dict], metrics: tuple[str, ...]) -> tuple[list[dict], list[dict]]:
+    """One row per config of `primary`, averaged over its independent runs in
+    primary + extra. Returns (pooled rows in primary's order, extra runs that
+    match no primary config). Each pooled row keeps its runs under "runs"."""
+    groups: dict[str, list[dict]] = {}
+    for run in primary + extra:
+        groups.setdefault(run["key"], []).append(run)
+    wanted = {r["key"] for r in primary}
+    pooled, seen = [], set()
+    for first in primary:
+        if first["key"] in seen:
+            continue
+        seen.add(first["key"])
+        runs = independent(groups[first["key"]], metrics)
+        row = {**first, "runs": runs, "n_runs": len(runs)}
+        for field in (*metrics, *AVERAGED):
+            row[field] = _mean([r.get(field) for r in runs])
+        pooled.append(row)
+    return pooled, [r for r in extra if r["key"] not in wanted]
