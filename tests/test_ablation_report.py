@@ -123,3 +123,16 @@ def test_config_key_ignores_only_run_identity():
     base = key()
     assert key("seed=3", "data.seed=2", "dump_dir=/x", "name=y", "data.cache_dir=/c") == base
     assert key("memory.knn=8") != base and key("data.synthetic.seed=1") != base and key("steps=10") != base
+
+
+def test_optional_three_layer_row_gets_its_own_goals(roots):
+    _fake_run(roots / "ab" / "experiment=ablation_memplus3", ["experiment=ablation_memplus3"], 0.16, 0.8, 0.9)
+    doc = roots / "results.md"
+    doc.write_text(f"{BEGIN}\n{END}\n")
+    assert main([str(roots / "ab"), "--doc", str(doc), "--plot", ""]) == 0
+    text = doc.read_text()
+    assert "| Memory+ (3 layers) |" in text and "| Memory+ |" in text  # not confused with each other
+    assert "Memory+ (3 layers) EM >= 1.5x Dense (seen people): 16.0% vs 10.0% = 1.60x: met" in text
+    assert "Memory+ (3 layers) above Memory: 16.0% vs 14.0%: met" in text
+    assert "Memory+ (3 layers) at or above MoE (11.0%) and PEER (12.0%): met" in text
+    assert "Memory+ EM >= 1.5x Dense (seen people): 20.0% vs 10.0% = 2.00x: met" in text
