@@ -74,7 +74,7 @@ def pool(primary: list[dict], extra: list[dict], metrics: tuple[str, ...]) -> tu
         if first["key"] in seen:
             continue
         seen.add(first["key"])
-        runs = independent(groups[first["key"]], metrics)
+        runs = independent(sorted(groups[first["key"]], key=lambda r: r["seeds"]), metrics)  # stable: primary first
         row = {**first, "runs": runs, "n_runs": len(runs)}
         for field in (*metrics, *AVERAGED):
             row[field] = _mean([r.get(field) for r in runs])
