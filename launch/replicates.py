@@ -1,7 +1,7 @@
 """Pool repeated runs of one config (other seeds) into one row with means.
 
 A small model trained for many passes over a fact corpus moves its held-out
-exact match by several points between seeds (docs/results.md, "Replicates"),
+exact match by several points between seeds (docs/results.md, "Runs"),
 so the ablation report compares means over independent runs. Runs are the
 same config when their saved config.yaml files agree on everything except
 the fields listed in RUN_IDENTITY.
@@ -22,9 +22,11 @@ RUN_IDENTITY = ("name", "dump_dir", "seed", "data.seed", "data.cache_dir", "logg
 AVERAGED = ("final_loss", "val_loss", "usage", "seconds")
 
 
-def config_key(config_yaml: str) -> str:
-    """Digest of a saved run config without its RUN_IDENTITY fields."""
+def run_identity(config_yaml: str) -> tuple[str, tuple[int, int]]:
+    """(config key, (seed, data.seed)) of a saved run config. The key is a
+    digest of the config without its RUN_IDENTITY fields."""
     cfg = yaml.safe_load(config_yaml)
+    seeds = int(cfg.get("seed", 0)), int(cfg.get("data", {}).get("seed", 0))
     for dotted in RUN_IDENTITY:
         *parents, leaf = dotted.split(".")
         node = cfg
@@ -32,13 +34,7 @@ def config_key(config_yaml: str) -> str:
             node = node.get(part, {}) if isinstance(node, dict) else {}
         if isinstance(node, dict):
             node.pop(leaf, None)
-    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def seeds_of(config_yaml: str) -> tuple[int, int]:
-    """(seed, data.seed) of a saved run config."""
-    cfg = yaml.safe_load(config_yaml)
-    return int(cfg.get("seed", 0)), int(cfg.get("data", {}).get("seed", 0))
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16], seeds
 
 
 def _same_result(a: dict, b: dict, metrics: tuple[str, ...]) -> bool:

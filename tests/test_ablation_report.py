@@ -115,10 +115,10 @@ def test_replicates_pool_into_means_and_runs_table(roots, capsys):
 
 
 def test_config_key_ignores_only_run_identity():
-    from memlm.launch.replicates import config_key
+    from memlm.launch.replicates import run_identity
 
     def key(*overrides):
-        return config_key(to_yaml(compose(["experiment=ablation_memplus", *overrides])))
+        return run_identity(to_yaml(compose(["experiment=ablation_memplus", *overrides])))[0]
 
     base = key()
     assert key("seed=3", "data.seed=2", "dump_dir=/x", "name=y", "data.cache_dir=/c") == base
