@@ -22,10 +22,28 @@ RUN_IDENTITY = ("name", "dump_dir", "seed", "data.seed", "data.cache_dir", "logg
 AVERAGED = ("final_loss", "val_loss", "usage", "seconds")
 
 
+def _with_defaults(config_yaml: str) -> dict:
+    """A saved config with the fields it predates filled in from the current
+    schema: a switch added later defaults to the behaviour before it (e.g.
+    memory.value_init_scale 1.0, the published init), so a run saved before
+    the switch existed is the same config as one saved after. A config the
+    current schema cannot read (a field since removed) is taken as saved."""
+    from omegaconf import OmegaConf
+
+    from memlm.train.config import Config
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(config_yaml))
+        return OmegaConf.to_container(merged, resolve=True)
+    except Exception:  # noqa: BLE001 - any schema mismatch: fall back to the text as saved
+        return yaml.safe_load(config_yaml)
+
+
 def run_identity(config_yaml: str) -> tuple[str, tuple[int, int]]:
     """(config key, (seed, data.seed)) of a saved run config. The key is a
-    digest of the config without its RUN_IDENTITY fields."""
-    cfg = yaml.safe_load(config_yaml)
+    digest of the config, read through the current schema (`_with_defaults`),
+    without its RUN_IDENTITY fields."""
+    cfg = _with_defaults(config_yaml)
     seeds = int(cfg.get("seed", 0)), int(cfg.get("data", {}).get("seed", 0))
     for dotted in RUN_IDENTITY:
         *parents, leaf = dotted.split(".")

@@ -32,6 +32,8 @@ class MemoryConfig:
     placement: str = "replace"  # replace | parallel
     value_lr: float = 1e-3
     value_weight_decay: float = 0.0
+    # Multiplies the published value init std v_dim**-0.5 (0 -> zero values).
+    value_init_scale: float = 1.0
     value_grad_clip: float = 1.0
     balance_loss_coef: float = 0.0
     sparse_updates: bool = False
@@ -137,7 +139,7 @@ class MemoryConfig:
             raise ConfigError(f"{prefix}.v_dim", self.v_dim, "0 (= model.dim) or a positive integer")
         if self.value_lr <= 0:
             raise ConfigError(f"{prefix}.value_lr", self.value_lr, "a positive number")
-        for key in ("value_weight_decay", "value_grad_clip", "balance_loss_coef"):
+        for key in ("value_weight_decay", "value_grad_clip", "balance_loss_coef", "value_init_scale"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{prefix}.{key}", getattr(self, key), "a number >= 0")
         if not 0 <= self.knn_schedule_start <= self.n_keys:

@@ -22,12 +22,17 @@ class ValuePool(nn.Module):
     # Read by Transformer.num_params(): the table counts as memory parameters.
     param_category = "memory"
 
-    def __init__(self, n_slots: int, v_dim: int):
+    def __init__(self, n_slots: int, v_dim: int, init_scale: float = 1.0):
         super().__init__()
         if n_slots < 1 or v_dim < 1:
             raise ValueError(f"a value pool needs n_slots >= 1 and v_dim >= 1, got {n_slots}, {v_dim}")
+        if not init_scale >= 0:  # also rejects NaN
+            raise ValueError(f"a value pool needs init_scale >= 0, got {init_scale}")
         self.n_slots = n_slots
         self.v_dim = v_dim
+        # Multiplies the published init std (memory.value_init_scale): 1 is
+        # the paper's init, 0 starts every value at zero.
+        self.init_scale = init_scale
         self.weight = nn.Parameter(torch.empty(n_slots, v_dim))
         # Rows each token reads from this pool, summed over the layers that
         # read it (each adds heads * knn when it is built): what one token
@@ -57,9 +62,9 @@ class ValuePool(nn.Module):
         # Before the first write (a fresh table is untouched until here): a
         # large CPU table read at random rows is ~2x faster on huge pages.
         advise_huge_pages(self.weight)
-        # Values ~ N(0, v_dim**-0.5) (the published init): a bag of k rows with
-        # softmax weights then has roughly unit-scale entries.
-        nn.init.normal_(self.weight, mean=0.0, std=self.v_dim**-0.5)
+        # Values ~ N(0, v_dim**-0.5) (the published init, at init_scale 1): a
+        # bag of k rows with softmax weights then has entries of at most that scale.
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_scale * self.v_dim**-0.5)
 
     def inactive_params(self) -> int:
         """Table entries one token does not read (at most `reads_per_token` rows are read)."""
@@ -67,4 +72,4 @@ class ValuePool(nn.Module):
         return (self.n_slots - active_rows) * self.v_dim
 
     def extra_repr(self) -> str:
-        return f"n_slots={self.n_slots}, v_dim={self.v_dim}"
+        return f"n_slots={self.n_slots}, v_dim={self.v_dim}, init_scale={self.init_scale}"

@@ -58,7 +58,7 @@ def _value_pool(ctx: FFNContext, cfg: MemoryConfig, v_dim: int) -> ValuePool | N
         return None
     pool = ctx.shared.get(SHARED_POOL_KEY)
     if pool is None:
-        pool = ValuePool(cfg.n_keys**2, v_dim)
+        pool = ValuePool(cfg.n_keys**2, v_dim, cfg.value_init_scale)
         ctx.shared[SHARED_POOL_KEY] = pool
     return pool
 
@@ -71,7 +71,7 @@ def _build(ctx: FFNContext, kind: str) -> MemoryFFN:
         n_keys=cfg.n_keys, heads=cfg.heads, knn=cfg.knn, k_dim=cfg.k_dim, v_dim=v_dim,
         values=_value_pool(ctx, cfg, v_dim), qk_norm=cfg.qk_norm, eval_knn=cfg.eval_knn,
         balance_loss_coef=cfg.balance_loss_coef, sparse_updates=cfg.sparse_updates,
-        kernel=cfg.kernel, layer_id=ctx.layer_id,
+        kernel=cfg.kernel, layer_id=ctx.layer_id, value_init_scale=cfg.value_init_scale,
     )
     memory = MemoryPlus(dim, gate=cfg.gate, **common) if kind == "memplus" else Memory(dim, **common)
     dense = SwiGLU(dim, ctx.args.hidden_dim) if cfg.placement == "parallel" else None

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from memlm.launch.ablation_report import BEGIN, END, main
 from memlm.train.config import compose, to_yaml
@@ -123,6 +124,20 @@ def test_config_key_ignores_only_run_identity():
     base = key()
     assert key("seed=3", "data.seed=2", "dump_dir=/x", "name=y", "data.cache_dir=/c") == base
     assert key("memory.knn=8") != base and key("data.synthetic.seed=1") != base and key("steps=10") != base
+
+
+def test_config_key_of_a_run_saved_before_a_field_existed():
+    # A run saved before memory.value_init_scale existed used the published
+    # init (1.0): the same config as a run saved with the field at its default.
+    from memlm.launch.replicates import run_identity
+
+    saved = yaml.safe_load(to_yaml(compose(["experiment=ablation_memplus"])))
+    older = {**saved, "memory": {k: v for k, v in saved["memory"].items() if k != "value_init_scale"}}
+    assert run_identity(yaml.safe_dump(older))[0] == run_identity(yaml.safe_dump(saved))[0]
+    changed = {**saved, "memory": {**saved["memory"], "value_init_scale": 0.1}}
+    assert run_identity(yaml.safe_dump(changed))[0] != run_identity(yaml.safe_dump(saved))[0]
+    removed = {**saved, "no_longer_a_field": 1}  # unreadable by the schema: hashed as saved
+    assert run_identity(yaml.safe_dump(removed))[0] != run_identity(yaml.safe_dump(saved))[0]
 
 
 def test_optional_three_layer_row_gets_its_own_goals(roots):

@@ -40,6 +40,7 @@ def test_presets_compose():
         ("memory.value_lr=0", "memory.value_lr"),
         ("memory.value_weight_decay=-0.1", "memory.value_weight_decay"),
         ("memory.value_grad_clip=-1", "memory.value_grad_clip"),
+        ("memory.value_init_scale=-0.5", "memory.value_init_scale"),
         ("memory.balance_loss_coef=-0.01", "memory.balance_loss_coef"),
         ("memory.knn_schedule_start=17", "memory.knn_schedule_start"),
         ("memory.knn_schedule_start=2", "memory.knn_schedule_steps"),  # start without steps

@@ -143,6 +143,31 @@ def test_published_init():
     assert float(meta.values.weight.std()) == pytest.approx(192**-0.5, rel=0.02)
 
 
+@torch.no_grad()
+def test_value_init_scale_scales_the_published_std():
+    torch.manual_seed(0)
+    small = Memory(32, n_keys=32, heads=2, knn=4, k_dim=8, v_dim=64, value_init_scale=0.1)
+    assert float(small.values.weight.std()) == pytest.approx(0.1 * 64**-0.5, rel=0.05)
+    zero = ValuePool(16, 8, init_scale=0.0)
+    assert float(zero.weight.abs().max()) == 0.0
+    zero.weight.fill_(1.0)
+    zero.init_weights()  # re-init (after to_empty) keeps the pool's scale
+    assert float(zero.weight.abs().max()) == 0.0
+    with pytest.raises(ValueError, match="init_scale"):
+        ValuePool(16, 8, init_scale=-1.0)
+
+
+def test_value_init_scale_reaches_the_shared_pool():
+    from memlm.model.build import build_model
+    from memlm.train.config import compose
+
+    cfg = compose(["model=tiny", "memory=memplus", "memory.layers=[0,1]", "memory.n_keys=8", "memory.knn=4",
+                   "memory.eval_knn=4", "memory.k_dim=8", "memory.value_init_scale=0"])
+    model = build_model(cfg.model, cfg.memory)
+    pools = [m for m in model.modules() if isinstance(m, ValuePool)]
+    assert len(pools) == 1 and float(pools[0].weight.detach().abs().max()) == 0.0
+
+
 def test_pool_reader_hook_replaces_the_local_read():
     """Memory parallelism installs `pool.reader`; the layer must go through it."""
     layer = _layer(MemoryPlus)
