@@ -4,8 +4,9 @@
 
 writes `train.jsonl` ({"text": biography}, `docs_per_person` paraphrased
 biographies per person, sentences in random order), `qa.jsonl`
-({"question": ..., "answer": [...]}, one question per person and attribute, in
-NQ-open format) and `people.jsonl` (the facts, for analysis). The same
+({"question": ..., "answer": [...], "phrasing": "<attribute>/q<i>"}, one
+question per person and attribute, in NQ-open format plus the name of the
+question's template, so the evaluation can score each phrasing) and `people.jsonl` (the facts, for analysis). The same
 (people, docs_per_person, seed, qa_fraction, qa_docs_per_person) always gives
 byte-identical files.
 
@@ -62,7 +63,7 @@ class Person:
     food: str
 
 
-GENERATOR_VERSION = 3  # bump when the generation logic (not only templates or values) changes
+GENERATOR_VERSION = 4  # bump when the generation logic (not only templates or values) changes
 
 
 def generator_digest() -> str:
@@ -165,11 +166,24 @@ def qa_document(person: Person, phrasing: dict[str, str], rng: random.Random) ->
     return "\n\n".join(pairs)
 
 
+def phrasing_id(attribute: str, template: str) -> str:
+    """A question template's name in QA records ("phrasing"): `<attribute>/q<i>`
+    for the i-th held-out template, `<attribute>/t<i>` for the i-th training one.
+    The evaluation reports exact match per phrasing."""
+    if template in QUESTION_TEMPLATES[attribute]:
+        return f"{attribute}/q{QUESTION_TEMPLATES[attribute].index(template)}"
+    return f"{attribute}/t{TRAIN_QUESTION_TEMPLATES[attribute].index(template)}"
+
+
+def _question(person: Person, attribute: str, template: str) -> dict:
+    return {"question": template.format(n=person.name), "answer": answers(person, attribute),
+            "phrasing": phrasing_id(attribute, template)}
+
+
 def trained_questions(persons: list[Person], seed: int, qa_docs_per_person: int) -> list[dict]:
     """The given (seen) people's facts asked in their first QA document's phrasings."""
     firsts = [qa_phrasings(i, seed, qa_docs_per_person)[0] for i in range(len(persons))]
-    return [{"question": first[a].format(n=p.name), "answer": answers(p, a)}
-            for p, first in zip(persons, firsts) for a in ATTRIBUTES]
+    return [_question(p, a, first[a]) for p, first in zip(persons, firsts) for a in ATTRIBUTES]
 
 
 def generate(
@@ -187,10 +201,7 @@ def generate(
     rng = random.Random(seed + 1)
     docs = [biography(p, rng) for p in persons for _ in range(docs_per_person)]
     rng.shuffle(docs)  # interleave people, so a file prefix is not a handful of people
-    qa = [
-        {"question": rng.choice(QUESTION_TEMPLATES[a]).format(n=p.name), "answer": answers(p, a)}
-        for p in persons for a in ATTRIBUTES
-    ]
+    qa = [_question(p, a, rng.choice(QUESTION_TEMPLATES[a])) for p in persons for a in ATTRIBUTES]
     if n_seen:
         # Its own stream, so the biographies and questions do not depend on qa_fraction.
         qa_rng = random.Random(seed + 2)

@@ -34,7 +34,11 @@ Returns `{task: {metric: value, ..., "n": examples}}`: generative QA gives
 `exact_match`, `f1`; multiple choice `acc`, `acc_norm`; MMLU `acc` (micro),
 `acc_macro` and one `mmlu/<subject>` entry per subject; perplexity tasks
 `token_ppl`, `bits_per_byte`, `tokens`, `bytes`. QA and multiple-choice entries
-also count prompts left-truncated to fit the context (`truncated`). Missing or
+also count prompts left-truncated to fit the context (`truncated`). Synthetic
+QA questions name their template: those tasks add `phrasings` (how many) and
+`phrasings_em50` (the share of phrasings with exact match >= 50%), and the
+written report (JSON `by_phrasing`, a markdown table) has exact match per
+phrasing. Missing or
 malformed task files raise `TaskDataError` (naming the path and the expected
 format) before any example is evaluated; unknown task names raise
 `ConfigError` listing the known tasks.

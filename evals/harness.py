@@ -17,7 +17,15 @@ from memlm.errors import ConfigError
 from memlm.evals import prompts
 from memlm.evals.config import EvalConfig
 from memlm.evals.decoding import generate_texts
-from memlm.evals.metrics import choice_scores, exact_match, mean, perplexity_metrics, token_f1
+from memlm.evals.metrics import (
+    choice_scores,
+    exact_match,
+    exact_match_by,
+    mean,
+    perplexity_metrics,
+    phrasing_summary,
+    token_f1,
+)
 from memlm.evals.scoring import loglikelihoods, rolling_loglikelihoods
 from memlm.evals.tasks import TaskData
 
@@ -53,6 +61,11 @@ def _prompt(context: str, cfg: EvalConfig) -> dict:
     return {"prompt": context} if cfg.log_samples else {}
 
 
+def _phrasing(example: dict) -> dict:
+    # Synthetic questions name their template: EM is also reported per phrasing.
+    return {"phrasing": example["phrasing"]} if "phrasing" in example else {}
+
+
 def _qa_records(model, tokenizer, task: TaskData, examples, cfg: EvalConfig, bar: tqdm) -> list[dict]:
     shots = task.shots[""]
     contexts = [prompts.qa_prompt(shots, ex["question"]) for ex in examples]
@@ -62,7 +75,7 @@ def _qa_records(model, tokenizer, task: TaskData, examples, cfg: EvalConfig, bar
         pred = text.strip()
         records.append({"question": ex["question"], "answers": ex["answers"], "prediction": pred,
                         "exact_match": exact_match(pred, ex["answers"]), "f1": token_f1(pred, ex["answers"]),
-                        "truncated": int(truncated), **_prompt(context, cfg)})
+                        "truncated": int(truncated), **_phrasing(ex), **_prompt(context, cfg)})
     return records
 
 
@@ -115,7 +128,8 @@ def _truncated(records: list[dict]) -> int:
 
 def _aggregate_qa(name: str, records: list[dict]) -> dict[str, dict]:
     return {name: {"exact_match": mean([r["exact_match"] for r in records]), "f1": mean([r["f1"] for r in records]),
-                   "n": len(records), "truncated": _truncated(records)}}
+                   "n": len(records), "truncated": _truncated(records),
+                   **phrasing_summary(exact_match_by(records, "phrasing"))}}
 
 
 def _aggregate_choice(name: str, records: list[dict]) -> dict[str, dict]:

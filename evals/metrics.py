@@ -69,6 +69,31 @@ def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def exact_match_by(records: Sequence[dict], field: str) -> dict[str, dict]:
+    """Exact match per value of `field` among the records that have it, e.g.
+    per question phrasing: {value: {"exact_match", "n"}}, sorted by value."""
+    groups: dict[str, list[float]] = {}
+    for r in records:
+        if field in r:
+            groups.setdefault(r[field], []).append(r["exact_match"])
+    return {g: {"exact_match": mean(v), "n": len(v)} for g, v in sorted(groups.items())}
+
+
+# A phrasing counts as answered when at least half its questions are: per
+# phrasing a small model is near all-or-nothing (docs/results.md), so the
+# share of such phrasings separates "understands the question" from "stored
+# the fact" better than the mean.
+ANSWERED_PHRASING = 0.5
+
+
+def phrasing_summary(by_phrasing: dict[str, dict]) -> dict[str, float]:
+    """{"phrasings": how many, "phrasings_em50": the share answered (EM >= 50%)}; {} without phrasings."""
+    if not by_phrasing:
+        return {}
+    answered = sum(g["exact_match"] >= ANSWERED_PHRASING for g in by_phrasing.values())
+    return {"phrasings": len(by_phrasing), "phrasings_em50": answered / len(by_phrasing)}
+
+
 def perplexity_metrics(nll_nats: float, tokens: int, n_bytes: int) -> dict[str, float]:
     """Token perplexity and bits per UTF-8 byte (tokenizer-independent) of summed NLL."""
     return {

@@ -15,8 +15,10 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def markdown_table(results: dict[str, dict], tasks: dict[str, dict], step: int) -> str:
-    """One row per (task, metric); MMLU subjects in a second table."""
+def markdown_table(results: dict[str, dict], tasks: dict[str, dict], step: int,
+                   by_phrasing: dict[str, dict] | None = None) -> str:
+    """One row per (task, metric); MMLU subjects in a second table; exact
+    match per question phrasing (synthetic QA), best first, in a third."""
     lines = [f"Evaluation at step {step}", "", "| task | shots | n | metric | value |", "|---|---:|---:|---|---:|"]
     subjects = []
     for key, metrics in results.items():
@@ -30,6 +32,11 @@ def markdown_table(results: dict[str, dict], tasks: dict[str, dict], step: int) 
     if subjects:
         lines += ["", "| subject | n | acc |", "|---|---:|---:|"]
         lines += [f"| {key} | {m['n']} | {_fmt(m['acc'])} |" for key, m in subjects]
+    if by_phrasing:
+        lines += ["", "| task | phrasing | n | exact_match |", "|---|---|---:|---:|"]
+        for task, groups in by_phrasing.items():
+            ranked = sorted(groups.items(), key=lambda kv: (-kv[1]["exact_match"], kv[0]))
+            lines += [f"| {task} | {g} | {m['n']} | {_fmt(m['exact_match'])} |" for g, m in ranked]
     return "\n".join(lines) + "\n"
 
 

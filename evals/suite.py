@@ -14,6 +14,7 @@ from typing import Any
 from memlm.errors import ConfigError
 from memlm.evals.config import EvalConfig
 from memlm.evals.harness import evaluate_task
+from memlm.evals.metrics import exact_match_by
 from memlm.evals.registry import known_tasks
 from memlm.evals.report import log_wandb, markdown_table, write_report
 from memlm.evals.tasks import load_task
@@ -44,6 +45,7 @@ def run_suite(
     results: dict[str, dict] = {}
     tasks: dict[str, dict] = {}
     samples: dict[str, list[dict]] = {}
+    by_phrasing: dict[str, dict] = {}  # synthetic QA: exact match per question template
     try:
         for name, task in loaded.items():
             shots = len(next(iter(task.shots.values()), [])) if task.shots else 0
@@ -53,6 +55,8 @@ def run_suite(
             task_start = time.perf_counter()
             metrics, records = evaluate_task(model, tokenizer, task, eval_cfg, rank, world_size)
             results.update(metrics)
+            if task.spec.kind == "qa" and (groups := exact_match_by(records, "phrasing")):
+                by_phrasing[name] = groups
             tasks[name] = {"kind": task.spec.kind, "num_fewshot": shots, "fewshot_source": task.fewshot_source,
                            "seconds": round(time.perf_counter() - task_start, 2)}
             if eval_cfg.log_samples:
@@ -60,12 +64,12 @@ def run_suite(
     finally:
         model.train(was_training)
     if rank == 0:
-        table = markdown_table(results, tasks, step)
+        table = markdown_table(results, tasks, step, by_phrasing)
         print(table, flush=True)
         if out_dir is not None:
             payload = {"step": step, "results": results, "tasks": tasks, "world_size": world_size,
                        "seconds": round(time.perf_counter() - start, 2), "config": dataclasses.asdict(eval_cfg),
-                       **(meta or {})}
+                       **({"by_phrasing": by_phrasing} if by_phrasing else {}), **(meta or {})}
             json_path = Path(out_dir) / (json_name or f"{step}.json")
             paths = write_report(json_path, payload, table, samples if eval_cfg.log_samples else None)
             print("[eval] wrote " + ", ".join(str(p) for p in paths.values()), flush=True)

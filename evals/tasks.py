@@ -99,6 +99,14 @@ def _mmlu_shots(examples: list[dict], pool: list[dict] | None, k: int, name: str
     return kept, shots, source
 
 
+def _with_phrasing(example: dict, record: dict) -> dict:
+    # The question's template (memlm.data.synthetic.phrasing_id): exact match is
+    # also reported per phrasing. Corpora generated before it existed lack it.
+    if isinstance(record.get("phrasing"), str):
+        example["phrasing"] = record["phrasing"]
+    return example
+
+
 def synthetic_folder_of_shards(data_cfg: Any) -> Path | None:
     """The synthetic corpus folder that `kind: shards` data was prepared from,
     else None. The shards' manifest names each source file; a synthetic
@@ -144,7 +152,8 @@ def _synthetic_qa(data_cfg: Any, task: str = "synthetic_qa") -> list[dict]:
         else:  # shards prepared from a synthetic corpus (the demo): that corpus' questions
             path = folder / f"{split}.jsonl"
         where = f"synthetic {path.name}"
-        examples = [parse_qa(w, r, "qa", where) for w, r in read_records(path, where)] if path.is_file() else []
+        examples = [_with_phrasing(parse_qa(w, r, "qa", where), r) for w, r in read_records(path, where)
+                    ] if path.is_file() else []
         if not examples and folder is not None:
             raise ConfigError("eval.tasks", task, f"a task with questions in {folder} ({path.name} is missing or "
                               "empty: the corpus was generated without the QA text this task asks about); "
@@ -155,6 +164,6 @@ def _synthetic_qa(data_cfg: Any, task: str = "synthetic_qa") -> list[dict]:
 
         syn = SyntheticConfig()
         _, _, qa = generate(syn.people, syn.docs_per_person, syn.seed)
-        examples = [{"question": r["question"], "answers": list(r["answer"])} for r in qa]
+        examples = [{"question": r["question"], "answers": list(r["answer"]), "phrasing": r["phrasing"]} for r in qa]
     random.Random(0).shuffle(examples)
     return examples

@@ -31,7 +31,8 @@ def test_deterministic_for_a_seed(tmp_path):
     assert _digest(tmp_path / "a") == _digest(tmp_path / "b") != _digest(tmp_path / "c")
     rows = [json.loads(line) for line in open(a["qa"])]
     assert len(rows) == 40 * len(ATTRIBUTES)
-    assert all(set(r) == {"question", "answer"} and isinstance(r["answer"], list) for r in rows)  # NQ-open
+    # NQ-open records, plus the name of the question template
+    assert all(set(r) == {"question", "answer", "phrasing"} and isinstance(r["answer"], list) for r in rows)
 
 
 def test_unique_people_and_large_value_sets(small):

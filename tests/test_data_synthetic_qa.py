@@ -135,6 +135,22 @@ def test_qa_trained_file_asks_in_the_first_training_phrasing(tmp_path):
     assert {r["question"].count(p["name"]) for r in trained for p in people[4:]} == {0}
 
 
+def test_every_question_names_its_template(tmp_path):
+    from memlm.data.synthetic_templates import QUESTION_TEMPLATES, TRAIN_QUESTION_TEMPLATES
+
+    paths = write_corpus(str(tmp_path), 30, 1, seed=2, qa_fraction=0.5, qa_docs_per_person=2)
+    people = {p["name"]: p for p in map(json.loads, open(paths["people"]))}
+    for split, templates, mark in (("qa", QUESTION_TEMPLATES, "q"), ("qa_trained", TRAIN_QUESTION_TEMPLATES, "t")):
+        rows = [json.loads(line) for line in open(paths[split])]
+        for row in rows:
+            attribute, _, index = row["phrasing"].partition("/")
+            assert index[0] == mark
+            name = next(n for n in people if n in row["question"])
+            assert templates[attribute][int(index[1:])].format(n=name) == row["question"]
+        if split == "qa":  # 30 people x 7 attributes: more than one phrasing of each attribute drawn
+            assert len({r["phrasing"] for r in rows}) > 2 * len(ATTRIBUTES)
+
+
 def test_bad_qa_docs_per_person():
     from memlm.data.config import DataConfig, SyntheticConfig
     from memlm.data.synthetic import MAX_QA_DOCS

@@ -35,6 +35,10 @@ def test_cli_end_to_end_synthetic_qa(run_dir, tmp_path):
     assert report["step"] == 2 and report["checkpoint"].endswith("step_00000002")
     result = report["results"]["synthetic_qa"]
     assert result["n"] == 4 and 0.0 <= result["exact_match"] <= result["f1"] <= 1.0
+    by_phrasing = report["by_phrasing"]["synthetic_qa"]  # every question's template, counted once
+    assert sum(g["n"] for g in by_phrasing.values()) == 4 and result["phrasings"] == len(by_phrasing)
+    answered = sum(g["exact_match"] >= 0.5 for g in by_phrasing.values())
+    assert result["phrasings_em50"] == answered / len(by_phrasing)
     assert report["tasks"]["synthetic_qa"]["num_fewshot"] == 5
     table = (run_dir / "evals" / "2.md").read_text()
     assert "| synthetic_qa | 5 | 4 | exact_match |" in table and table in proc.stdout

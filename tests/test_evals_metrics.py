@@ -11,10 +11,13 @@ from memlm.evals.metrics import (
     argmax_first,
     choice_scores,
     exact_match,
+    exact_match_by,
     normalize_answer,
     perplexity_metrics,
+    phrasing_summary,
     token_f1,
 )
+from memlm.evals.report import markdown_table
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -78,3 +81,19 @@ def test_qa_and_ppl_aggregation():
     assert ppl["ppl"]["bits_per_byte"] == pytest.approx(12.0 / math.log(2) / 12)
     assert (ppl["ppl"]["n"], ppl["ppl"]["tokens"], ppl["ppl"]["bytes"]) == (2, 5, 12)
     assert math.isnan(perplexity_metrics(0.0, 0, 0)["bits_per_byte"])
+
+
+def test_qa_exact_match_per_phrasing():
+    # Phrasing a: 2 of 3 answered (>= 50%), b: 1 of 2 (exactly 50% counts), c: 0 of 1.
+    records = [{"exact_match": em, "f1": em, "truncated": 0, "phrasing": p}
+               for p, em in [("a", 1.0), ("a", 1.0), ("a", 0.0), ("b", 1.0), ("b", 0.0), ("c", 0.0)]]
+    assert exact_match_by(records, "phrasing") == {
+        "a": {"exact_match": pytest.approx(2 / 3), "n": 3}, "b": {"exact_match": 0.5, "n": 2},
+        "c": {"exact_match": 0.0, "n": 1}}
+    out = AGGREGATORS["qa"]("synthetic_qa", records)["synthetic_qa"]
+    assert out["exact_match"] == pytest.approx(3 / 6) and out["phrasings"] == 3
+    assert out["phrasings_em50"] == pytest.approx(2 / 3)
+    assert phrasing_summary({}) == {}  # questions without a template: no breakdown
+    table = markdown_table({"synthetic_qa": out}, {}, 7, {"synthetic_qa": exact_match_by(records, "phrasing")})
+    rows = [line for line in table.splitlines() if line.startswith("| synthetic_qa | ") and line.count("|") == 5]
+    assert [r.split(" | ")[1] for r in rows] == ["a", "b", "c"]  # best first
