@@ -39,10 +39,9 @@ def _with_defaults(config_yaml: str) -> dict:
         return yaml.safe_load(config_yaml)
 
 
-def run_identity(config_yaml: str) -> tuple[str, tuple[int, int]]:
-    """(config key, (seed, data.seed)) of a saved run config. The key is a
-    digest of the config, read through the current schema (`_with_defaults`),
-    without its RUN_IDENTITY fields."""
+def identity_config(config_yaml: str) -> tuple[dict, tuple[int, int]]:
+    """(config without its RUN_IDENTITY fields, (seed, data.seed)) of a saved
+    run config, read through the current schema (`_with_defaults`)."""
     cfg = _with_defaults(config_yaml)
     seeds = int(cfg.get("seed", 0)), int(cfg.get("data", {}).get("seed", 0))
     for dotted in RUN_IDENTITY:
@@ -52,7 +51,18 @@ def run_identity(config_yaml: str) -> tuple[str, tuple[int, int]]:
             node = node.get(part, {}) if isinstance(node, dict) else {}
         if isinstance(node, dict):
             node.pop(leaf, None)
-    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16], seeds
+    return cfg, seeds
+
+
+def config_key(cfg: dict) -> str:
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_identity(config_yaml: str) -> tuple[str, tuple[int, int]]:
+    """(config key, (seed, data.seed)) of a saved run config: the key is a
+    digest of `identity_config`."""
+    cfg, seeds = identity_config(config_yaml)
+    return config_key(cfg), seeds
 
 
 def _same_result(a: dict, b: dict, metrics: tuple[str, ...]) -> bool:

@@ -151,3 +151,22 @@ def test_optional_three_layer_row_gets_its_own_goals(roots):
     assert "Memory+ (3 layers) above Memory: 16.0% vs 14.0%: met" in text
     assert "Memory+ (3 layers) at or above MoE (11.0%) and PEER (12.0%): met" in text
     assert "Memory+ EM >= 1.5x Dense (seen people): 20.0% vs 10.0% = 2.00x: met" in text
+
+
+def test_levers_are_paired_with_the_study_run_of_the_same_seeds(roots):
+    # value_lr 0.03 on Memory+ at seeds (0,0) -- the study has that run: 20% -- and (1,0) -- it has none;
+    # qk_norm off on the sweep's 256^2 point at seed (0,0) (study: 19%).
+    lev = roots / "lev"
+    _fake_sweep(lev, [
+        ("a", ["experiment=ablation_memplus", "memory.value_lr=0.03"], 0.30, 0.70, 0.9),
+        ("b", ["experiment=ablation_memplus", "memory.value_lr=0.03", "seed=1"], 0.40, 0.60, 0.9),
+        ("c", ["experiment=ablation_memplus", "memory.n_keys=256", "memory.qk_norm=false"], 0.09, 0.95, 0.9),
+    ])
+    doc = roots / "results.md"
+    doc.write_text(f"{BEGIN}\n{END}\n")
+    assert main([str(roots / "ab"), str(roots / "sw"), "--levers", str(lev), "--doc", str(doc), "--plot", ""]) == 0
+    levers = doc.read_text().split("### Levers")[1]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in levers.splitlines() if line.startswith("| memory.")]
+    assert rows[0][:5] == ["memory.value_lr=0.03", "Memory+ 16,384 slots", "0,0 / 1,0", "30.0 (20.0) / 40.0 (-)", "+10.0"]
+    assert rows[0][6] == "+30.0"  # trained EM is 3x seen in the fake runs: 90 vs 60
+    assert rows[1][:5] == ["memory.qk_norm=False", "Memory+ 65,536 slots", "0,0", "9.0 (19.0)", "-10.0"]

@@ -1,0 +1,91 @@
+"""Lever runs: one config change against the study run of the same seeds.
+
+The paper names the levers of a memory layer (value learning rate, qk-norm,
+knn, number and placement of memory layers, value init). A lever run is a
+study config with a change (e.g. `memory.value_lr=0.03`) trained at seeds the
+study also ran. Runs of one config differ by several points between seeds
+(docs/results.md, "Runs"), so each lever run is compared with the study run
+of the same seeds (paired), and a lever's effect is the mean of those
+differences, next to the spread of the study config itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def flatten(cfg: dict, prefix: str = "") -> dict:
+    """Nested config -> {dotted key: leaf value}."""
+    out = {}
+    for key, value in cfg.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{dotted}."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def changes(lever: dict, base: dict) -> dict:
+    """{dotted key: lever's value} where two flattened configs differ."""
+    keys = sorted(set(lever) | set(base))
+    return {k: lever.get(k) for k in keys if lever.get(k) != base.get(k)}
+
+
+def change_label(diff: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in diff.items())
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def lever_rows(study: list[dict], runs: list[dict], metrics: tuple[str, ...]) -> list[dict]:
+    """One row per lever config. `study`: pooled rows (each with "config",
+    flattened, and its independent "runs"); `runs`: the lever runs (each with
+    "config", "key", "seeds" and results). Each lever run is set against the
+    study config it differs from least and, per seed pair, the mean of that
+    config's runs at those seeds (None when the study has none)."""
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(run["key"], []).append(run)
+    rows = []
+    for members in groups.values():
+        members = sorted(members, key=lambda r: r["seeds"])
+        diffs = [(len(changes(members[0]["config"], s["config"])), i) for i, s in enumerate(study)]
+        base = study[min(diffs)[1]]
+        paired = []
+        for run in members:
+            same = [r for r in base["runs"] if r["seeds"] == run["seeds"]]
+            paired.append({m: _mean([r.get(m) for r in same]) if same else None for m in (*metrics, "val_loss")})
+        rows.append({"change": change_label(changes(members[0]["config"], base["config"])), "base": base,
+                     "runs": members, "paired": paired})
+    return rows
+
+
+def _delta(row: dict, metric: str) -> float | None:
+    deltas = [r.get(metric) - p[metric] for r, p in zip(row["runs"], row["paired"])
+              if r.get(metric) is not None and p[metric] is not None]
+    return sum(deltas) / len(deltas) if deltas else None
+
+
+def levers_table(rows: list[dict], label: Callable[[dict], str], em_seen: str, em_trained: str,
+                 pct: Callable, num: Callable) -> list[str]:
+    """Markdown: per lever its runs, the paired study runs and the mean paired change."""
+    out = ["| change | of | seeds | EM seen % (study, same seeds) | mean change | "
+           "EM trained phrasing % (study) | mean change | val loss (study) |",
+           "|---|---|---|---|---:|---|---:|---|"]
+
+    def pairs(row: dict, metric: str, fmt: Callable) -> str:
+        return " / ".join(f"{fmt(r.get(metric))} ({fmt(p[metric])})" for r, p in zip(row["runs"], row["paired"]))
+
+    def signed(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:+.1f}"
+
+    for row in rows:
+        seeds = " / ".join(f"{a},{b}" for a, b in (r["seeds"] for r in row["runs"]))
+        out.append(f"| {row['change']} | {label(row['base'])} | {seeds} | {pairs(row, em_seen, pct)} "
+                   f"| {signed(_delta(row, em_seen))} | {pairs(row, em_trained, pct)} | {signed(_delta(row, em_trained))} "
+                   f"| {pairs(row, 'val_loss', lambda x: num(x, '.4f'))} |")
+    return out
