@@ -6,9 +6,9 @@ writes `train.jsonl` ({"text": biography}, `docs_per_person` paraphrased
 biographies per person, sentences in random order), `qa.jsonl`
 ({"question": ..., "answer": [...], "phrasing": "<attribute>/q<i>"}, one
 question per person and attribute, in NQ-open format plus the name of the
-question's template, so the evaluation can score each phrasing) and `people.jsonl` (the facts, for analysis). The same
-(people, docs_per_person, seed, qa_fraction, qa_docs_per_person) always gives
-byte-identical files.
+question's template, so the evaluation can score each phrasing) and
+`people.jsonl` (the facts, for analysis). The same (people, docs_per_person,
+seed, qa_fraction, qa_docs_per_person) always gives byte-identical files.
 
 With `--qa-fraction f > 0` the first f of the people also get
 `--qa-docs-per-person` training documents of question/answer pairs

@@ -38,10 +38,9 @@ also count prompts left-truncated to fit the context (`truncated`). Synthetic
 QA questions name their template: those tasks add `phrasings` (how many) and
 `phrasings_em50` (the share of phrasings with exact match >= 50%), and the
 written report (JSON `by_phrasing`, a markdown table) has exact match per
-phrasing. Missing or
-malformed task files raise `TaskDataError` (naming the path and the expected
-format) before any example is evaluated; unknown task names raise
-`ConfigError` listing the known tasks.
+phrasing. Missing or malformed task files raise `TaskDataError` (naming the
+path and the expected format) before any example is evaluated; unknown task
+names raise `ConfigError` listing the known tasks.
 
 Importing this package needs neither lm-eval nor torch at import time;
 `memlm.evals.lm_eval` is the optional lm-eval adapter (the `lmeval` extra).
