@@ -24,7 +24,9 @@ Top-level keys:
                        written next to it (.md).
   device=auto|cpu|cuda default auto (cuda when available)
   tokenizer=<path>     sentencepiece model, when the checkpoint names none
-  eval=<preset>        a preset of configs/eval/ ({presets}); default none
+  eval=<preset>        a preset of configs/eval/ ({presets}); default none.
+                       eval=run: the eval settings the run itself used (its
+                       saved config), e.g. to re-evaluate it the same way
 
 Every other key overrides a field of the eval config (eval.<key> also works):
   tasks=[nq_open,triviaqa,mmlu]   {tasks}
@@ -91,6 +93,31 @@ def _json_path(top: dict[str, str], loaded, step: int) -> tuple[Path, str]:
     return dump_dir / "evals", f"{step}.json"
 
 
+def run_eval_config(checkpoint: str, overrides: list[str]):
+    """`eval=run`: the eval config saved with the run's checkpoint, with the
+    command line's `key=value` overrides on top, validated like a preset."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from memlm.train.checkpoint import CheckpointError, verify
+    from memlm.train.config import from_yaml
+    from memlm.train.load import resolve_checkpoint_dir
+
+    directory = resolve_checkpoint_dir(checkpoint)
+    try:
+        saved = from_yaml(verify(directory, with_checksum=False)["config"])
+    except CheckpointError as err:
+        raise ConfigError("eval", "run", f"a run checkpoint whose saved config holds its eval settings ({err})") from None
+    dotlist = [o.lstrip("+").removeprefix("eval.") for o in overrides]
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(saved.eval), OmegaConf.from_dotlist(dotlist))
+    except OmegaConfBaseException as err:
+        raise ConfigError("overrides", dotlist, f"keys and values of the eval config ({err})") from None
+    cfg = OmegaConf.to_object(merged)
+    cfg.validate()
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
@@ -120,9 +147,12 @@ def _run(argv: list[str]) -> int:
     start = time.perf_counter()
     top, overrides = parse_args(argv)
     preset = top.get("eval", "none")
-    if preset not in eval_presets():
-        raise ConfigError("eval", preset, f"one of the presets in configs/eval/: {', '.join(eval_presets())}")
-    eval_cfg = compose([f"eval={preset}", *overrides]).eval  # validates every value, task names too
+    if preset == "run":
+        eval_cfg = run_eval_config(top["checkpoint"], overrides)
+    elif preset not in eval_presets():
+        raise ConfigError("eval", preset, f"run, or one of the presets in configs/eval/: {', '.join(eval_presets())}")
+    else:
+        eval_cfg = compose([f"eval={preset}", *overrides]).eval  # validates every value, task names too
     if not eval_cfg.tasks:
         from memlm.evals.registry import known_tasks
 

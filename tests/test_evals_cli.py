@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from test_evals_fixtures import QA_ROWS, train_tiny_run, write_jsonl
@@ -77,10 +78,38 @@ def test_cli_help_and_bad_input(run_dir, data_dir, tmp_path, capsys):
         assert message in capsys.readouterr().err, argv
 
 
+def test_cli_eval_run_takes_the_runs_own_eval_settings(run_dir, tmp_path, capsys):
+    import shutil
+
+    import yaml
+
+    # A copy of the run whose saved eval settings differ from the CLI's defaults (5 shots, 32 new tokens).
+    run = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    meta_path = next((run / "checkpoints").glob("step_*")) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    saved = yaml.safe_load(meta["config"])
+    saved["eval"].update(num_fewshot=2, max_new_tokens=7)
+    meta_path.write_text(json.dumps({**meta, "config": yaml.safe_dump(saved)}))
+    out = tmp_path / "r.json"
+    # The run's own settings, the task list and limit from the command line.
+    assert main([f"checkpoint={run}", "eval=run", "tasks=[synthetic_qa]", "limit=3", f"out={out}"]) == 0
+    report = json.loads(out.read_text())
+    assert (report["config"]["num_fewshot"], report["config"]["max_new_tokens"], report["config"]["limit"]) == (2, 7, 3)
+    assert report["tasks"]["synthetic_qa"]["num_fewshot"] == 2
+    assert main([f"checkpoint={run}", "eval=run", "tasks=[synthetic_qa]", "limit=3", "num_fewshot=1",
+                 f"out={out}"]) == 0
+    assert json.loads(out.read_text())["tasks"]["synthetic_qa"]["num_fewshot"] == 1
+    capsys.readouterr()
+    assert main([f"checkpoint={run_dir}", "eval=run", "tasks=[synthetic_qa]", "no_such_key=1"]) == 2
+    assert "no_such_key" in capsys.readouterr().err
+
+
 def test_cli_export_folder_needs_out(run_dir, tmp_path, capsys):
     from memlm.train.export import export
 
     folder = export(run_dir / "checkpoints" / "latest", tmp_path / "export")
+    assert main([f"checkpoint={folder}", "eval=run", "tasks=[synthetic_qa]"]) == 2
+    assert "eval='run': a run checkpoint" in capsys.readouterr().err
     assert main([f"checkpoint={folder}", "tasks=[synthetic_qa]", "limit=2"]) == 2
     assert "out=''" in capsys.readouterr().err
     assert main([f"checkpoint={folder}", "tasks=[synthetic_qa]", "limit=2", f"out={tmp_path / 'e.json'}"]) == 0
