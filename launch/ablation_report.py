@@ -28,6 +28,9 @@ EM_SEEN, EM_UNSEEN = "synthetic_qa_seen/exact_match", "synthetic_qa_unseen/exact
 # Facts asked in their trained phrasings: what was stored, apart from paraphrase understanding.
 EM_TRAINED = "synthetic_qa_trained/exact_match"
 METRICS = (EM_SEEN, EM_UNSEEN, EM_TRAINED)
+# Share of the held-out phrasings a run answers (EM >= 50% on that phrasing):
+# per run only, for runs evaluated since the questions name their template.
+PHRASINGS_SEEN = "synthetic_qa_seen/phrasings_em50"
 VARIANTS = {"ablation_dense": "Dense", "ablation_moe": "MoE", "ablation_peer": "PEER",
             "ablation_memory": "Memory", "ablation_memplus": "Memory+",
             # Optional row: the paper's three-layer layout (configs/experiment/ablation_memplus3.yaml).
@@ -137,8 +140,9 @@ def table(rows: list[dict], label) -> list[str]:
 
 def runs_table(rows: list[dict], label) -> list[str]:
     """Every independent run behind the pooled rows: the spread the means hide."""
-    out = ["| run | seeds (init, data order) | EM seen % per run | spread | EM trained phrasing % per run | val loss per run |",
-           "|---|---|---|---:|---|---|"]
+    out = ["| run | seeds (init, data order) | EM seen % per run | spread | EM trained phrasing % per run "
+           "| held-out phrasings answered % per run | val loss per run |",
+           "|---|---|---|---:|---|---|---|"]
     for r in rows:
         runs = r.get("runs") or [r]
         seen = [x.get(EM_SEEN) for x in runs]
@@ -146,6 +150,7 @@ def runs_table(rows: list[dict], label) -> list[str]:
         out.append(f"| {label(r)} | {' / '.join(f'{a},{b}' for a, b in (x['seeds'] for x in runs))} "
                    f"| {' / '.join(_pct(x) for x in seen)} | {spread} "
                    f"| {' / '.join(_pct(x.get(EM_TRAINED)) for x in runs)} "
+                   f"| {' / '.join(_pct(x.get(PHRASINGS_SEEN)) for x in runs)} "
                    f"| {' / '.join(_num(x.get('val_loss'), '.4f') for x in runs)} |")
     return out
 

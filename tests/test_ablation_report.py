@@ -19,7 +19,7 @@ def _fake_run(dump: Path, overrides: list[str], em_seen: float, val_loss: float,
     (dump / "config.yaml").write_text(to_yaml(compose(overrides)))  # what the trainer saves
     (dump / "summary.json").write_text(json.dumps({"tokens": 8192000, "seconds": 600.0, "final_loss": 0.9,
                                                    "val_loss": val_loss}))
-    results = {"synthetic_qa_seen": {"exact_match": em_seen, "n": 1000},
+    results = {"synthetic_qa_seen": {"exact_match": em_seen, "n": 1000, "phrasings_em50": 2 * em_seen},
                "synthetic_qa_unseen": {"exact_match": em_seen / 4, "n": 1000},
                "synthetic_qa_trained": {"exact_match": em_seen * 3, "n": 1000}}
     (dump / "evals" / "2000.json").write_text(json.dumps({"step": 2000, "results": results}))
@@ -110,7 +110,8 @@ def test_replicates_pool_into_means_and_runs_table(roots, capsys):
     assert big[5] == "24.0" and big[9] == "0.7550" and big[-1] == "2"  # EM (19+29)/2, val loss (0.81+0.70)/2
     assert "Memory+ EM >= 1.5x Dense (seen people): 20.0% vs 15.0% = 1.33x: NOT met" in text
     runs = text.split("### Runs")[1]
-    assert "| Dense | 0,0 / 1,1 | 10.0 / 20.0 | 10.0 |" in runs
+    # EM seen, spread, EM trained (3x seen in the fakes), held-out phrasings answered (2x), val loss per run
+    assert "| Dense | 0,0 / 1,1 | 10.0 / 20.0 | 10.0 | 30.0 / 60.0 | 20.0 / 40.0 | 0.9000 / 0.9000 |" in runs
     assert "| Memory+ 65,536 slots (4,194,304 params) | 0,0 / 1,0 | 19.0 / 29.0 | 10.0 |" in runs
     assert "ignored" in err and "other" in err and err.count("ignored") == 1
 
