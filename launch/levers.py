@@ -33,7 +33,13 @@ def changes(lever: dict, base: dict) -> dict:
 
 
 def change_label(diff: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in diff.items())
+    # As typed on a command line: memory.qk_norm=false, not False.
+    return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in diff.items())
+
+
+def _experiment(row: dict) -> str:
+    # A sweep names its runs <experiment name>/<point>.
+    return (row.get("name") or "").split("/")[0]
 
 
 def _mean(values: list) -> float | None:
@@ -53,8 +59,11 @@ def lever_rows(study: list[dict], runs: list[dict], metrics: tuple[str, ...]) ->
     rows = []
     for members in groups.values():
         members = sorted(members, key=lambda r: r["seeds"])
-        diffs = [(len(changes(members[0]["config"], s["config"])), i) for i, s in enumerate(study)]
-        base = study[min(diffs)[1]]
+        # The study config of the same experiment (Memory+ for a Memory+ lever,
+        # even where another variant's config differs in as few keys) that
+        # differs least; the first one on a tie.
+        same = [s for s in study if _experiment(s) == _experiment(members[0])] or study
+        base = min(same, key=lambda s: len(changes(members[0]["config"], s["config"])))
         paired = []
         for run in members:
             same = [r for r in base["runs"] if r["seeds"] == run["seeds"]]
