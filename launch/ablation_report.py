@@ -216,7 +216,7 @@ def render(ablation: list[dict], sweep: list[dict], levers: list[dict] | None = 
         parts += ["", "### Levers", "", "Each lever run changes one study config (column \"of\") and is paired "
                   "with that config's runs at the same seeds (in brackets); \"mean change\" averages the "
                   "paired differences in points.", "",
-                  *levers_table(levers, _study_label, EM_SEEN, EM_TRAINED, _pct, _num)]
+                  *levers_table(levers, _study_label, EM_SEEN, EM_TRAINED, PHRASINGS_SEEN, _pct, _num)]
     parts.append(END)
     return "\n".join(parts)
 
@@ -289,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes = {r["memory_params"] for r in sweep}
         sweep += [r for r in ablation if sweep and variant_name(r) == "Memory+" and r["memory_params"] not in sizes]
         levers = lever_rows(ablation + [r for r in sweep if r["key"] not in ab_keys],
-                            [row for root in args.levers for row in load_points(Path(root))], METRICS)
+                            [row for root in args.levers for row in load_points(Path(root))],
+                            (*METRICS, PHRASINGS_SEEN))
         text = render(ablation, sweep, levers)
         write_doc(Path(args.doc), text)
         if args.plot and sweep:

@@ -37,9 +37,9 @@ def change_label(diff: dict) -> str:
     return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in diff.items())
 
 
-def _experiment(row: dict) -> str:
-    # A sweep names its runs <experiment name>/<point>.
-    return (row.get("name") or "").split("/")[0]
+def _kind(row: dict) -> str:
+    # What replaces the FFN: a lever tunes a variant, it does not make another one.
+    return row["config"].get("memory.kind", "")
 
 
 def _mean(values: list) -> float | None:
@@ -59,10 +59,10 @@ def lever_rows(study: list[dict], runs: list[dict], metrics: tuple[str, ...]) ->
     rows = []
     for members in groups.values():
         members = sorted(members, key=lambda r: r["seeds"])
-        # The study config of the same experiment (Memory+ for a Memory+ lever,
-        # even where another variant's config differs in as few keys) that
-        # differs least; the first one on a tie.
-        same = [s for s in study if _experiment(s) == _experiment(members[0])] or study
+        # The study config of the same variant (memory.kind: Memory+ for a
+        # Memory+ lever, even where another variant's config differs in as few
+        # keys) that differs least; the first one on a tie.
+        same = [s for s in study if _kind(s) == _kind(members[0])] or study
         base = min(same, key=lambda s: len(changes(members[0]["config"], s["config"])))
         paired = []
         for run in members:
@@ -79,12 +79,12 @@ def _delta(row: dict, metric: str) -> float | None:
     return sum(deltas) / len(deltas) if deltas else None
 
 
-def levers_table(rows: list[dict], label: Callable[[dict], str], em_seen: str, em_trained: str,
+def levers_table(rows: list[dict], label: Callable[[dict], str], em_seen: str, em_trained: str, phrasings: str,
                  pct: Callable, num: Callable) -> list[str]:
     """Markdown: per lever its runs, the paired study runs and the mean paired change."""
     out = ["| change | of | seeds | EM seen % (study, same seeds) | mean change | "
-           "EM trained phrasing % (study) | mean change | val loss (study) |",
-           "|---|---|---|---|---:|---|---:|---|"]
+           "EM trained phrasing % (study) | mean change | held-out phrasings answered % (study) | val loss (study) |",
+           "|---|---|---|---|---:|---|---:|---|---|"]
 
     def pairs(row: dict, metric: str, fmt: Callable) -> str:
         return " / ".join(f"{fmt(r.get(metric))} ({fmt(p[metric])})" for r, p in zip(row["runs"], row["paired"]))
@@ -96,5 +96,5 @@ def levers_table(rows: list[dict], label: Callable[[dict], str], em_seen: str, e
         seeds = " / ".join(f"{a},{b}" for a, b in (r["seeds"] for r in row["runs"]))
         out.append(f"| {row['change']} | {label(row['base'])} | {seeds} | {pairs(row, em_seen, pct)} "
                    f"| {signed(_delta(row, em_seen))} | {pairs(row, em_trained, pct)} | {signed(_delta(row, em_trained))} "
-                   f"| {pairs(row, 'val_loss', lambda x: num(x, '.4f'))} |")
+                   f"| {pairs(row, phrasings, pct)} | {pairs(row, 'val_loss', lambda x: num(x, '.4f'))} |")
     return out
