@@ -1,6 +1,7 @@
 """Tables and plot of the memory-layer ablation study (docs/results.md, docs/scaling.png).
 
-    python -m memlm.launch.ablation_report runs/ablation runs/ablation_sweep
+    python -m memlm.launch.ablation_report runs/ablation runs/ablation_sweep \
+        [--replicates ROOT...] [--levers ROOT...]
 
 Reads each sweep root's `sweep.json` (written by `python -m memlm.launch
 sweep`) and, per point, its summary.json, newest evals/*.json and the last

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from memlm.launch.replicates import mean_present
+
 
 def flatten(cfg: dict, prefix: str = "") -> dict:
     """Nested config -> {dotted key: leaf value}."""
@@ -42,11 +44,6 @@ def _kind(row: dict) -> str:
     return row["config"].get("memory.kind", "")
 
 
-def _mean(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
-
-
 def lever_rows(study: list[dict], runs: list[dict], metrics: tuple[str, ...]) -> list[dict]:
     """One row per lever config. `study`: pooled rows (each with "config",
     flattened, and its independent "runs"); `runs`: the lever runs (each with
@@ -67,7 +64,7 @@ def lever_rows(study: list[dict], runs: list[dict], metrics: tuple[str, ...]) ->
         paired = []
         for run in members:
             same = [r for r in base["runs"] if r["seeds"] == run["seeds"]]
-            paired.append({m: _mean([r.get(m) for r in same]) if same else None for m in (*metrics, "val_loss")})
+            paired.append({m: mean_present([r.get(m) for r in same]) if same else None for m in (*metrics, "val_loss")})
         rows.append({"change": change_label(changes(members[0]["config"], base["config"])), "base": base,
                      "runs": members, "paired": paired})
     return rows

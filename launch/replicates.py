@@ -80,7 +80,8 @@ def independent(runs: list[dict], metrics: tuple[str, ...]) -> list[dict]:
     return kept
 
 
-def _mean(values: list) -> float | None:
+def mean_present(values: list) -> float | None:
+    """Mean of the values that are not None (None when there are none)."""
     present = [v for v in values if v is not None]
     return statistics.fmean(present) if present else None
 
@@ -101,6 +102,6 @@ def pool(primary: list[dict], extra: list[dict], metrics: tuple[str, ...]) -> tu
         runs = independent(sorted(groups[first["key"]], key=lambda r: r["seeds"]), metrics)  # stable: primary first
         row = {**first, "runs": runs, "n_runs": len(runs)}
         for field in (*metrics, *AVERAGED):
-            row[field] = _mean([r.get(field) for r in runs])
+            row[field] = mean_present([r.get(field) for r in runs])
         pooled.append(row)
     return pooled, [r for r in extra if r["key"] not in wanted]
