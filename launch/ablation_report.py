@@ -214,6 +214,10 @@ def render(ablation: list[dict], sweep: list[dict], levers: list[dict] | None = 
         parts += ["", "### Runs", "", *runs_table(ablation, variant_name),
                   *runs_table([r for r in sweep if r["key"] not in ab_keys], _size_label)[2:]]
     if levers:
+        # Grouped by variant in the ablation table's order, then by change.
+        rank = {name: i for i, name in enumerate(order)}
+        levers = sorted(levers, key=lambda row: (rank.get(variant_name(row["base"]), len(order)),
+                                                 row["base"].get("slots") or 0, row["change"]))
         parts += ["", "### Levers", "", "Each lever run changes one study config (column \"of\") and is paired "
                   "with that config's runs at the same seeds (in brackets); \"mean change\" averages the "
                   "paired differences in points.", "",
