@@ -95,3 +95,45 @@ def levers_table(rows: list[dict], label: Callable[[dict], str], em_seen: str, e
                    f"| {signed(_delta(row, em_seen))} | {pairs(row, em_trained, pct)} | {signed(_delta(row, em_trained))} "
                    f"| {pairs(row, phrasings, pct)} | {pairs(row, 'val_loss', lambda x: num(x, '.4f'))} |")
     return out
+
+
+def _same_compute(row: dict) -> bool:
+    # A tuning change keeps the study's tokens and costs no more FLOPs/token;
+    # a longer run (steps=6000) is another budget, not a tuned config.
+    base = row["base"]
+    return all(r.get("tokens") == base.get("tokens") and r.get("flops", 0) <= base.get("flops", 0)
+               for r in row["runs"])
+
+
+def tuned_rows(study: list[dict], rows: list[dict], metric: str) -> list[dict]:
+    """Per study config, the best tried config at the same compute: the lever
+    with the largest mean paired change of `metric`, or the study config itself
+    when no lever gains. Its estimated mean is the study mean plus that change
+    (the study's seeds, not only the lever's, whose draws differ by several
+    points). The best of several tries by the metric it is judged on is an
+    optimistic estimate, the more so the more tries."""
+    out = []
+    for s in study:
+        tried = [r for r in rows if r["base"]["key"] == s["key"] and _same_compute(r)]
+        scored = [(d, r) for r in tried if (d := _delta(r, metric)) is not None]
+        delta, best = max(scored, key=lambda x: x[0]) if scored else (None, None)
+        if delta is not None and delta <= 0:
+            delta, best = 0.0, None  # no lever gained: the study config is the best tried
+        value = s.get(metric)
+        out.append({**s, "tries": len(tried), "lever": best, "delta": delta,
+                    metric: None if value is None else value + (delta or 0.0), "study_value": value})
+    return out
+
+
+def tuned_table(rows: list[dict], label: Callable[[dict], str], metric: str, pct: Callable) -> list[str]:
+    """Markdown: per variant the levers tried, the best one and the estimated mean."""
+    out = ["| variant | levers tried | best tried config | its runs (seeds) | mean paired change | "
+           "study mean | estimated mean |", "|---|---:|---|---|---:|---:|---:|"]
+    for row in rows:
+        lever = row["lever"]
+        change = lever["change"] if lever else "the study config"
+        seeds = " / ".join(f"{a},{b}" for a, b in (r["seeds"] for r in lever["runs"])) if lever else "-"
+        delta = "-" if row["delta"] is None else f"{100 * row['delta']:+.1f}"
+        out.append(f"| {label(row)} | {row['tries']} | {change} | {seeds} | {delta} "
+                   f"| {pct(row['study_value'])} | {pct(row.get(metric))} |")
+    return out

@@ -179,3 +179,29 @@ def test_levers_are_paired_with_the_study_run_of_the_same_seeds(roots):
     assert rows[1][7] == "60.0 (40.0) / 80.0 (-)"  # held-out phrasings answered: 2x seen in the fakes
     assert rows[2][2:5] == ["0,0", "9.0 (19.0)", "-10.0"]
     assert rows[0][2:5] == ["0,0", "20.0 (20.0)", "+0.0"]
+
+
+def test_each_variant_at_its_best_tried_config(roots):
+    # Dense: lr 6e-3 gains 3 points, lr 1e-3 loses 2, twice the steps (other tokens) is not a tuning
+    # change; MoE: its one lever loses (the study config stays best); the others: no levers.
+    lev = roots / "lev"
+    _fake_sweep(lev, [
+        ("a", ["experiment=ablation_dense", "optim.lr=0.006"], 0.13, 0.8, None),
+        ("b", ["experiment=ablation_dense", "optim.lr=0.001"], 0.08, 0.8, None),
+        ("c", ["experiment=ablation_dense", "steps=4000"], 0.50, 0.5, None),
+        ("d", ["experiment=ablation_moe", "optim.lr=0.006"], 0.09, 0.9, None),
+    ])
+    summary = json.loads((lev / "c" / "summary.json").read_text())
+    (lev / "c" / "summary.json").write_text(json.dumps({**summary, "tokens": 2 * summary["tokens"]}))
+    doc = roots / "results.md"
+    doc.write_text(f"{BEGIN}\n{END}\n")
+    assert main([str(roots / "ab"), "--levers", str(lev), "--doc", str(doc), "--plot", ""]) == 0
+    tuned = doc.read_text().split("### Each variant at its best tried config")[1]
+    rows = {c[0]: c for c in ([x.strip() for x in line.split("|")[1:-1]] for line in tuned.splitlines()
+                              if line.startswith("| ") and not line.startswith("| variant"))}
+    assert rows["Dense"] == ["Dense", "2", "optim.lr=0.006", "0,0", "+3.0", "10.0", "13.0"]
+    assert rows["MoE"] == ["MoE", "1", "the study config", "-", "+0.0", "11.0", "11.0"]
+    assert rows["PEER"] == ["PEER", "0", "the study config", "-", "-", "12.0", "12.0"]
+    assert "Memory+ EM >= 1.5x Dense (seen people): 20.0% vs 13.0% = 1.54x: met" in tuned
+    assert "Memory+ at or above MoE (11.0%) and PEER (12.0%): met" in tuned
+    assert "EM rising" not in tuned  # the sweep is not re-judged on tuned figures
