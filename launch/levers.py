@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from memlm.launch.replicates import mean_present
+from memlm.launch.replicates import mean_present, seeds_cell
 
 
 def flatten(cfg: dict, prefix: str = "") -> dict:
@@ -90,8 +90,7 @@ def levers_table(rows: list[dict], label: Callable[[dict], str], em_seen: str, e
         return "-" if x is None else f"{100 * x:+.1f}"
 
     for row in rows:
-        seeds = " / ".join(f"{a},{b}" for a, b in (r["seeds"] for r in row["runs"]))
-        out.append(f"| {row['change']} | {label(row['base'])} | {seeds} | {pairs(row, em_seen, pct)} "
+        out.append(f"| {row['change']} | {label(row['base'])} | {seeds_cell(row['runs'])} | {pairs(row, em_seen, pct)} "
                    f"| {signed(_delta(row, em_seen))} | {pairs(row, em_trained, pct)} | {signed(_delta(row, em_trained))} "
                    f"| {pairs(row, phrasings, pct)} | {pairs(row, 'val_loss', lambda x: num(x, '.4f'))} |")
     return out
@@ -132,7 +131,7 @@ def tuned_table(rows: list[dict], label: Callable[[dict], str], metric: str, pct
     for row in rows:
         lever = row["lever"]
         change = lever["change"] if lever else "the study config"
-        seeds = " / ".join(f"{a},{b}" for a, b in (r["seeds"] for r in lever["runs"])) if lever else "-"
+        seeds = seeds_cell(lever["runs"]) if lever else "-"
         delta = "-" if row["delta"] is None else f"{100 * row['delta']:+.1f}"
         out.append(f"| {label(row)} | {row['tries']} | {change} | {seeds} | {delta} "
                    f"| {pct(row['study_value'])} | {pct(row.get(metric))} |")

@@ -80,6 +80,11 @@ def independent(runs: list[dict], metrics: tuple[str, ...]) -> list[dict]:
     return kept
 
 
+def seeds_cell(runs: list[dict]) -> str:
+    """A table cell naming each run's (init, data order) seeds: `0,0 / 1,1`."""
+    return " / ".join(f"{a},{b}" for a, b in (r["seeds"] for r in runs))
+
+
 def mean_present(values: list) -> float | None:
     """Mean of the values that are not None (None when there are none)."""
     present = [v for v in values if v is not None]
