@@ -20,7 +20,15 @@ import re
 import sys
 from pathlib import Path
 
-from memlm.launch.levers import flatten, lever_rows, levers_table, tuned_rows, tuned_table
+from memlm.launch.levers import (
+    flatten,
+    lever_rows,
+    levers_table,
+    lr_grid,
+    lr_grid_table,
+    tuned_rows,
+    tuned_table,
+)
 from memlm.launch.replicates import config_key, identity_config, pool, seeds_cell
 from memlm.launch.sweep import eval_metrics
 
@@ -232,6 +240,14 @@ def render(ablation: list[dict], sweep: list[dict], levers: list[dict] | None = 
                       "flatters the variants with more tries.", "",
                       *tuned_table(tuned, variant_name, EM_SEEN, _pct),
                       "", "Goals on the estimated means:", "", *goals(tuned, [])]
+            rates, grid = lr_grid(ablation, levers, EM_SEEN)
+            if len(rates) > 1:
+                parts += ["", "### Learning rate, the lever every variant has", "",
+                          "Held-out EM estimated as above for the best config tried at each learning rate "
+                          "(the study's or a lever's, same tokens and no more FLOPs/token); in brackets the "
+                          "number of configs tried at that rate. A column where every variant has a figure "
+                          "compares the variants at an equal number of learning rates.", "",
+                          *lr_grid_table(rates, grid, variant_name, _pct)]
     parts.append(END)
     return "\n".join(parts)
 

@@ -136,3 +136,44 @@ def tuned_table(rows: list[dict], label: Callable[[dict], str], metric: str, pct
         out.append(f"| {label(row)} | {row['tries']} | {change} | {seeds} | {delta} "
                    f"| {pct(row['study_value'])} | {pct(row.get(metric))} |")
     return out
+
+
+def _lr(config: dict) -> float | None:
+    return config.get("optim.lr")
+
+
+def lr_grid(study: list[dict], rows: list[dict], metric: str) -> tuple[list[float], list[dict]]:
+    """The learning rate is the one lever every variant has, so it is the
+    axis on which the tuning budgets can be made equal. Per study config and
+    per learning rate tried (the study's own or a lever's, at the same
+    compute), the best estimated mean of `metric` (study mean + mean paired
+    change, as in `tuned_rows`) and how many configs were tried at that rate.
+    Returns (the rates in ascending order, one row per study config with
+    "cells": {lr: (estimate, tries)})."""
+    rates: set[float] = set()
+    out = []
+    for s in study:
+        value = s.get(metric)
+        cells: dict[float, list[float | None]] = {}
+        if _lr(s["config"]) is not None:
+            cells.setdefault(_lr(s["config"]), []).append(value)
+        for row in rows:
+            if row["base"]["key"] != s["key"] or not _same_compute(row) or _lr(row["runs"][0]["config"]) is None:
+                continue
+            delta = _delta(row, metric)
+            cells.setdefault(_lr(row["runs"][0]["config"]), []).append(
+                None if value is None or delta is None else value + delta)
+        rates |= set(cells)
+        best = {lr: (max((x for x in xs if x is not None), default=None), len(xs)) for lr, xs in cells.items()}
+        out.append({**s, "cells": best})
+    return sorted(rates), out
+
+
+def lr_grid_table(rates: list[float], rows: list[dict], label: Callable[[dict], str], pct: Callable) -> list[str]:
+    """Markdown: per variant, the best estimated mean at each learning rate (tries in brackets)."""
+    out = ["| variant | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |", "|---|" + "---:|" * len(rates)]
+    for row in rows:
+        cells = [f"{pct(row['cells'][lr][0])} ({row['cells'][lr][1]})" if lr in row["cells"] else "-"
+                 for lr in rates]
+        out.append(f"| {label(row)} | " + " | ".join(cells) + " |")
+    return out

@@ -196,7 +196,7 @@ def test_each_variant_at_its_best_tried_config(roots):
     doc = roots / "results.md"
     doc.write_text(f"{BEGIN}\n{END}\n")
     assert main([str(roots / "ab"), "--levers", str(lev), "--doc", str(doc), "--plot", ""]) == 0
-    tuned = doc.read_text().split("### Each variant at its best tried config")[1]
+    tuned = doc.read_text().split("### Each variant at its best tried config")[1].split("### Learning rate")[0]
     rows = {c[0]: c for c in ([x.strip() for x in line.split("|")[1:-1]] for line in tuned.splitlines()
                               if line.startswith("| ") and not line.startswith("| variant"))}
     assert rows["Dense"] == ["Dense", "2", "optim.lr=0.006", "0,0", "+3.0", "10.0", "13.0"]
@@ -205,3 +205,28 @@ def test_each_variant_at_its_best_tried_config(roots):
     assert "Memory+ EM >= 1.5x Dense (seen people): 20.0% vs 13.0% = 1.54x: met" in tuned
     assert "Memory+ at or above MoE (11.0%) and PEER (12.0%): met" in tuned
     assert "EM rising" not in tuned  # the sweep is not re-judged on tuned figures
+
+
+def test_learning_rate_grid_counts_the_configs_tried_at_each_rate(roots):
+    # Dense: lr 6e-3 and 1e-3; Memory+: a smaller value init at the study's lr (two configs at 3e-3, the
+    # better one shown) and with lr 6e-3; a longer run is another budget and stays out of the grid.
+    lev = roots / "lev"
+    _fake_sweep(lev, [
+        ("a", ["experiment=ablation_dense", "optim.lr=0.006"], 0.13, 0.8, None),
+        ("b", ["experiment=ablation_dense", "optim.lr=0.001"], 0.08, 0.8, None),
+        ("c", ["experiment=ablation_memplus", "memory.value_init_scale=0.1"], 0.25, 0.7, 0.9),
+        ("d", ["experiment=ablation_memplus", "memory.value_init_scale=0.1", "optim.lr=0.006"], 0.22, 0.7, 0.9),
+        ("e", ["experiment=ablation_memplus", "steps=4000", "optim.lr=0.001"], 0.50, 0.5, 0.9),
+    ])
+    summary = json.loads((lev / "e" / "summary.json").read_text())
+    (lev / "e" / "summary.json").write_text(json.dumps({**summary, "tokens": 2 * summary["tokens"]}))
+    doc = roots / "results.md"
+    doc.write_text(f"{BEGIN}\n{END}\n")
+    assert main([str(roots / "ab"), "--levers", str(lev), "--doc", str(doc), "--plot", ""]) == 0
+    grid = doc.read_text().split("### Learning rate, the lever every variant has")[1]
+    lines = [[c.strip() for c in line.split("|")[1:-1]] for line in grid.splitlines() if line.startswith("| ")]
+    assert lines[0] == ["variant", "lr 0.001", "lr 0.003", "lr 0.006"]
+    rows = {cells[0]: cells[1:] for cells in lines[1:]}
+    assert rows["Dense"] == ["8.0 (1)", "10.0 (1)", "13.0 (1)"]
+    assert rows["Memory+"] == ["-", "25.0 (2)", "22.0 (1)"]
+    assert rows["PEER"] == ["-", "12.0 (1)", "-"]
