@@ -104,6 +104,11 @@ def _same_compute(row: dict) -> bool:
                for r in row["runs"])
 
 
+def _tried(study_row: dict, rows: list[dict]) -> list[dict]:
+    """The levers of one study config that count as tuning it (same compute)."""
+    return [r for r in rows if r["base"]["key"] == study_row["key"] and _same_compute(r)]
+
+
 def tuned_rows(study: list[dict], rows: list[dict], metric: str) -> list[dict]:
     """Per study config, the best tried config at the same compute: the lever
     with the largest mean paired change of `metric`, or the study config itself
@@ -113,7 +118,7 @@ def tuned_rows(study: list[dict], rows: list[dict], metric: str) -> list[dict]:
     optimistic estimate, the more so the more tries."""
     out = []
     for s in study:
-        tried = [r for r in rows if r["base"]["key"] == s["key"] and _same_compute(r)]
+        tried = _tried(s, rows)
         scored = [(d, r) for r in tried if (d := _delta(r, metric)) is not None]
         delta, best = max(scored, key=lambda x: x[0]) if scored else (None, None)
         if delta is not None and delta <= 0:
@@ -138,10 +143,6 @@ def tuned_table(rows: list[dict], label: Callable[[dict], str], metric: str, pct
     return out
 
 
-def _lr(config: dict) -> float | None:
-    return config.get("optim.lr")
-
-
 def lr_grid(study: list[dict], rows: list[dict], metric: str) -> tuple[list[float], list[dict]]:
     """The learning rate is the one lever every variant has, so it is the
     axis on which the tuning budgets can be made equal. Per study config and
@@ -154,14 +155,10 @@ def lr_grid(study: list[dict], rows: list[dict], metric: str) -> tuple[list[floa
     out = []
     for s in study:
         value = s.get(metric)
-        cells: dict[float, list[float | None]] = {}
-        if _lr(s["config"]) is not None:
-            cells.setdefault(_lr(s["config"]), []).append(value)
-        for row in rows:
-            if row["base"]["key"] != s["key"] or not _same_compute(row) or _lr(row["runs"][0]["config"]) is None:
-                continue
+        cells: dict[float, list[float | None]] = {s["config"]["optim.lr"]: [value]}
+        for row in _tried(s, rows):
             delta = _delta(row, metric)
-            cells.setdefault(_lr(row["runs"][0]["config"]), []).append(
+            cells.setdefault(row["runs"][0]["config"]["optim.lr"], []).append(
                 None if value is None or delta is None else value + delta)
         rates |= set(cells)
         best = {lr: (max((x for x in xs if x is not None), default=None), len(xs)) for lr, xs in cells.items()}
