@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from memlm.launch.replicates import mean_present, seeds_cell
+from memlm.studies.replicates import mean_present, seeds_cell
 
 
 def flatten(cfg: dict, prefix: str = "") -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from memlm.launch.ablation_report import BEGIN, END, main
+from memlm.studies.ablation_report import BEGIN, END, main
 from memlm.train.config import compose, to_yaml
 
 VARIANTS = ["ablation_dense", "ablation_moe", "ablation_peer", "ablation_memory", "ablation_memplus"]
@@ -117,7 +117,7 @@ def test_replicates_pool_into_means_and_runs_table(roots, capsys):
 
 
 def test_config_key_ignores_only_run_identity():
-    from memlm.launch.replicates import run_identity
+    from memlm.studies.replicates import run_identity
 
     def key(*overrides):
         return run_identity(to_yaml(compose(["experiment=ablation_memplus", *overrides])))[0]
@@ -130,7 +130,7 @@ def test_config_key_ignores_only_run_identity():
 def test_config_key_of_a_run_saved_before_a_field_existed():
     # A run saved before memory.value_init_scale existed used the published
     # init (1.0): the same config as a run saved with the field at its default.
-    from memlm.launch.replicates import run_identity
+    from memlm.studies.replicates import run_identity
 
     saved = yaml.safe_load(to_yaml(compose(["experiment=ablation_memplus"])))
     older = {**saved, "memory": {k: v for k, v in saved["memory"].items() if k != "value_init_scale"}}
