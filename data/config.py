@@ -5,6 +5,8 @@
 - `random`: uniform random tokens in [0, vocab_size) (smoke tests, throughput).
 - `synthetic`: the synthetic biography corpus (memlm.data.synthetic), generated
   into `cache_dir` with its own tokenizer on first use, tokenized in memory.
+- `facts`: the random-facts corpus (memlm.data.facts) of the knowledge-capacity
+  study, generated and tokenized the same way.
 - `raw`: the `sources` (JSONL, Parquet, text; .gz/.zst) tokenized in memory when
   the loader is built: the small-corpus mode, no preparation step.
 - `shards`: pre-tokenized shards in `shards_dir` written by `python -m memlm.data.prepare`.
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 
 from memlm.errors import ConfigError
 
-KINDS = ("random", "synthetic", "raw", "shards")
+KINDS = ("random", "synthetic", "facts", "raw", "shards")
 FORMATS = ("auto", "jsonl", "parquet", "text", "text_file")
 ON_ERROR = ("raise", "skip")
 # The smallest byte-fallback vocabulary: 256 byte pieces + unk/bos/eos/pad + a few merges.
@@ -46,6 +48,15 @@ class SyntheticConfig:
 
 
 @dataclass
+class FactsConfig:
+    """kind=facts: the random-facts corpus (memlm.data.facts), N * A * log2(V) bits."""
+    entities: int = 1000  # N invented entities
+    attributes: int = 4  # A attributes each
+    values: int = 256  # V candidate values per attribute, drawn uniformly
+    seed: int = 0
+
+
+@dataclass
 class DataConfig:
     name: str = "random"
     seq_len: int = 128
@@ -61,8 +72,9 @@ class DataConfig:
     shuffle: bool = True  # reshuffle documents every epoch (seeded); False keeps file order
     prefetch: int = 2  # batches prepared ahead in a background thread; 0 -> none
     num_workers: int = 1  # processes tokenizing raw/synthetic sources when the loader is built
-    cache_dir: str = "data_cache"  # kind=synthetic: where the corpus and tokenizer are written
+    cache_dir: str = "data_cache"  # kind=synthetic/facts: where the corpus and tokenizer are written
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    facts: FactsConfig = field(default_factory=FactsConfig)
 
     def source_names(self) -> list[str]:
         return [s.name or f"source{i}" for i, s in enumerate(self.sources)]
@@ -96,11 +108,15 @@ class DataConfig:
             if not 1 <= self.synthetic.qa_docs_per_person <= MAX_QA_DOCS:
                 raise ConfigError(f"{prefix}.synthetic.qa_docs_per_person", self.synthetic.qa_docs_per_person,
                                   f"an integer in [1, {MAX_QA_DOCS}] (the training phrasings per attribute)")
-            if not self.tokenizer and self.vocab_size < MIN_SPM_VOCAB:
-                raise ConfigError(
-                    f"{prefix}.vocab_size", self.vocab_size,
-                    f"at least {MIN_SPM_VOCAB} to train a byte-fallback tokenizer (256 byte pieces + merges)",
-                )
+        if self.kind == "facts":
+            from memlm.data.facts import check_sizes
+
+            check_sizes(self.facts.entities, self.facts.attributes, self.facts.values, f"{prefix}.facts")
+        if self.kind in ("synthetic", "facts") and not self.tokenizer and self.vocab_size < MIN_SPM_VOCAB:
+            raise ConfigError(
+                f"{prefix}.vocab_size", self.vocab_size,
+                f"at least {MIN_SPM_VOCAB} to train a byte-fallback tokenizer (256 byte pieces + merges)",
+            )
 
     def _validate_sources(self, prefix: str) -> None:
         if self.kind == "raw" and not self.sources:

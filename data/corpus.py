@@ -47,6 +47,10 @@ def open_corpus(cfg: DataConfig, split: str = "train") -> Corpus:
         paths = materialize_synthetic(cfg)
         src = SourceConfig(name="synthetic", path=paths["train"], format="jsonl")
         return _open_raw(cfg, [src], paths["tokenizer"], split)
+    if cfg.kind == "facts":
+        paths = materialize_facts(cfg)
+        src = SourceConfig(name="facts", path=paths["train"], format="jsonl")
+        return _open_raw(cfg, [src], paths["tokenizer"], split)
     return _open_raw(cfg, cfg.sources, cfg.tokenizer, split)
 
 
@@ -110,27 +114,51 @@ def synthetic_dir(cfg: DataConfig) -> str:
 
 
 def materialize_synthetic(cfg: DataConfig) -> dict[str, str]:
-    """Write the synthetic corpus (+ a tokenizer unless cfg.tokenizer is set) under cache_dir once.
+    """Write the synthetic corpus (+ a tokenizer unless cfg.tokenizer is set) under cache_dir once."""
+    from memlm.data.synthetic import write_corpus
+
+    syn = cfg.synthetic
+    names = ("train", "qa", "qa_seen", "qa_unseen", "qa_trained")
+    return _materialize(cfg, synthetic_dir(cfg), names, ("train", "qa"), syn.seed, lambda folder: write_corpus(
+        folder, syn.people, syn.docs_per_person, syn.seed, syn.qa_fraction, syn.qa_docs_per_person))
+
+
+def facts_dir(cfg: DataConfig) -> str:
+    from memlm.data.facts import generator_digest
+
+    f = cfg.facts
+    name = f"facts-n{f.entities}-a{f.attributes}-v{f.values}-s{f.seed}-g{generator_digest()}"
+    return os.path.join(cfg.cache_dir, name)
+
+
+def materialize_facts(cfg: DataConfig) -> dict[str, str]:
+    """Write the random-facts corpus (+ a tokenizer unless cfg.tokenizer is set) under cache_dir once."""
+    from memlm.data.facts import write_corpus
+
+    f = cfg.facts
+    return _materialize(cfg, facts_dir(cfg), ("train", "facts"), ("train", "facts"), f.seed,
+                        lambda folder: write_corpus(folder, f.entities, f.attributes, f.values, f.seed))
+
+
+def _materialize(cfg: DataConfig, folder: str, names: tuple[str, ...], required: tuple[str, ...], seed: int,
+                 write) -> dict[str, str]:
+    """{name: path of <name>.jsonl, "tokenizer": path} of a generated corpus in `folder`,
+    written by `write(folder)` unless its `required` files exist.
 
     Deterministic content and an exclusive file lock make it safe for every rank
     of a job to call this at the same time: one writes, the others reuse.
     """
-    from memlm.data.synthetic import write_corpus
-
-    folder = synthetic_dir(cfg)
     os.makedirs(folder, exist_ok=True)
-    paths = {name: os.path.join(folder, f"{name}.jsonl") for name in ("train", "qa", "qa_seen", "qa_unseen", "qa_trained")}
+    paths = {name: os.path.join(folder, f"{name}.jsonl") for name in names}
     paths["tokenizer"] = cfg.tokenizer or os.path.join(folder, f"tokenizer-v{cfg.vocab_size}.model")
     with open(os.path.join(folder, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (os.path.isfile(paths["train"]) and os.path.isfile(paths["qa"])):
-            syn = cfg.synthetic
-            write_corpus(folder, syn.people, syn.docs_per_person, syn.seed, syn.qa_fraction, syn.qa_docs_per_person)
+        if not all(os.path.isfile(paths[name]) for name in required):
+            write(folder)
         if not os.path.isfile(paths["tokenizer"]):
             with open(paths["train"]) as fh:
                 docs = (json.loads(line)["text"] for line in fh)
                 # hard_vocab_limit=False: a small corpus may support fewer pieces than asked for.
                 train_tokenizer(docs, paths["tokenizer"], cfg.vocab_size, character_coverage=1.0,
-                                input_sentence_size=0, seed=cfg.synthetic.seed, num_threads=1,
-                                hard_vocab_limit=False)
+                                input_sentence_size=0, seed=seed, num_threads=1, hard_vocab_limit=False)
     return paths

@@ -8,6 +8,7 @@ numbers do not depend on the number of ranks.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch.distributed as dist
@@ -22,8 +23,10 @@ from memlm.evals.metrics import (
     exact_match,
     exact_match_by,
     mean,
+    bits_per_param,
     perplexity_metrics,
     phrasing_summary,
+    stored_bits,
     token_f1,
 )
 from memlm.evals.scoring import loglikelihoods, rolling_loglikelihoods
@@ -40,7 +43,10 @@ def evaluate_task(model, tokenizer, task: TaskData, cfg: EvalConfig, rank: int =
               disable=rank != 0, dynamic_ncols=True) as bar:
         records = RECORDERS[kind](model, tokenizer, task, mine, cfg, bar)
     records = gather_records(records, world_size)
-    return AGGREGATORS[kind](task.spec.name, records), records
+    metrics = AGGREGATORS[kind](task.spec.name, records)
+    if kind == "bits":
+        metrics[task.spec.name].update(bits_per_param(metrics[task.spec.name]["stored_bits"], model))
+    return metrics, records
 
 
 def gather_records(records: list[dict], world_size: int) -> list[dict]:
@@ -118,7 +124,22 @@ def _ppl_records(model, tokenizer, task: TaskData, examples, cfg: EvalConfig, ba
     return [{"nll": -lp, "tokens": n, "bytes": len(t.encode("utf-8"))} for t, (lp, n) in zip(texts, scored)]
 
 
-RECORDERS = {"qa": _qa_records, "mmlu": _choice_records, "choice": _choice_records, "ppl": _ppl_records}
+def _bits_records(model, tokenizer, task: TaskData, examples, cfg: EvalConfig, bar: tqdm) -> list[dict]:
+    """Per fact: the value's cross-entropy given its question, in bits (teacher
+    forced, summed over the value's tokens), and the bits that shows stored."""
+    pairs = [(ex["question"], " " + ex["answer"]) for ex in examples]
+    scores, cut = loglikelihoods(model, tokenizer, pairs, cfg.batch_size, bar.update)
+    records = []
+    for ex, (logprob, greedy), truncated in zip(examples, scores, cut):
+        ce = -logprob / math.log(2)
+        records.append({"question": ex["question"], "answer": ex["answer"], "values": ex["values"],
+                        "ce_bits": ce, "stored_bits": stored_bits(ce, ex["values"]),
+                        "exact_match": float(greedy), "truncated": int(truncated)})
+    return records
+
+
+RECORDERS = {"qa": _qa_records, "mmlu": _choice_records, "choice": _choice_records, "ppl": _ppl_records,
+             "bits": _bits_records}
 
 
 # ----------------------------------------------------------------- aggregate
@@ -155,4 +176,14 @@ def _aggregate_ppl(name: str, records: list[dict]) -> dict[str, dict]:
     return {name: {**perplexity_metrics(nll, tokens, n_bytes), "n": len(records), "tokens": tokens, "bytes": n_bytes}}
 
 
-AGGREGATORS = {"qa": _aggregate_qa, "mmlu": _aggregate_mmlu, "choice": _aggregate_choice, "ppl": _aggregate_ppl}
+def _aggregate_bits(name: str, records: list[dict]) -> dict[str, dict]:
+    stored = sum(r["stored_bits"] for r in records)
+    capacity = sum(math.log2(r["values"]) for r in records)
+    return {name: {"stored_bits": stored, "corpus_bits": capacity, "stored_fraction": stored / capacity,
+                   "exact_match": mean([r["exact_match"] for r in records]),
+                   "ce_bits": mean([r["ce_bits"] for r in records]), "n": len(records),
+                   "truncated": _truncated(records)}}
+
+
+AGGREGATORS = {"qa": _aggregate_qa, "mmlu": _aggregate_mmlu, "choice": _aggregate_choice, "ppl": _aggregate_ppl,
+               "bits": _aggregate_bits}

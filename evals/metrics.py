@@ -100,3 +100,20 @@ def perplexity_metrics(nll_nats: float, tokens: int, n_bytes: int) -> dict[str, 
         "token_ppl": math.exp(nll_nats / tokens) if tokens else float("nan"),
         "bits_per_byte": nll_nats / math.log(2) / n_bytes if n_bytes else float("nan"),
     }
+
+
+def stored_bits(ce_bits: float, values: int) -> float:
+    """Bits of one random fact a model has stored: its entropy log2(values) (the
+    value is uniform over `values` candidates) less the model's cross-entropy of
+    the value given the question, floored at 0 (Allen-Zhu & Li, "Physics of
+    Language Models: Part 3.3", 2024). A model that knows only the candidate set
+    scores 0; one that is certain of the right value scores log2(values). Mass
+    the model puts outside the candidates only lowers it: a lower bound."""
+    return max(0.0, math.log2(values) - ce_bits)
+
+
+def bits_per_param(stored: float, model) -> dict[str, float]:
+    """Stored bits per parameter: all parameters and the ones a token uses."""
+    counts = model.num_params()
+    return {"params": counts["total"], "active_params": counts["active"],
+            "bits_per_param": stored / counts["total"], "bits_per_active_param": stored / counts["active"]}

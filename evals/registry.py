@@ -8,6 +8,8 @@ Kinds:
 - `mmlu`: 4-way multiple choice scored by the log-likelihood of the letter.
 - `choice`: multiple choice scored by the log-likelihood of each full answer text.
 - `ppl`: perplexity and bits-per-byte of held-out text.
+- `bits`: knowledge capacity: the bits of random facts a model stores, from the
+  teacher-forced cross-entropy of each fact's value given its question.
 
 Besides the fixed names, `qa:<folder>`, `choice:<folder>` and `ppl:<folder>`
 evaluate a user's own files under `<data_dir>/<folder>/` in that kind's format.
@@ -39,6 +41,8 @@ CHOICE_FORMAT = ('JSONL of {"context" or "question": str, "choices": [str, ...],
 MMLU_FORMAT = ("MMLU CSV files test/<subject>_test.csv (+ dev/<subject>_dev.csv), rows "
                "question,A,B,C,D,answer with no header; or test.jsonl (+ dev.jsonl) of "
                '{"question": str, "choices": [4 str], "answer": index or letter, "subject": str}')
+FACTS_FORMAT = ('a run trained on data.kind=facts (memlm.data.facts): its facts.jsonl of '
+                '{"question": str, "answer": str, "values": int}')
 PPL_FORMAT = 'JSONL of {"text": str} (one document per line) or a plain-text file (one document)'
 
 _CHOICE_EVAL = ("test.jsonl", "validation.jsonl")
@@ -75,6 +79,8 @@ TASKS: dict[str, TaskSpec] = {
         _choice("arc_easy"),
         _choice("arc_challenge"),
         TaskSpec("ppl", "ppl", "ppl", ("test.jsonl", "test.txt"), (), "ppl", PPL_FORMAT),
+        # The random-facts corpus the run trained on (data.kind=facts): no files.
+        TaskSpec("facts_bits", "bits", "", (), (), "", FACTS_FORMAT),
     )
 }
 

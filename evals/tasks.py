@@ -26,7 +26,7 @@ from memlm.evals.formats import (
     read_records,
     read_texts,
 )
-from memlm.evals.registry import SYNTHETIC_QA_FILES, TaskSpec, task_spec
+from memlm.evals.registry import FACTS_FORMAT, SYNTHETIC_QA_FILES, TaskSpec, task_spec
 
 
 @dataclass
@@ -39,9 +39,11 @@ class TaskData:
 
 def load_task(name: str, cfg: EvalConfig, data_cfg: Any = None) -> TaskData:
     spec = task_spec(name)
-    k = cfg.fewshot_for(name) if spec.kind != "ppl" else 0
+    k = cfg.fewshot_for(name) if spec.kind not in ("ppl", "bits") else 0
     if spec.name in SYNTHETIC_QA_FILES:
         examples, pool = _synthetic_qa(data_cfg, spec.name), None
+    elif spec.kind == "bits":
+        examples, pool = _facts(data_cfg, spec.name), None
     else:
         if not cfg.data_dir:
             raise ConfigError("eval.data_dir", cfg.data_dir,
@@ -166,4 +168,23 @@ def _synthetic_qa(data_cfg: Any, task: str = "synthetic_qa") -> list[dict]:
         _, _, qa = generate(syn.people, syn.docs_per_person, syn.seed)
         examples = [{"question": r["question"], "answers": list(r["answer"]), "phrasing": r["phrasing"]} for r in qa]
     random.Random(0).shuffle(examples)
+    return examples
+
+
+def _facts(data_cfg: Any, task: str) -> list[dict]:
+    """Every fact of the random-facts corpus the run trained on (all of them:
+    capacity is a sum over the corpus, so `limit` is an estimate's sample only)."""
+    if data_cfg is None or getattr(data_cfg, "kind", "") != "facts":
+        raise ConfigError("eval.tasks", task, "a run trained on the random-facts corpus (data.kind=facts, "
+                          f"memlm.data.facts); this run's data.kind is {getattr(data_cfg, 'kind', None)!r}")
+    from memlm.data.corpus import materialize_facts
+
+    path = Path(materialize_facts(data_cfg)["facts"])
+    examples = []
+    for w, r in read_records(path, FACTS_FORMAT):
+        if not (isinstance(r.get("question"), str) and isinstance(r.get("answer"), str)
+                and isinstance(r.get("values"), int) and r["values"] >= 2):
+            raise TaskDataError(f"{w}: expected {{\"question\": str, \"answer\": str, \"values\": int >= 2}}, "
+                                f"got {json.dumps(r)[:200]}")
+        examples.append({"question": r["question"], "answer": r["answer"], "values": r["values"]})
     return examples

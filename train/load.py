@@ -62,6 +62,10 @@ def run_tokenizer_path(cfg: Config, directory: Path | None = None) -> str | None
         from memlm.data.corpus import materialize_synthetic
 
         return materialize_synthetic(cfg.data)["tokenizer"]
+    if cfg.data.kind == "facts":
+        from memlm.data.corpus import materialize_facts
+
+        return materialize_facts(cfg.data)["tokenizer"]
     return None
 
 
