@@ -19,11 +19,11 @@ from memlm.evals import prompts
 from memlm.evals.config import EvalConfig
 from memlm.evals.decoding import generate_texts
 from memlm.evals.metrics import (
+    bits_per_param,
     choice_scores,
     exact_match,
     exact_match_by,
     mean,
-    bits_per_param,
     perplexity_metrics,
     phrasing_summary,
     stored_bits,
