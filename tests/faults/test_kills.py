@@ -13,6 +13,7 @@ config (tests/faults/harness.py). Runs are the real CLI in subprocesses.
 from __future__ import annotations
 
 import pytest
+
 from faults.harness import EVERY, STEPS, assert_same_run, checkpoints, corrupt, train
 
 pytestmark = pytest.mark.slow  # each test is several end-to-end runs of the CLI
