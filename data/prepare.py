@@ -57,7 +57,9 @@ def _finished(out_dir: str, unit: WorkUnit, expected: dict) -> dict | None:
     try:
         with open(_done_path(out_dir, unit)) as fh:
             record = json.load(fh)
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # missing, unreadable or not JSON: the unit is redone
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("shards"), dict):
         return None
     if any(record.get(k) != v for k, v in expected.items()):
         return None

@@ -24,6 +24,7 @@ from memlm.errors import ConfigError
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
+MANIFEST_KEYS = ("version", "tokenizer", "dtype", "sources")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -59,8 +60,16 @@ def read_manifest(shards_dir: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError("data.shards_dir", shards_dir,
                           f"a folder holding {MANIFEST}: run `python -m memlm.data.prepare --out {shards_dir} ...` first")
-    with open(path) as fh:
-        manifest = json.load(fh)
+    try:
+        with open(path, "rb") as fh:
+            manifest = json.loads(fh.read())
+    except (ValueError, OSError) as err:  # JSONDecodeError and bad UTF-8 are ValueErrors
+        raise ConfigError("data.shards_dir", shards_dir,
+                          f"a readable {MANIFEST}: {path} is not valid JSON ({err}); re-run prepare") from None
+    missing = [k for k in MANIFEST_KEYS if k not in manifest] if isinstance(manifest, dict) else list(MANIFEST_KEYS)
+    if missing:
+        raise ConfigError("data.shards_dir", shards_dir,
+                          f"a {MANIFEST} written by prepare: {path} lacks {', '.join(missing)}; re-run prepare")
     if manifest.get("version") != FORMAT_VERSION:
         raise ConfigError("data.shards_dir", shards_dir,
                           f"shards of format version {FORMAT_VERSION} (found {manifest.get('version')}); re-run prepare")
@@ -87,6 +96,20 @@ def open_tokens(path: str, dtype: np.dtype) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r").view(np.ndarray)
 
 
+def read_index(path: str, shards_dir: str) -> np.ndarray:
+    """A shard's document offsets (n_docs + 1,) int64; a truncated or garbage file is an error naming it."""
+    try:
+        offsets = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:
+        raise ConfigError("data.shards_dir", shards_dir,
+                          f"intact shards: the index {path} cannot be read ({err}); re-run prepare") from None
+    if offsets.ndim != 1 or offsets.dtype != np.int64 or len(offsets) == 0:
+        raise ConfigError("data.shards_dir", shards_dir,
+                          f"intact shards: the index {path} holds {offsets.dtype} {offsets.shape}, "
+                          "not int64 document offsets; re-run prepare")
+    return offsets
+
+
 def load_split(shards_dir: str, manifest: dict, source: str, split: str) -> list[tuple[np.ndarray, np.ndarray]]:
     """(tokens, document offsets) per shard of one source and split."""
     sources = manifest["sources"]
@@ -99,7 +122,7 @@ def load_split(shards_dir: str, manifest: dict, source: str, split: str) -> list
     shards = []
     for entry in sources[source]["shards"][split]:
         tokens = open_tokens(os.path.join(folder, entry["bin"]), dtype)
-        offsets = np.load(os.path.join(folder, entry["index"]), allow_pickle=False)
+        offsets = read_index(os.path.join(folder, entry["index"]), shards_dir)
         if len(tokens) != entry["tokens"] or offsets[-1] != len(tokens) or len(offsets) != entry["docs"] + 1:
             raise ConfigError("data.shards_dir", shards_dir,
                               f"intact shards: {folder}/{entry['bin']} has {len(tokens)} tokens, its index "

@@ -14,14 +14,14 @@ Bad records raise `DataError` naming file and line, or are counted in a
 from __future__ import annotations
 
 import glob
-import gzip
-import io
 import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from memlm.data.compression import UNREADABLE, compression, open_binary
 from memlm.data.stats import (
+    CORRUPT_FILE,
     EMPTY_FILE,
     EMPTY_TEXT,
     INVALID_UTF8,
@@ -32,9 +32,11 @@ from memlm.data.stats import (
 )
 from memlm.errors import ConfigError
 
+__all__ = ["WorkUnit", "expand_paths", "detect_format", "iter_documents", "open_binary", "plan_units", "read_documents"]
 EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".txt": "text"}
-COMPRESSIONS = (".gz", ".zst")
 PARQUET_BATCH = 4096
+# What pyarrow raises for a corrupt Parquet file (ArrowInvalid is a ValueError, a bad thrift header an OSError).
+_PARQUET_UNREADABLE = (ValueError, OSError, EOFError)
 
 
 def expand_paths(pattern: str, key: str = "path") -> list[str]:
@@ -52,29 +54,12 @@ def expand_paths(pattern: str, key: str = "path") -> list[str]:
 def detect_format(path: str, fmt: str = "auto") -> str:
     if fmt != "auto":
         return fmt
-    stem = path[: -len(ext)] if (ext := _compression(path)) else path
+    stem = path[: -len(ext)] if (ext := compression(path)) else path
     found = EXTENSIONS.get(os.path.splitext(stem)[1].lower())
     if found is None:
         valid = ", ".join(sorted(EXTENSIONS)) + " (optionally + .gz/.zst)"
         raise ConfigError("format", f"auto for {path}", f"a known extension: {valid}, or an explicit format")
     return found
-
-
-def _compression(path: str) -> str:
-    return next((c for c in COMPRESSIONS if path.lower().endswith(c)), "")
-
-
-def open_binary(path: str) -> io.BufferedIOBase:
-    """A streaming binary reader that undoes .gz / .zst compression."""
-    comp = _compression(path)
-    if comp == ".gz":
-        return gzip.open(path, "rb")
-    if comp == ".zst":
-        import zstandard
-
-        raw = open(path, "rb")  # noqa: SIM115 (closed with the wrapper below)
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
-    return open(path, "rb")
 
 
 @dataclass(frozen=True)
@@ -109,9 +94,9 @@ def plan_units(source: str, paths: list[str], fmt: str, text_field: str, chunk_b
 
 def _ranges(path: str, kind: str, chunk_bytes: int) -> list[tuple[int, int]]:
     if kind == "parquet":
-        import pyarrow.parquet as pq
-
-        meta = pq.ParquetFile(path).metadata
+        meta = _parquet_metadata(path)
+        if meta is None:  # unreadable: one unit, whose reading reports it (raise or skip)
+            return [(0, -1)]
         ranges, first, size = [], 0, 0
         for i in range(meta.num_row_groups):
             size += meta.row_group(i).total_byte_size
@@ -122,7 +107,7 @@ def _ranges(path: str, kind: str, chunk_bytes: int) -> list[tuple[int, int]]:
             ranges.append((first, meta.num_row_groups))
         return ranges
     size = os.path.getsize(path)
-    if kind == "text_file" or _compression(path) or size <= chunk_bytes:
+    if kind == "text_file" or compression(path) or size <= chunk_bytes:
         return [(0, -1)]
     return [(s, min(s + chunk_bytes, size)) for s in range(0, size, chunk_bytes)]
 
@@ -142,26 +127,42 @@ def read_documents(unit: WorkUnit, on_error: str, stats: SkipStats) -> Iterator[
         yield doc
 
 
+def _describe(err: Exception) -> str:
+    """An exception on one line: its type and its message with whitespace collapsed."""
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"
+
+
 def _bad(on_error: str, stats: SkipStats, where: str, reason: str, detail: str, count: int = 1) -> None:
     if on_error == "raise":
         raise DataError(where, reason, detail)
     stats.skip(reason, where, count)
 
 
+class _BrokenStream(Exception):
+    """A line reader hit a corrupt or truncated stream at `line` (unit-relative) / decompressed byte `pos`."""
+
+    def __init__(self, line: int, pos: int, err: Exception):
+        super().__init__(line, pos, err)
+        self.line, self.pos, self.err = line, pos, err
+
+
 def _iter_lines(unit: WorkUnit) -> Iterator[tuple[int, bytes]]:
-    """(line number within the unit, raw line) for the unit's byte range."""
-    with open_binary(unit.path) as fh:
-        if unit.start > 0:  # skip the line that began in the previous range
-            fh.seek(unit.start - 1)
-            fh.readline()
-        pos = fh.tell()
-        n = 0
-        for line in fh:
-            if 0 <= unit.end <= pos:
-                return
-            pos += len(line)
-            n += 1
-            yield n, line
+    """(line number within the unit, raw line) for the unit's byte range; _BrokenStream where it breaks."""
+    n, pos = 0, unit.start
+    try:
+        with open_binary(unit.path) as fh:
+            if unit.start > 0:  # skip the line that began in the previous range
+                fh.seek(unit.start - 1)
+                fh.readline()
+            pos = fh.tell()
+            for line in fh:
+                if 0 <= unit.end <= pos:
+                    return
+                pos += len(line)
+                n += 1
+                yield n, line
+    except UNREADABLE as err:
+        raise _BrokenStream(n + 1, pos, err) from err
 
 
 def _line_base(unit: WorkUnit) -> int:
@@ -180,6 +181,17 @@ def _line_base(unit: WorkUnit) -> int:
 
 
 def _read_lines(unit: WorkUnit, on_error: str, stats: SkipStats) -> Iterator[str]:
+    """The unit's documents; where the stream breaks, the lines read so far are kept and the rest is bad."""
+    try:
+        yield from _parse_lines(unit, on_error, stats)
+    except _BrokenStream as broken:
+        stream = "decompressed stream" if compression(unit.path) else "file"
+        kept = f"; the {broken.line - 1} lines before it were read" if broken.line > 1 else ""
+        detail = f"the {stream} cannot be read from byte {broken.pos} on ({_describe(broken.err)}){kept}"
+        _bad(on_error, stats, f"{unit.path}:{_line_base(unit) + broken.line}", CORRUPT_FILE, detail)
+
+
+def _parse_lines(unit: WorkUnit, on_error: str, stats: SkipStats) -> Iterator[str]:
     base = None
     seen_any = False
     for n, raw in _iter_lines(unit):
@@ -210,7 +222,7 @@ def _read_lines(unit: WorkUnit, on_error: str, stats: SkipStats) -> Iterator[str
                     f"field {unit.text_field!r} missing or not a string (keys: {sorted(record)[:8]})")
                 _bad(on_error, stats, f"{unit.path}:{base + n}", MISSING_FIELD, what)
                 continue
-        if not text:
+        if not text.strip():  # empty or whitespace-only: blank
             base = _line_base(unit) if base is None else base
             stats.skip(EMPTY_TEXT, f"{unit.path}:{base + n}")
             continue
@@ -220,22 +232,46 @@ def _read_lines(unit: WorkUnit, on_error: str, stats: SkipStats) -> Iterator[str
 
 
 def _read_text_file(unit: WorkUnit, on_error: str, stats: SkipStats) -> Iterator[str]:
-    with open_binary(unit.path) as fh:
-        data = fh.read()
+    try:
+        with open_binary(unit.path) as fh:
+            data = fh.read()
+    except UNREADABLE as err:  # the document is the whole file: a part of it is not kept
+        _bad(on_error, stats, unit.path, CORRUPT_FILE, f"the file cannot be read ({_describe(err)})")
+        return
     if not data:
         _bad(on_error, stats, unit.path, EMPTY_FILE, "the file holds no data")
         return
     try:
-        yield data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data[: err.start].count(b"\n") + 1
         _bad(on_error, stats, f"{unit.path}:{line}", INVALID_UTF8, f"byte {err.start}: {err.reason}")
+        return
+    if text.strip():
+        yield text
+    else:
+        stats.skip(EMPTY_TEXT, unit.path)
+
+
+def _parquet_metadata(path: str):
+    """The file's pyarrow FileMetaData, or None when its footer cannot be read."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata
+    except _PARQUET_UNREADABLE:
+        return None
 
 
 def _read_parquet(unit: WorkUnit, on_error: str, stats: SkipStats) -> Iterator[str]:
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(unit.path)
+    try:
+        pf = pq.ParquetFile(unit.path)
+    except _PARQUET_UNREADABLE as err:
+        _bad(on_error, stats, unit.path, CORRUPT_FILE,
+             f"not a readable Parquet file (footer: {_describe(err)})")
+        return
     meta = pf.metadata
     if meta.num_rows == 0:
         _bad(on_error, stats, unit.path, EMPTY_FILE, "the file has no rows")
@@ -248,8 +284,27 @@ def _read_parquet(unit: WorkUnit, on_error: str, stats: SkipStats) -> Iterator[s
         return
     end = meta.num_row_groups if unit.end < 0 else unit.end
     row = sum(meta.row_group(i).num_rows for i in range(unit.start))
-    groups = list(range(unit.start, end))
-    for batch in pf.iter_batches(batch_size=PARQUET_BATCH, row_groups=groups, columns=[unit.text_field]):
+    for group in range(unit.start, end):
+        # One row group at a time, so a corrupt group is named and the others are still read.
+        group_end = row + meta.row_group(group).num_rows
+        try:
+            yield from _parquet_rows(pf, group, unit, row, on_error, stats)
+        except _BrokenStream as broken:
+            _bad(on_error, stats, f"{unit.path}: row group {group}", CORRUPT_FILE,
+                 f"rows {broken.line}..{group_end} cannot be read ({_describe(broken.err)})")
+        row = group_end
+
+
+def _parquet_rows(pf, group: int, unit: WorkUnit, row: int, on_error: str, stats: SkipStats) -> Iterator[str]:
+    """The documents of one row group, rows numbered from row + 1; _BrokenStream where it breaks."""
+    batches = pf.iter_batches(batch_size=PARQUET_BATCH, row_groups=[group], columns=[unit.text_field])
+    while True:
+        try:
+            batch = next(batches, None)
+        except _PARQUET_UNREADABLE as err:
+            raise _BrokenStream(row + 1, 0, err) from err
+        if batch is None:
+            return
         for value in batch.column(0).to_pylist():
             row += 1
             where = f"{unit.path}: row {row}"
@@ -261,7 +316,7 @@ def _read_parquet(unit: WorkUnit, on_error: str, stats: SkipStats) -> Iterator[s
                     continue
             if not isinstance(value, str):
                 _bad(on_error, stats, where, MISSING_FIELD, f"column {unit.text_field!r} is {value!r}")
-            elif not value:
+            elif not value.strip():  # empty or whitespace-only: blank
                 stats.skip(EMPTY_TEXT, where)
             else:
                 yield value

@@ -15,12 +15,15 @@ MALFORMED_JSON = "malformed_json"
 MISSING_FIELD = "missing_field"  # field/column absent, null, or not a string
 INVALID_UTF8 = "invalid_utf8"
 EMPTY_FILE = "empty_file"
-EMPTY_TEXT = "empty_text"  # empty document / blank line: always skipped, but counted
+EMPTY_TEXT = "empty_text"  # empty or whitespace-only document / line: always skipped, but counted
+# A file, the rest of a file or a Parquet row group that cannot be read (truncated or corrupt
+# compressed stream or Parquet file): counted once per unreadable piece; what was read before it is kept.
+CORRUPT_FILE = "corrupt_file"
 MAX_EXAMPLES = 3
 
 
 class DataError(ValueError):
-    """A bad input record: `where` is "file:line" (or "file: row N"), `reason` one of the reasons."""
+    """A bad input record or file: `where` is "file:line", "file: row N", "file: row group G" or "file"."""
 
     def __init__(self, where: str, reason: str, detail: str):
         self.where = where

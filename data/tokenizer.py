@@ -44,7 +44,13 @@ class Tokenizer:
             proto = fh.read()
         self.path = path
         self.sha256 = hashlib.sha256(proto).hexdigest()
-        self.sp = spm.SentencePieceProcessor(model_proto=proto)
+        try:
+            self.sp = spm.SentencePieceProcessor(model_proto=proto)
+        except RuntimeError as err:  # sentencepiece's parse failure names no file
+            raise ConfigError("tokenizer", path, f"a sentencepiece .model file; this one cannot be parsed "
+                              f"({len(proto)} bytes: {' '.join(str(err).split())})") from None
+        if self.sp.vocab_size() == 0:  # e.g. an empty file parses as an empty model
+            raise ConfigError("tokenizer", path, f"a sentencepiece .model file; this one holds no pieces ({len(proto)} bytes)")
 
     @property
     def vocab_size(self) -> int:
