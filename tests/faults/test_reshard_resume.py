@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 from distributed_workers import run_ranks
-from faults.reshard_workers import fit_recording
 
+from faults.reshard_workers import fit_recording
 from memlm.data.corpus import Corpus
 from memlm.data.loader import PackedBatches, TokenLoader
 from memlm.data.stream import TokenSource
