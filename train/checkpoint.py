@@ -286,20 +286,18 @@ class Checkpointer:
         set_optimizer_state_dict(model, optimizer, {"state": state["optim"]["state"],
                                                     "param_groups": meta["param_groups"]})
         scheduler.load_state_dict(meta["scheduler"])
-        # Another world size (elastic restart, other --nproc_per_node): rank r takes the RNG of old
-        # rank r % old_world, and the loader continues the global data stream (its resharding rule).
-        old_world = meta["world_size"]
-        per_rank = json.loads((path / f"rank{_rank() % old_world}.json").read_text())
-        if loader is not None and per_rank["loader"] is not None and hasattr(loader, "load_state_dict"):
-            if old_world == _world():
+        rank_file = path / f"rank{_rank()}.json"
+        if meta["world_size"] == _world() and rank_file.is_file():
+            per_rank = json.loads(rank_file.read_text())
+            if loader is not None and per_rank["loader"] is not None and hasattr(loader, "load_state_dict"):
                 loader.load_state_dict(per_rank["loader"])
-            elif hasattr(loader, "reshard_state_dict"):
-                loader.reshard_state_dict([json.loads((path / f"rank{r}.json").read_text())["loader"]
-                                           for r in range(old_world)])
-            elif _rank() == 0:
-                print(f"[checkpoint] world size changed ({old_world} -> {_world()}) and this loader cannot "
-                      "reshard its state: the data stream restarts from its beginning", flush=True)
-        set_rng_state(per_rank["rng"])
+            set_rng_state(per_rank["rng"])
+        elif loader is not None and hasattr(loader, "reshard_state_dict"):
+            states = [json.loads((path / f"rank{r}.json").read_text())["loader"] for r in range(meta["world_size"])]
+            loader.reshard_state_dict(states)
+        elif _rank() == 0:
+            print(f"[checkpoint] world size changed ({meta['world_size']} -> {_world()}): model and optimizer "
+                  "were resharded; the data stream restarts from its beginning", flush=True)
         return meta
 
     @staticmethod
