@@ -25,8 +25,8 @@ Contract
   the old one; the global stream continues exactly at the saved position, only
   its split into ranks changes. `reshard_state_dict(states)` is that rule for a
   checkpoint: it checks that the old ranks' states agree, then loads one. No
-  rank reads or packs another rank's sequences: where its own start is an
-  arithmetic fact of the global position. micro_batch, seq_len and weights may
+  rank reads or packs another rank's sequences: its own start follows
+  arithmetically from the global position. micro_batch, seq_len and weights may
   change the same way. A different seed, split, kind or set of sources is an error.
 - Batches are made in a background thread (torchdata Prefetcher, `prefetch`
   batches ahead); the state always describes the batches *returned*, not the
