@@ -8,6 +8,7 @@ Contract
     inputs, targets = next(loader)   # int64 tensors (micro_batch, seq_len); targets = inputs shifted by one
     state = loader.state_dict()      # small JSON-able dict: save it per rank with every checkpoint
     loader.load_state_dict(state)    # the next batches are exactly those an uninterrupted run yields
+    loader.reshard_state_dict(states)  # states of every rank of a run on another world size: same global stream
 
 - The stream is infinite: epochs roll over inside it (each source reshuffles
   its documents every epoch, seeded), so iterate with next() and stop by steps.
@@ -22,8 +23,11 @@ Contract
   global sequence position and each source's token position (identical on
   every rank), so a rank of the new world may load the state of any rank of
   the old one; the global stream continues exactly at the saved position, only
-  its split into ranks changes. micro_batch, seq_len and weights may change the
-  same way. A different seed, split, kind or set of sources is an error.
+  its split into ranks changes. `reshard_state_dict(states)` is that rule for a
+  checkpoint: it checks that the old ranks' states agree, then loads one. No
+  rank reads or packs another rank's sequences: its own start follows
+  arithmetically from the global position. micro_batch, seq_len and weights may
+  change the same way. A different seed, split, kind or set of sources is an error.
 - Batches are made in a background thread (torchdata Prefetcher, `prefetch`
   batches ahead); the state always describes the batches *returned*, not the
   ones prefetched.
@@ -159,6 +163,26 @@ class TokenLoader:
         root = {"snapshot": state, "steps_since_snapshot": 0} if self.prefetch > 0 else state
         self._loader.load_state_dict({"root": root, "num_yielded": 0})
         self._it = iter(self._loader)  # apply now, so state_dict() reflects the loaded state at once
+
+    def reshard_state_dict(self, states: list[dict]) -> None:
+        """Resume from the states of every rank of a run on another number of ranks (any world size).
+
+        The global position is the same in every rank's state, so this checks that
+        they agree (one checkpoint, every rank present), then loads it: the global
+        stream continues at that position, split over this world's ranks."""
+        if not states or not all(isinstance(s, dict) and "global_seq" in s for s in states):
+            raise ConfigError("data state", [type(s).__name__ for s in states],
+                              "one dict from TokenLoader.state_dict() per rank of the saved run")
+        old_world = states[0]["world_size"]
+        if sorted(s["rank"] for s in states) != list(range(old_world)):
+            raise ConfigError("data state ranks", sorted(s["rank"] for s in states),
+                              f"the states of all {old_world} ranks of the saved run, ranks 0..{old_world - 1}")
+        for key in ("global_seq", "positions", "seed", "split", "kind", "world_size"):
+            values = [s[key] for s in states]
+            if any(v != values[0] for v in values):
+                raise ConfigError(f"data state {key}", values,
+                                  "the same value on every rank (states saved by one checkpoint)")
+        self.load_state_dict(states[0])
 
     def describe(self) -> str:
         parts = [f"{s.name} (weight {w:.3g}, {s.tokens_per_epoch:,} tokens/epoch)"
