@@ -100,7 +100,8 @@ def _search_backward_op(grad_scores: torch.Tensor, query: torch.Tensor, keys: to
     else:
         used = torch.zeros_like(half_idx, dtype=torch.bool).scatter_(-1, ranks, True)
         gq, gk = _sparse_backward(query, keys, half_idx, rank_grad, used, need_q, need_keys)
-    return (query.new_empty(0) if gq is None else gq), (keys.new_empty(0) if gk is None else gk)
+    # Contiguous, as the fake kernel promises (the dense backward's einsums may return permuted views).
+    return (query.new_empty(0) if gq is None else gq.contiguous()), (keys.new_empty(0) if gk is None else gk.contiguous())
 
 
 @_search_backward_op.register_fake
