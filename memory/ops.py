@@ -42,7 +42,13 @@ import torch.nn.functional as F
 from memlm.errors import ConfigError
 
 # The CPU gradients (memory/bag_grad.py), re-exported: tests and the search's backward import them from here.
-from memlm.memory.bag_grad import ReadsBySlot, dense_gradient, row_gradients, sort_reads, weight_gradients
+from memlm.memory.bag_grad import (
+    ReadsBySlot,
+    dense_gradient,
+    row_gradients,
+    sort_reads,
+    weight_gradients,
+)
 
 __all__ = ["ReadsBySlot", "available_kernels", "dense_gradient", "embedding_bag", "resolve_kernel",
            "row_gradients", "sort_reads", "weight_gradients"]
