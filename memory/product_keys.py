@@ -20,7 +20,7 @@ try:  # torch >= 2.9
 except ImportError:  # pragma: no cover - older torch: knn is a constant, each value compiles once
     DynamicInt = None
 from memlm.memory.search import product_key_topk, subkey_scores
-from memlm.memory.search_grad import product_key_search
+from memlm.memory.search_grad import product_key_search, topk_of_sub_scores
 
 SUB_MODES = ("detached", "grad", "none")
 
@@ -146,7 +146,7 @@ class ProductKeys(nn.Module):
         q, keys = self.query_and_keys(x)
         if sub == "grad":
             sub_scores = subkey_scores(q, keys)
-            scores, slots = product_key_topk(sub_scores, self.current_knn, ordered=False)  # (T, H, knn) each
+            scores, slots = topk_of_sub_scores(sub_scores, self.current_knn, ordered=False)  # (T, H, knn) each
         else:
             scores, slots, sub_scores = product_key_search(
                 q, keys, self.current_knn, keep_sub=sub == "detached", ordered=False

@@ -186,6 +186,34 @@ def _dense_backward(query, keys, half_idx, rank_grad, need_q, need_keys):
     return grad_query, grad_keys
 
 
+@torch.library.custom_op("memlm::product_key_ranks", mutates_args=())
+def _ranks_op(sub_scores: torch.Tensor, knn: int, ordered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, H, 2, n_keys) sub-key scores -> the half top-k lists and the
+    winners' ranks in them, (T, H, 2, knn) each (search.topk_with_ranks). No gradient."""
+    _, half_idx, ranks = topk_with_ranks(sub_scores, knn, ordered)
+    return half_idx.contiguous(), ranks.contiguous()
+
+
+@_ranks_op.register_fake
+def _(sub_scores, knn, ordered):
+    t, h = sub_scores.shape[:2]
+    return tuple(sub_scores.new_empty(t, h, 2, knn, dtype=torch.long) for _ in range(2))
+
+
+def topk_of_sub_scores(
+    sub_scores: torch.Tensor, knn: int, ordered: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """search.product_key_topk(sub_scores, knn, ordered), the same numbers
+    (each winner's score is the same sum s1[i] + s2[j]), for sub-key scores
+    that need their gradient (a loss on them): the search runs as one op on
+    the detached scores, and the winners' scores are gathered from
+    `sub_scores`, so the gradient is autograd's (dense) and torch.compile
+    traces it without a graph break. -> scores (T, H, knn), slots (T, H, knn)."""
+    half_idx, ranks = torch.ops.memlm.product_key_ranks(sub_scores.detach(), knn, ordered)
+    s1, s2 = sub_scores.gather(-1, half_idx.gather(-1, ranks)).unbind(2)  # (T, H, knn) each
+    return s1 + s2, slots_of(half_idx, ranks, sub_scores.shape[-1])
+
+
 def product_key_search(
     query: torch.Tensor, keys: torch.Tensor, knn: int, keep_sub: bool = False, ordered: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -93,6 +93,28 @@ def test_knn_schedule_over_8_values_recompiles_at_most_once():
     assert counter.frame_count <= 2
 
 
+def test_compiled_layer_with_the_balance_loss_is_one_graph_like_eager():
+    """The balance loss needs the sub-key scores' gradient: the search runs
+    as memlm::product_key_ranks and the winners' scores are gathered (traced)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = MemoryPlus(dim=16, n_keys=16, heads=2, knn=4, k_dim=8, balance_loss_coef=0.3)
+    eager = copy.deepcopy(layer)
+    x = torch.randn(2, 5, 16)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    results = []
+    for module, run in ((eager, eager), (layer, compiled)):
+        out = run(x)
+        loss = out.square().sum() + module.last_aux_loss
+        results.append((loss, torch.autograd.grad(loss, list(module.parameters()))))
+    assert counter.frame_count == 1
+    (loss_e, grads_e), (loss_c, grads_c) = results
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-6)
+    for c, e in zip(grads_c, grads_e):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)
+
+
 def _bag_inputs():
     gen = torch.Generator().manual_seed(0)
     values = torch.randn(20, 6, generator=gen, requires_grad=True)
@@ -121,6 +143,8 @@ def _opcheck_cases():
             yield (f"product_key_search(shared={shared}, keep_sub={keep_sub})",
                    torch.ops.memlm.product_key_search.default, (query, keys, 4, keep_sub, True))
         q, kk = query.detach(), keys.detach()
+        sub = torch.einsum("thcd,cnd->thcn" if shared else "thcd,hcnd->thcn", q, kk)
+        yield f"product_key_ranks(shared={shared})", torch.ops.memlm.product_key_ranks.default, (sub, 4, False)
         # n_keys 16 >= SPARSE_BACKWARD_RATIO (8) * knn 2: the sparse backward; knn 4: the dense one.
         for knn, kind in ((2, "sparse"), (4, "dense")):
             _, _, half_idx, ranks, _ = torch.ops.memlm.product_key_search(q, kk, knn, False, True)
