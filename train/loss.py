@@ -14,7 +14,7 @@ logits: the forward upcasts one chunk, keeps its log-sum-exp (one fp32 per
 token) and frees it; the backward recomputes the chunk's softmax from the
 saved (bf16) logits and the log-sum-exp and writes that chunk of the
 gradient in the logits' dtype. The fp32 working set is one chunk: the full
-copy divided by the number of chunks (2.1 GB -> 64 MB, 33 chunks, at the 8b
+copy divided by the number of chunks (2.1 GB -> 64 MiB: 130 tokens a chunk, 32 chunks, at the 8b
 preset's shapes). Pure tensor code with no host read, so it adds no sync.
 """
 
