@@ -89,9 +89,11 @@ class ProductKeys(nn.Module):
         self.keys = nn.Parameter(torch.empty(heads, 2, n_keys, self.half))
         self.init_weights()
 
+    # Plain ints to readers; the DynamicInt (see _unspecialized) only reaches
+    # the search, through current_knn (it would print as "DynamicInt(32)").
     @property
     def knn(self) -> int:
-        return self._knn
+        return int(self._knn)
 
     @knn.setter
     def knn(self, value: int) -> None:
@@ -99,7 +101,7 @@ class ProductKeys(nn.Module):
 
     @property
     def eval_knn(self) -> int:
-        return self._eval_knn
+        return int(self._eval_knn)
 
     @eval_knn.setter
     def eval_knn(self, value: int) -> None:
@@ -107,7 +109,8 @@ class ProductKeys(nn.Module):
 
     @property
     def current_knn(self) -> int:
-        return self.knn if self.training else self.eval_knn
+        """The knn of this forward (training or eval), as the int torch.compile traces as a symbol."""
+        return self._knn if self.training else self._eval_knn
 
     def query_and_keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, dim) -> query (T, H, 2, half) and sub-keys (H, 2, n_keys, half),

@@ -88,6 +88,7 @@ def test_knn_schedule_over_8_values_recompiles_at_most_once():
         seen.append(knn)
         _assert_same_step(_step(model, tokens), _step(eager, tokens))
     assert seen == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert type(model.layers[1].feed_forward.memory.knn) is int  # readers see a plain int
     # knn is traced as a symbol: one graph for every value (the compiler
     # specializes the value 1, hence at most one recompile, when 2 comes).
     assert counter.frame_count <= 2
