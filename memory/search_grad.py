@@ -21,6 +21,13 @@ autograd's gradient in float64.
 
 The forward builds no graph over the (T, H, 2, n_keys) scores, and for long
 score tensors runs in chunks of tokens (see _search).
+
+Forward and backward are torch.library custom ops (`memlm::product_key_search`,
+`memlm::product_key_search_backward`, and `memlm::product_key_ranks` for
+sub-key scores that keep their own gradient): torch.compile treats each as
+one opaque call with a fake kernel for its output shapes (symbolic in knn),
+so a memory layer compiles without a graph break; eager numbers are the
+kernels' own, unchanged.
 """
 
 from __future__ import annotations
