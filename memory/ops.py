@@ -5,7 +5,11 @@
 `embedding_bag(values, indices, weights, sparse=..., kernel=...)` is the only
 entry point the layers use: it validates the inputs and dispatches by device
 and `memory.kernel` to the Triton kernels (memory/triton_bag.py, CUDA) or the
-plain-PyTorch kernel held in this file (CPU).
+plain-PyTorch kernel (CPU: F.embedding_bag forward, memory/bag_grad.py backward).
+The read is registered as the custom ops `memlm::embedding_bag` and
+`memlm::embedding_bag_backward` (torch.library): torch.compile sees one
+opaque, differentiable op (shapes from its fake kernel) and traces a memory
+layer without a graph break.
 
 Gradient of the table. Only the rows that were read get a gradient:
 
@@ -31,12 +35,23 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from memlm.errors import ConfigError
+
+# The CPU gradients (memory/bag_grad.py), re-exported: tests and the search's backward import them from here.
+from memlm.memory.bag_grad import (
+    ReadsBySlot,
+    dense_gradient,
+    row_gradients,
+    sort_reads,
+    weight_gradients,
+)
+
+__all__ = ["ReadsBySlot", "available_kernels", "dense_gradient", "embedding_bag", "resolve_kernel",
+           "row_gradients", "sort_reads", "weight_gradients"]
 
 KERNELS = ("auto", "triton", "torch")
 # TRITON_INTERPRET=1 runs Triton kernels on CPU tensors through Triton's
@@ -144,12 +159,6 @@ def _check_indices(indices: torch.Tensor, n_slots: int) -> None:
         )
 
 
-# Eager under torch.compile: the read dispatches to hand-written kernels with
-# their own backward, and checks its indices on the host. Disabling tracing
-# here (and in the search, usage counting and pool read) splits a compiled
-# block around the memory kernels: the rest of the block (projections, norms,
-# gating) is still compiled and fused (the ablation runs use this).
-@torch.compiler.disable
 def embedding_bag(
     values: torch.Tensor,
     indices: torch.Tensor,
@@ -169,10 +178,27 @@ def embedding_bag(
     accumulates in float32 and keeps the weights in their own dtype; it needs
     a table with unit column stride (copying a large table behind the
     caller's back would double its memory, so it is an error) and copies
-    non-contiguous indices/weights (small)."""
+    non-contiguous indices/weights (small).
+
+    Under torch.compile the read is one opaque op, `memlm::embedding_bag`
+    (and `memlm::embedding_bag_backward`): no graph break. A sparse read
+    runs eagerly (a graph break): its gradient is a sparse tensor of
+    data-dependent size, which compiled graphs do not carry."""
     _check_inputs(values, indices, weights)
+    if sparse:
+        return _sparse_read(values, indices, weights, kernel)
+    return torch.ops.memlm.embedding_bag(values, indices, weights, False, kernel)
+
+
+@torch.compiler.disable
+def _sparse_read(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, kernel: str) -> torch.Tensor:
+    return torch.ops.memlm.embedding_bag(values, indices, weights, True, kernel)
+
+
+def _resolve_for(values: torch.Tensor, kernel: str) -> str:
+    """resolve_kernel plus the Triton kernel's demands on the table (inside
+    the op: at run time, so that tracing never touches the environment)."""
     kernel = resolve_kernel(kernel, values.device)
-    _check_indices(indices, values.shape[0])
     if kernel == "triton":
         if values.dtype not in TRITON_DTYPES:
             raise ValueError(f"the triton kernel reads float32/bfloat16/float16 tables, got {values.dtype}; "
@@ -180,160 +206,89 @@ def embedding_bag(
         if values.shape[1] > 1 and values.stride(1) != 1:
             raise ValueError(f"the table must be contiguous along v_dim (strides {values.stride()}); "
                              "pass values.contiguous()")
-        from memlm.memory.triton_bag import embedding_bag_triton  # imports triton only when used
-
-        return embedding_bag_triton(values, indices.contiguous(), weights.contiguous(), sparse=sparse)
-    weights = weights.to(values.dtype)
-    if not torch.is_grad_enabled() or not values.requires_grad:
-        # Inference, or a frozen table: the weights' gradient (if any) comes
-        # from PyTorch's own kernel, no custom backward needed.
-        return F.embedding_bag(indices, values, per_sample_weights=weights, mode="sum")
-    return _EmbeddingBag.apply(values, indices, weights, sparse)
+    return kernel
 
 
-class ReadsBySlot(NamedTuple):
-    """The B*K reads of one bag call, sorted by slot (stable): computed once
-    per backward and shared by the table's and the weights' gradients."""
+@torch.library.custom_op("memlm::embedding_bag", mutates_args=())
+def _bag_op(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, sparse: bool,
+            kernel: str) -> torch.Tensor:
+    # values: (N, v_dim); indices, weights: (B, K) -> (B, v_dim) in the table's dtype
+    kernel = _resolve_for(values, kernel)
+    _check_indices(indices, values.shape[0])
+    if kernel == "triton":
+        from memlm.memory.triton_bag import bag_forward  # imports triton only when used
 
-    slots: torch.Tensor  # (B*K,) sorted slots (int16 or int32 when the table allows)
-    order: torch.Tensor  # (B*K,) int64: position of each sorted read in indices.reshape(-1)
-    bag: torch.Tensor  # (B*K,) int64: the bag (token) each sorted read came from
-
-
-def sort_reads(indices: torch.Tensor, n_slots: int | None = None, bags: torch.Tensor | None = None) -> ReadsBySlot:
-    """Stable sort of the (B, K) reads by slot, so each slot's reads stay in
-    (token, read) order and the sums over them are deterministic. Reads of
-    bags of different sizes: 1-D `indices` and the bag of each read in `bags`.
-
-    The keys are sorted in the narrowest integer type that holds the table's
-    slots (`n_slots`, when given): torch's CPU sort of 262K keys takes ~11 ms
-    as int64, ~8 ms as int32 and ~4 ms as int16, and a stable sort gives the
-    same permutation whatever the key width. `slots` keeps that type."""
-    flat = indices.reshape(-1)
-    if n_slots is not None:
-        for dtype in (torch.int16, torch.int32):
-            if n_slots - 1 <= torch.iinfo(dtype).max:
-                flat = flat.to(dtype)
-                break
-    slots, order = torch.sort(flat, stable=True)
-    if bags is None:
-        bag = torch.div(order, indices.shape[1], rounding_mode="floor")
-    else:
-        bag = bags.index_select(0, order)
-    return ReadsBySlot(slots, order, bag)
+        return bag_forward(values, indices.contiguous(), weights.contiguous())
+    return F.embedding_bag(indices, values, per_sample_weights=weights.to(values.dtype), mode="sum")
 
 
-def _permuted(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """x.reshape(-1)[order], by index_select: ~3x faster on CPU than advanced indexing."""
-    return x.reshape(-1).index_select(0, order)
+@_bag_op.register_fake
+def _(values, indices, weights, sparse, kernel):
+    return values.new_empty(indices.shape[0], values.shape[1])
 
 
-def row_gradients(
-    indices: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor, reads: ReadsBySlot | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The table's gradient as (slots, rows): slots (U,) int64 sorted distinct
-    slots read, rows (U, v_dim) = sum of weights * grad_out over each slot's reads.
+def _bag_gradients(grad_out, values, indices, weights, sparse, kernel, need_values, need_weights):
+    """(table gradient or None, weights gradient or None) of one read; the
+    table's is a coalesced sparse COO tensor if `sparse`."""
+    kernel = _resolve_for(values, kernel)
+    grad_out = grad_out.contiguous()
+    grad_values = grad_weights = None
+    if kernel == "triton":
+        from memlm.memory.triton_bag import table_grad, weight_grad
 
-    indices, weights: (B, K); grad_out: (B, v_dim); `reads`: sort_reads(indices)
-    if the caller already has it."""
-    reads = sort_reads(indices) if reads is None else reads
-    slots, counts = torch.unique_consecutive(reads.slots, return_counts=True)
-    offsets = torch.zeros_like(counts)
-    offsets[1:] = torch.cumsum(counts, 0)[:-1]
-    w = _permuted(weights, reads.order).to(grad_out.dtype)
-    rows = F.embedding_bag(reads.bag, grad_out, offsets, mode="sum", per_sample_weights=w)
-    # int64 slots whatever the index dtype: COO tensors need them.
-    return slots.long(), rows
-
-
-def dense_gradient(
-    indices: torch.Tensor,
-    weights: torch.Tensor,
-    grad_out: torch.Tensor,
-    n_slots: int,
-    reads: ReadsBySlot | None = None,
-) -> torch.Tensor:
-    """The table's gradient as a dense (n_slots, v_dim) tensor: the same bags
-    as `row_gradients`, plus an empty bag (a zero row) for every slot not
-    read. Bit for bit row_gradients scattered into zeros, but one pass: no
-    zero-fill of the table followed by a scatter (2x faster at
-    bench/kernels.py's CPU shapes)."""
-    reads = sort_reads(indices, n_slots) if reads is None else reads
-    every_slot = torch.arange(n_slots, dtype=reads.slots.dtype, device=reads.slots.device)
-    offsets = torch.searchsorted(reads.slots, every_slot)  # where each slot's reads start
-    w = _permuted(weights, reads.order).to(grad_out.dtype)
-    return F.embedding_bag(reads.bag, grad_out, offsets, mode="sum", per_sample_weights=w)
-
-
-def weight_gradients(
-    values: torch.Tensor,
-    indices: torch.Tensor,
-    weights: torch.Tensor,
-    grad_out: torch.Tensor,
-    reads: ReadsBySlot | None = None,
-) -> torch.Tensor:
-    """(B, K): d y[t] / d w[t, k] = values[indices[t, k]] . grad_y[t].
-
-    PyTorch's fused per-sample-weights backward computes these dot products
-    without gathering a (B, K, v_dim) tensor. On CPU we call it directly (aten
-    op, stable since torch 1.10): this skips re-running the forward, about a
-    third of this gradient's time at bench/kernels.py's shapes. Given `reads`
-    (the reads sorted by slot), the dot products are taken in slot order and
-    put back: each table row is then fetched once for all its reads, while
-    in token order every read is a random access into the table (2-3x faster
-    at bench/memory_layer.py's shapes; each dot product is the same
-    computation, so the result is bit for bit the same). Elsewhere, or if the
-    op's signature ever changes, the public route re-runs the cheap forward
-    under autograd."""
-    bags, k = indices.shape
-    if values.device.type == "cpu":
-        if reads is None:
-            flat, bag_of_read = indices.reshape(-1), torch.arange(bags).repeat_interleave(k)
-        else:
-            # The aten op takes int32/int64 indices (reads.slots may be int16).
-            flat, bag_of_read = reads.slots.to(torch.promote_types(reads.slots.dtype, torch.int32)), reads.bag
-        # offsets are unused in sum mode (bag_of_read says where each read goes) but typed like flat.
-        offsets = torch.arange(0, bags * k, k, dtype=flat.dtype)
-        try:
-            dots = torch.ops.aten._embedding_bag_per_sample_weights_backward(
-                grad_out, values.detach(), flat, offsets, bag_of_read.to(flat.dtype), 0, -1  # mode 0 = sum
+        indices, weights = indices.contiguous(), weights.contiguous()
+        if need_weights:
+            grad_weights = weight_grad(values, indices, grad_out, weights.dtype)
+        if need_values:
+            grad_values = table_grad(values, indices, weights, grad_out, sparse)
+        return grad_values, grad_weights
+    w = weights.to(values.dtype)  # what the forward read with (the cast's backward casts back)
+    # One sort for both gradients; the weights' alone need none.
+    reads = sort_reads(indices, values.shape[0]) if need_values else None
+    if need_weights:
+        grad_weights = weight_gradients(values, indices, w, grad_out, reads).to(weights.dtype)
+    if need_values:
+        if sparse:
+            slots, rows = row_gradients(indices, w, grad_out, reads)
+            grad_values = torch.sparse_coo_tensor(
+                slots.unsqueeze(0), rows.to(values.dtype), values.shape, is_coalesced=True, check_invariants=False,
             )
-        except (AttributeError, RuntimeError, TypeError):
-            pass
         else:
-            if reads is None:
-                return dots.view(bags, k)
-            return torch.empty_like(dots).index_put_((reads.order,), dots).view(bags, k)
-    with torch.enable_grad():
-        w = weights.detach().requires_grad_()
-        y = F.embedding_bag(indices, values.detach(), per_sample_weights=w, mode="sum")
-        (grad_weights,) = torch.autograd.grad(y, w, grad_out)
-    return grad_weights
+            grad_values = dense_gradient(indices, w, grad_out, values.shape[0], reads).to(values.dtype)
+    return grad_values, grad_weights
 
 
-class _EmbeddingBag(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, values, indices, weights, sparse):
-        # values: (N, v_dim); indices, weights: (B, K) -> (B, v_dim)
-        ctx.save_for_backward(values, indices, weights)
-        ctx.sparse = sparse
-        return F.embedding_bag(indices, values, per_sample_weights=weights, mode="sum")
+@torch.library.custom_op("memlm::embedding_bag_backward", mutates_args=())
+def _bag_backward_op(grad_out: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                     kernel: str, need_values: bool, need_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense gradients of the table (N, v_dim) and the weights (B, K); a
+    gradient not asked for comes back as an empty tensor (an op returns tensors)."""
+    gv, gw = _bag_gradients(grad_out, values, indices, weights, False, kernel, need_values, need_weights)
+    # Contiguous, as the fake kernel promises.
+    return (values.new_empty(0) if gv is None else gv.contiguous()), (weights.new_empty(0) if gw is None else gw.contiguous())
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        values, indices, weights = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grad_values = grad_weights = None
-        reads = sort_reads(indices, values.shape[0])  # one sort for both gradients
-        if ctx.needs_input_grad[2]:
-            grad_weights = weight_gradients(values, indices, weights, grad_out, reads)
-        if ctx.needs_input_grad[0]:
-            if ctx.sparse:
-                slots, rows = row_gradients(indices, weights, grad_out, reads)
-                grad_values = torch.sparse_coo_tensor(
-                    slots.unsqueeze(0), rows.to(values.dtype), values.shape,
-                    is_coalesced=True, check_invariants=False,
-                )
-            else:
-                grad_values = dense_gradient(indices, weights, grad_out, values.shape[0], reads).to(values.dtype)
-        return grad_values, None, grad_weights, None
+
+@_bag_backward_op.register_fake
+def _(grad_out, values, indices, weights, kernel, need_values, need_weights):
+    gv = values.new_empty(values.shape) if need_values else values.new_empty(0)
+    return gv, (weights.new_empty(weights.shape) if need_weights else weights.new_empty(0))
+
+
+def _bag_setup_context(ctx, inputs, output):
+    values, indices, weights, sparse, kernel = inputs
+    ctx.save_for_backward(values, indices, weights)
+    ctx.sparse, ctx.kernel = sparse, kernel
+
+
+def _bag_backward(ctx, grad_out):
+    values, indices, weights = ctx.saved_tensors
+    need_values, _, need_weights = ctx.needs_input_grad[:3]
+    if ctx.sparse:  # eager only (see embedding_bag)
+        gv, gw = _bag_gradients(grad_out, values, indices, weights, True, ctx.kernel, need_values, need_weights)
+    else:
+        gv, gw = torch.ops.memlm.embedding_bag_backward(grad_out, values, indices, weights, ctx.kernel,
+                                                         need_values, need_weights)
+    return (gv if need_values else None), None, (gw if need_weights else None), None, None
+
+
+_bag_op.register_autograd(_bag_backward, setup_context=_bag_setup_context)

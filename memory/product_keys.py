@@ -14,8 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from memlm.errors import ConfigError
+
+try:  # torch >= 2.9
+    from torch.fx.experimental.sym_node import DynamicInt
+except ImportError:  # pragma: no cover - older torch: knn is a constant, each value compiles once
+    DynamicInt = None
 from memlm.memory.search import product_key_topk, subkey_scores
-from memlm.memory.search_grad import product_key_search
+from memlm.memory.search_grad import product_key_search, topk_of_sub_scores
 
 SUB_MODES = ("detached", "grad", "none")
 
@@ -42,11 +47,21 @@ def check_knn(knn: int, n_keys: int, key: str = "memory.knn") -> int:
     return int(knn)
 
 
+def _unspecialized(knn: int) -> int:
+    """knn as an int that torch.compile traces as a symbol, not a constant
+    (torch's DynamicInt, an int subclass: eager code sees a plain int). The
+    search op is shape-generic in knn, so a knn schedule runs one compiled
+    graph for every value instead of recompiling per value (knn 1 alone is
+    specialized by the compiler: one recompile when it moves on)."""
+    return knn if DynamicInt is None else DynamicInt(knn)
+
+
 class ProductKeys(nn.Module):
     """Multi-head query projection + sub-keys; maps tokens to (weights, slots).
 
     `knn` is used in training mode, `eval_knn` in eval mode (self.training
-    decides); both may be changed between steps (see memory/schedule.py)."""
+    decides); both may be changed between steps (see memory/schedule.py)
+    without recompiling a compiled model (see _unspecialized)."""
 
     def __init__(
         self,
@@ -68,15 +83,34 @@ class ProductKeys(nn.Module):
         self.dim, self.n_keys, self.heads, self.k_dim = dim, n_keys, heads, k_dim
         self.half = k_dim // 2
         self.qk_norm = qk_norm
-        self.knn = check_knn(knn, n_keys)
-        self.eval_knn = check_knn(knn if eval_knn is None else eval_knn, n_keys, "memory.eval_knn")
+        self.knn = knn
+        self.eval_knn = knn if eval_knn is None else eval_knn
         self.query = nn.Linear(dim, heads * k_dim, bias=True)  # W_q
         self.keys = nn.Parameter(torch.empty(heads, 2, n_keys, self.half))
         self.init_weights()
 
+    # Plain ints to readers; the DynamicInt (see _unspecialized) only reaches
+    # the search, through current_knn (it would print as "DynamicInt(32)").
+    @property
+    def knn(self) -> int:
+        return int(self._knn)
+
+    @knn.setter
+    def knn(self, value: int) -> None:
+        self._knn = _unspecialized(check_knn(value, self.n_keys))
+
+    @property
+    def eval_knn(self) -> int:
+        return int(self._eval_knn)
+
+    @eval_knn.setter
+    def eval_knn(self, value: int) -> None:
+        self._eval_knn = _unspecialized(check_knn(value, self.n_keys, "memory.eval_knn"))
+
     @property
     def current_knn(self) -> int:
-        return self.knn if self.training else self.eval_knn
+        """The knn of this forward (training or eval), as the int torch.compile traces as a symbol."""
+        return self._knn if self.training else self._eval_knn
 
     def query_and_keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, dim) -> query (T, H, 2, half) and sub-keys (H, 2, n_keys, half),
@@ -115,7 +149,7 @@ class ProductKeys(nn.Module):
         q, keys = self.query_and_keys(x)
         if sub == "grad":
             sub_scores = subkey_scores(q, keys)
-            scores, slots = product_key_topk(sub_scores, self.current_knn, ordered=False)  # (T, H, knn) each
+            scores, slots = topk_of_sub_scores(sub_scores, self.current_knn, ordered=False)  # (T, H, knn) each
         else:
             scores, slots, sub_scores = product_key_search(
                 q, keys, self.current_knn, keep_sub=sub == "detached", ordered=False

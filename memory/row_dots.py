@@ -51,7 +51,8 @@ class _RowDots(torch.autograd.Function):
         return grad_table, None, grad_x
 
 
-# Eager under torch.compile, like the read (see memory/ops.py).
+# Eager under torch.compile (a graph break in PEER): unlike the memory read
+# (a custom op, memory/ops.py), not yet registered with torch.library.
 @torch.compiler.disable
 def row_dots(table: torch.Tensor, indices: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """(N, dim) table, (B, K) int indices in [0, N), (B, dim) x -> (B, K):

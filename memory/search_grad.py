@@ -21,6 +21,13 @@ autograd's gradient in float64.
 
 The forward builds no graph over the (T, H, 2, n_keys) scores, and for long
 score tensors runs in chunks of tokens (see _search).
+
+Forward and backward are torch.library custom ops (`memlm::product_key_search`,
+`memlm::product_key_search_backward`, and `memlm::product_key_ranks` for
+sub-key scores that keep their own gradient): torch.compile treats each as
+one opaque call with a fake kernel for its output shapes (symbolic in knn),
+so a memory layer compiles without a graph break; eager numbers are the
+kernels' own, unchanged.
 """
 
 from __future__ import annotations
@@ -62,40 +69,75 @@ def _search(query, keys, knn, keep_sub, ordered=True):
     return (*(torch.cat(p) for p in zip(*parts)), None)
 
 
-class _ProductKeySearch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, query, keys, knn, keep_sub, ordered):
-        # query (T, H, 2, half); keys (H, 2, n_keys, half) or (2, n_keys, half).
-        scores, half_idx, ranks, sub = _search(query, keys, knn, keep_sub, ordered)
-        slots = slots_of(half_idx, ranks, keys.shape[-2])
-        ctx.save_for_backward(query, keys, half_idx, ranks)
-        ctx.mark_non_differentiable(slots)
-        # Otherwise autograd would hand backward zero-filled gradients of the
-        # slots and of the (T, H, 2, n_keys) sub-scores (40 ms at n_keys 1024).
-        ctx.set_materialize_grads(False)
-        if sub is None:
-            return scores, slots
-        ctx.mark_non_differentiable(sub)
-        return scores, slots, sub
+@torch.library.custom_op("memlm::product_key_search", mutates_args=())
+def _search_op(query: torch.Tensor, keys: torch.Tensor, knn: int, keep_sub: bool,
+               ordered: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scores (T, H, knn), slots (T, H, knn), the half top-k lists and the
+    winners' ranks in them (T, H, 2, knn) each (saved for the backward), and
+    the sub-key scores (T, H, 2, n_keys) if keep_sub, else an empty tensor.
+    Contiguous outputs: the fake kernel below says so to the compiler."""
+    scores, half_idx, ranks, sub = _search(query, keys, knn, keep_sub, ordered)
+    slots = slots_of(half_idx, ranks, keys.shape[-2])
+    sub = query.new_empty(0) if sub is None else sub.contiguous()
+    return scores.contiguous(), slots.contiguous(), half_idx.contiguous(), ranks.contiguous(), sub
 
-    @staticmethod
-    def backward(ctx, grad_scores, *_unused):  # no gradient for slots (and sub-scores)
-        query, keys, half_idx, ranks = ctx.saved_tensors
-        if grad_scores is None:  # the scores were not used in the loss
-            return None, None, None, None, None
-        t, h, knn = grad_scores.shape
-        n_keys, half = keys.shape[-2:]
-        # G: the gradient of each half's sub-score at each rank of its top-k
-        # list (a sub-key is half of several winners: summed).
-        g = grad_scores.to(query.dtype).unsqueeze(2).expand(t, h, 2, knn)
-        rank_grad = torch.zeros_like(half_idx, dtype=query.dtype).scatter_add_(-1, ranks, g)
-        need_q, need_keys = ctx.needs_input_grad[:2]
-        if n_keys < SPARSE_BACKWARD_RATIO * knn:
-            grads = _dense_backward(query, keys, half_idx, rank_grad, need_q, need_keys)
-        else:
-            used = torch.zeros_like(half_idx, dtype=torch.bool).scatter_(-1, ranks, True)
-            grads = _sparse_backward(query, keys, half_idx, rank_grad, used, need_q, need_keys)
-        return (*grads, None, None, None)
+
+@_search_op.register_fake
+def _(query, keys, knn, keep_sub, ordered):
+    t, h = query.shape[:2]
+    scores = query.new_empty(t, h, knn)
+    slots = query.new_empty(t, h, knn, dtype=torch.long)
+    half_idx, ranks = (query.new_empty(t, h, 2, knn, dtype=torch.long) for _ in range(2))
+    sub = query.new_empty(t, h, 2, keys.shape[-2]) if keep_sub else query.new_empty(0)
+    return scores, slots, half_idx, ranks, sub
+
+
+@torch.library.custom_op("memlm::product_key_search_backward", mutates_args=())
+def _search_backward_op(grad_scores: torch.Tensor, query: torch.Tensor, keys: torch.Tensor, half_idx: torch.Tensor,
+                        ranks: torch.Tensor, need_q: bool, need_keys: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of the query and the sub-keys through the selected
+    sub-keys; one not asked for comes back empty (an op returns tensors)."""
+    knn = grad_scores.shape[-1]
+    # G: the gradient of each half's sub-score at each rank of its top-k
+    # list (a sub-key is half of several winners: summed).
+    g = grad_scores.to(query.dtype).unsqueeze(2).expand(*grad_scores.shape[:2], 2, knn)
+    rank_grad = torch.zeros_like(half_idx, dtype=query.dtype).scatter_add_(-1, ranks, g)
+    if keys.shape[-2] < SPARSE_BACKWARD_RATIO * knn:
+        gq, gk = _dense_backward(query, keys, half_idx, rank_grad, need_q, need_keys)
+    else:
+        used = torch.zeros_like(half_idx, dtype=torch.bool).scatter_(-1, ranks, True)
+        gq, gk = _sparse_backward(query, keys, half_idx, rank_grad, used, need_q, need_keys)
+    # Contiguous, as the fake kernel promises (the dense backward's einsums may return permuted views).
+    return (query.new_empty(0) if gq is None else gq.contiguous()), (keys.new_empty(0) if gk is None else gk.contiguous())
+
+
+@_search_backward_op.register_fake
+def _(grad_scores, query, keys, half_idx, ranks, need_q, need_keys):
+    return (query.new_empty(query.shape) if need_q else query.new_empty(0),
+            keys.new_empty(keys.shape) if need_keys else keys.new_empty(0))
+
+
+def _search_setup_context(ctx, inputs, output):
+    query, keys = inputs[:2]
+    _, slots, half_idx, ranks, sub = output
+    ctx.save_for_backward(query, keys, half_idx, ranks)
+    ctx.mark_non_differentiable(slots, half_idx, ranks, sub)
+    # Otherwise autograd would hand backward zero-filled gradients of the
+    # int outputs and of the (T, H, 2, n_keys) sub-scores (40 ms at n_keys 1024).
+    ctx.set_materialize_grads(False)
+
+
+def _search_backward(ctx, grad_scores, *_unused):  # no gradient for slots, ranks, sub-scores
+    query, keys, half_idx, ranks = ctx.saved_tensors
+    need_q, need_keys = ctx.needs_input_grad[:2]
+    if grad_scores is None or not (need_q or need_keys):  # the scores were not used in the loss
+        return None, None, None, None, None
+    gq, gk = torch.ops.memlm.product_key_search_backward(grad_scores, query, keys, half_idx, ranks,
+                                                          need_q, need_keys)
+    return (gq if need_q else None), (gk if need_keys else None), None, None, None
+
+
+_search_op.register_autograd(_search_backward, setup_context=_search_setup_context)
 
 
 def _compact_reads(device: torch.device) -> bool:
@@ -151,9 +193,34 @@ def _dense_backward(query, keys, half_idx, rank_grad, need_q, need_keys):
     return grad_query, grad_keys
 
 
-# Eager under torch.compile (as the other memory kernels, see memory/ops.py):
-# a data-dependent search with its own backward, already tuned op by op.
-@torch.compiler.disable
+@torch.library.custom_op("memlm::product_key_ranks", mutates_args=())
+def _ranks_op(sub_scores: torch.Tensor, knn: int, ordered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, H, 2, n_keys) sub-key scores -> the half top-k lists and the
+    winners' ranks in them, (T, H, 2, knn) each (search.topk_with_ranks). No gradient."""
+    _, half_idx, ranks = topk_with_ranks(sub_scores, knn, ordered)
+    return half_idx.contiguous(), ranks.contiguous()
+
+
+@_ranks_op.register_fake
+def _(sub_scores, knn, ordered):
+    t, h = sub_scores.shape[:2]
+    return tuple(sub_scores.new_empty(t, h, 2, knn, dtype=torch.long) for _ in range(2))
+
+
+def topk_of_sub_scores(
+    sub_scores: torch.Tensor, knn: int, ordered: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """search.product_key_topk(sub_scores, knn, ordered), the same numbers
+    (each winner's score is the same sum s1[i] + s2[j]), for sub-key scores
+    that need their gradient (a loss on them): the search runs as one op on
+    the detached scores, and the winners' scores are gathered from
+    `sub_scores`, so the gradient is autograd's (dense) and torch.compile
+    traces it without a graph break. -> scores (T, H, knn), slots (T, H, knn)."""
+    half_idx, ranks = torch.ops.memlm.product_key_ranks(sub_scores.detach(), knn, ordered)
+    s1, s2 = sub_scores.gather(-1, half_idx.gather(-1, ranks)).unbind(2)  # (T, H, knn) each
+    return s1 + s2, slots_of(half_idx, ranks, sub_scores.shape[-1])
+
+
 def product_key_search(
     query: torch.Tensor, keys: torch.Tensor, knn: int, keep_sub: bool = False, ordered: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -167,6 +234,11 @@ def product_key_search(
     chunks of tokens and never hold them all). A loss on the sub-key scores
     needs `subkey_scores` + `product_key_topk`, whose gradient is dense.
     Same results as product_key_topk(subkey_scores(query, keys), knn); the
-    gradients w.r.t. query and keys equal autograd's through it."""
-    out = _ProductKeySearch.apply(query, keys, knn, keep_sub, ordered)
-    return (*out, None) if len(out) == 2 else out
+    gradients w.r.t. query and keys equal autograd's through it.
+
+    One custom op under torch.compile (`memlm::product_key_search`, with
+    `memlm::product_key_search_backward`): opaque to the compiler, so a
+    memory layer traces without a graph break, and `knn` may be symbolic
+    (a knn schedule does not recompile; see ProductKeys)."""
+    scores, slots, _, _, sub = torch.ops.memlm.product_key_search(query, keys, knn, keep_sub, ordered)
+    return scores, slots, (sub if keep_sub else None)

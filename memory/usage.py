@@ -32,10 +32,12 @@ class SlotUsage(nn.Module):
         # Not persistent: a window's statistics are logging state, not model state.
         self.register_buffer("counts", torch.zeros(n_slots, dtype=torch.long), persistent=False)
 
-    @torch.compiler.disable  # eager under torch.compile, see memory/ops.py
     @torch.no_grad()
     def record(self, slots: torch.Tensor) -> None:
-        """slots: any shape, int64 slot indices read in this step."""
+        """slots: any shape, int64 slot indices read in this step.
+
+        One in-place index_add on a buffer, no host value: torch.compile
+        traces it into the layer's graph (a buffer mutation) without a break."""
         flat = slots.reshape(-1)
         # An expanded scalar: no per-read allocation of ones.
         self.counts.index_add_(0, flat, torch.ones((), dtype=torch.long, device=flat.device).expand_as(flat))

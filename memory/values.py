@@ -18,6 +18,11 @@ from memlm.memory.hugepages import advise_huge_pages
 from memlm.memory.ops import embedding_bag
 
 
+@torch.compiler.disable  # a reader (memory parallelism) runs collectives and DTensor code: eager
+def _read_through(reader, pool, indices, weights, sparse, kernel):
+    return reader(pool, indices, weights, sparse, kernel)
+
+
 class ValuePool(nn.Module):
     # Read by Transformer.num_params(): the table counts as memory parameters.
     param_category = "memory"
@@ -48,13 +53,15 @@ class ValuePool(nn.Module):
         """Called by each layer that reads this pool (at construction)."""
         self.reads_per_token += reads_per_token
 
-    @torch.compiler.disable  # a reader may run collectives; see memory/ops.py
     def read(
         self, indices: torch.Tensor, weights: torch.Tensor, sparse: bool = False, kernel: str = "auto"
     ) -> torch.Tensor:
-        """indices, weights (B, K) -> (B, v_dim): sum_k weights[b, k] * table[indices[b, k]]."""
+        """indices, weights (B, K) -> (B, v_dim): sum_k weights[b, k] * table[indices[b, k]].
+
+        The local read is a custom op (memory/ops.py): torch.compile traces
+        it without a graph break. An installed reader runs eagerly."""
         if self.reader is not None:
-            return self.reader(self, indices, weights, sparse, kernel)
+            return _read_through(self.reader, self, indices, weights, sparse, kernel)
         return embedding_bag(self.weight, indices, weights, sparse=sparse, kernel=kernel)
 
     @torch.no_grad()

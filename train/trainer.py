@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from memlm.errors import ConfigError
@@ -30,6 +29,7 @@ from memlm.train.config import Config, to_yaml
 from memlm.train.data_source import build_train_loader, has_validation
 from memlm.train.distributed import DistEnv, Meshes, build_meshes, init_distributed, seed_everything
 from memlm.train.load import keep_tokenizer
+from memlm.train.loss import chunked_cross_entropy
 from memlm.train.metrics import MetricsLogger, device_peak_flops, format_eta, peak_memory_gib
 from memlm.train.optim import build_optimizer, build_scheduler, clip_, memory_value_params
 from memlm.train.parallelize import (
@@ -152,7 +152,7 @@ class Trainer:
     # ---------------------------------------------------------------- step
     def _forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.model(inputs)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss = chunked_cross_entropy(logits, targets)  # no fp32 copy of all the logits (train/loss.py)
         aux = self.model.aux_loss() if hasattr(self.model, "aux_loss") else None
         return loss if aux is None else loss + aux
 
@@ -217,7 +217,7 @@ class Trainer:
         for _ in range(self.cfg.val_batches):
             inputs, targets = next(self.val_loader)
             logits = self.model(inputs.to(self.env.device))
-            total += F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.env.device).flatten())
+            total += chunked_cross_entropy(logits, targets.to(self.env.device))
         if self.env.distributed:
             dist.all_reduce(total)
             total /= self.env.world_size
