@@ -104,34 +104,47 @@ def test_bf16_keeps_fp32_master_weights_and_optimizer_state(tmp_path):
     assert state and {v.dtype for v in state} == {torch.float32}
 
 
-# bf16 keeps 8 significant bits: every matmul input is rounded by up to 2**-9
-# (0.2%) relative. Through a 3-layer model and 20 Adam steps the loss moves by
-# about 0.7 (4.9 -> 4.2) while the bf16 and fp32 runs stay within ~0.3% of each
-# other (measured: at most 0.1% here); 2e-2 relative is an order of magnitude
-# of headroom and still 1/20th of what training moves the loss.
-LOSS_RTOL = 2e-2
+# How close must a bf16 run stay to the fp32 run? bf16 keeps 8 significant
+# bits: every matmul input is rounded by up to 2**-9 (0.2%) relative.
+# - Dense model (memorizing 4 batches, loss 5.4 -> 1.9): the per-step losses
+#   differ by at most 0.05% (measured); 5e-3 per step is 10x headroom.
+# - Memory+ model: the top-k selection is discontinuous, so any 2**-9
+#   perturbation flips some slot choices and the runs wander apart. Measured:
+#   an fp32 run whose initial weights get one 2**-9 perturbation differs from
+#   the unperturbed one by up to 5% at single steps and 0.4-0.5% in the mean
+#   loss over 20 steps; the bf16 run: 4.9% and 0.6% (a bf16 value table with
+#   fp32 compute: 3.5% and 0.0%). So each step within 1e-1 and the 20-step
+#   mean within 2e-2, both far below what 20 steps of training move the loss
+#   (checked: the fp32 loss falls by more than half, 5.1 -> 2.2).
+STEP_RTOL = {"dense": 5e-3, "memplus": 1e-1}
+MEAN_RTOL = 2e-2
+
+
+def _assert_follows(got: list[float], want: list[float], step_rtol: float) -> None:
+    assert got == pytest.approx(want, rel=step_rtol)
+    assert sum(got) / len(got) == pytest.approx(sum(want) / len(want), rel=MEAN_RTOL)
+    assert want[-1] < want[0] / 2  # training moved the loss far more than the tolerances
 
 
 @pytest.mark.parametrize("memory", ["dense", "memplus"])
 def test_bf16_loss_follows_fp32_over_20_steps(tmp_path, memory):
-    overrides = BASE if memory == "dense" else MEMPLUS
-    batches = _batches(20)
+    overrides = [*(BASE if memory == "dense" else MEMPLUS), "optim.lr=1e-3"]
+    batches = _batches(4) * 5
     ref = _trainer([*overrides, "parallel.dtype=fp32"], tmp_path, "fp32", batches)
     bf16 = _trainer([*overrides, "parallel.dtype=bf16"], tmp_path, "bf16", batches)
     want = [ref.train_step()["loss"] for _ in range(20)]
     got = [bf16.train_step()["loss"] for _ in range(20)]
-    assert got == pytest.approx(want, rel=LOSS_RTOL)
+    _assert_follows(got, want, STEP_RTOL[memory])
     assert got != want  # the bf16 run did compute in bf16
-    assert want[-1] < want[0] - 0.3  # and training moved the loss far more than the tolerance
 
 
 VALUES_BF16 = [*MEMPLUS, "memory.value_dtype=bf16"]
 
 
 def test_bf16_value_table_keeps_fp32_moments_and_trains(tmp_path):
-    batches = _batches(20)
-    t = _trainer(VALUES_BF16, tmp_path, "bf16_values", batches)
-    ref = _trainer(MEMPLUS, tmp_path, "fp32_values", batches)
+    batches = _batches(4) * 5
+    t = _trainer([*VALUES_BF16, "optim.lr=1e-3"], tmp_path, "bf16_values", batches)
+    ref = _trainer([*MEMPLUS, "optim.lr=1e-3"], tmp_path, "fp32_values", batches)
     table = t.model.shared.memory_values.weight
     assert table.dtype == torch.bfloat16
     assert {p.dtype for p in t.model.parameters() if p is not table} == {torch.float32}
@@ -141,11 +154,11 @@ def test_bf16_value_table_keeps_fp32_moments_and_trains(tmp_path):
     state = t.optimizer.state[table]
     assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
     assert table.dtype == torch.bfloat16 and not torch.equal(table.detach(), before)
-    assert got == pytest.approx(want, rel=LOSS_RTOL)
+    _assert_follows(got, want, STEP_RTOL["memplus"])
 
 
 def test_unknown_value_dtype_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"memory.value_dtype=fp16.*fp32, bf16"):
+    with pytest.raises(ConfigError, match=r"memory.value_dtype='fp16'.*one of: fp32, bf16"):
         compose([*MEMPLUS, "memory.value_dtype=fp16"])
 
 
@@ -162,7 +175,7 @@ def test_bf16_table_update_is_fp32_adamw_rounded_once(sparse):
     opt_low, opt_wide = SparseRowAdamW([low], **kwargs), SparseRowAdamW([wide], **kwargs)
     for g in grads:
         if sparse:
-            g = torch.sparse_coo_tensor(rows.unsqueeze(0), g[rows], g.shape).coalesce()
+            g = torch.sparse_coo_tensor(rows.unsqueeze(0), g[rows], g.shape, check_invariants=True).coalesce()
         low.grad, wide.grad = g.bfloat16(), g.bfloat16().float()
         opt_low.step()
         opt_wide.step()
@@ -174,10 +187,13 @@ def test_bf16_table_update_is_fp32_adamw_rounded_once(sparse):
         torch.testing.assert_close(opt_low.state[low][key], opt_wide.state[wide][key], atol=0, rtol=0)
 
 
-def test_tf32_is_set_for_cuda_only(monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    enable_tf32(torch.device("cpu"))
-    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
-    enable_tf32(torch.device("cuda", 0))  # only flags: no GPU needed
-    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+def test_tf32_is_set_for_cuda_only():
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        enable_tf32(torch.device("cpu"))
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        enable_tf32(torch.device("cuda", 0))  # only flags: no GPU needed
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
