@@ -40,7 +40,8 @@ class DtypeProbe:
     attention kernel's inputs, the product-key sub-scores, the scores the
     top-k returns and the softmax weights of the lookup."""
 
-    def __init__(self, model: nn.Module, monkeypatch):
+    def __init__(self, model: nn.Module, monkeypatch=None):
+        patch = monkeypatch.setattr if monkeypatch is not None else setattr  # (a spawned rank: no undo needed)
         self.seen: dict[str, set[torch.dtype]] = {}
         for module in model.modules():
             if isinstance(module, nn.Linear):
@@ -64,10 +65,10 @@ class DtypeProbe:
             self._add("pk_topk_scores", out[0])
             return out
 
-        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", record_sdpa)
-        monkeypatch.setattr(search_grad, "subkey_scores", record_scores)
-        monkeypatch.setattr(product_keys, "subkey_scores", record_scores)  # the balance loss' path
-        monkeypatch.setattr(search_grad, "topk_with_ranks", record_topk)
+        patch(torch.nn.functional, "scaled_dot_product_attention", record_sdpa)
+        patch(search_grad, "subkey_scores", record_scores)
+        patch(product_keys, "subkey_scores", record_scores)  # the balance loss' path
+        patch(search_grad, "topk_with_ranks", record_topk)
 
     def _add(self, name: str, *tensors: torch.Tensor) -> None:
         self.seen.setdefault(name, set()).update(t.dtype for t in tensors)
@@ -197,3 +198,41 @@ def test_tf32_is_set_for_cuda_only():
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+def _two_rank_dtypes(rank: int, overrides: list[str], out_path: str) -> None:
+    """One step on this rank with each value dtype; rank 0 saves the dtypes seen and held."""
+    from torch.distributed.tensor import DTensor
+
+    results = {}
+    for values in ("fp32", "bf16"):
+        batches = _batches(1, rows=4)
+        mine = iter([(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]) for x, y in batches])
+        t = Trainer(compose([*overrides, f"memory.value_dtype={values}"]), train_loader=mine)
+        probe = DtypeProbe(t.model)
+        t.train_step()
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in t.model.parameters()]
+        state = [v for st in t.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
+        results[values] = {
+            "fsdp": t.meshes.fsdp is not None, "seen": {k: sorted(map(str, v)) for k, v in probe.seen.items()},
+            "params": sorted({str(p.dtype) for p in local}), "state": sorted({str(v.dtype) for v in state}),
+            "table": str(t.model.shared.memory_values.weight.dtype),
+        }
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+@pytest.mark.slow  # ~45 s on a busy 2-core machine, nearly all of it process start-up
+def test_two_fsdp_ranks_compute_in_bf16_with_fp32_scores_and_state(tmp_path):
+    out = tmp_path / "dtypes.pt"
+    overrides = [*MEMPLUS, "data.micro_batch=2", "parallel.dtype=bf16", "parallel.memory_parallel=2",
+                 f"dump_dir={tmp_path / 'run'}"]
+    run_ranks(_two_rank_dtypes, 2, overrides, str(out))
+    bf16, fp32 = ["torch.bfloat16"], ["torch.float32"]
+    for values, got in torch.load(out, weights_only=True).items():
+        assert got["fsdp"]  # FSDP2's policy makes the bf16 here, not autocast
+        assert got["seen"]["linear"] == got["seen"]["attention_inputs"] == bf16
+        assert got["seen"]["pk_sub_scores"] == got["seen"]["pk_topk_scores"] == got["seen"]["pk_weights"] == fp32
+        assert got["table"] == ("torch.bfloat16" if values == "bf16" else "torch.float32")
+        assert got["params"] == sorted({"torch.float32", got["table"]})  # fp32 master shards (and the table)
+        assert got["state"] == fp32
