@@ -236,3 +236,18 @@ def test_two_fsdp_ranks_compute_in_bf16_with_fp32_scores_and_state(tmp_path):
         assert got["table"] == ("torch.bfloat16" if values == "bf16" else "torch.float32")
         assert got["params"] == sorted({"torch.float32", got["table"]})  # fp32 master shards (and the table)
         assert got["state"] == fp32
+
+
+def test_bf16_value_table_checkpoint_loads_for_evaluation_as_stored(tmp_path):
+    from memlm.train.load import load_model
+
+    t = _trainer([*VALUES_BF16, "steps=2", "checkpoint.at_end=true", "parallel.dtype=bf16"], tmp_path, "run",
+                 _batches(2))
+    t.fit()
+    loaded = load_model(tmp_path / "run")
+    table = loaded.model.shared.memory_values.weight
+    assert table.dtype == torch.bfloat16
+    assert torch.equal(table, t.model.shared.memory_values.weight.detach())
+    # Evaluation: fp32 weights around the bf16 table, no autocast; fp32 logits.
+    assert {p.dtype for p in loaded.model.parameters() if p is not table} == {torch.float32}
+    assert loaded.model(torch.randint(0, 128, (1, 8))).dtype == torch.float32
