@@ -201,19 +201,23 @@ def test_tf32_is_set_for_cuda_only():
 
 
 def _two_rank_dtypes(rank: int, overrides: list[str], out_path: str) -> None:
-    """One step on this rank with each value dtype; rank 0 saves the dtypes seen and held."""
+    """One step on this rank for each (value dtype, memory_parallel); rank 0
+    saves the dtypes seen and held. memory_parallel=1: the bf16 table's
+    gradient is all-reduced over 2 replicas; 2: read column-parallel."""
     from torch.distributed.tensor import DTensor
 
     results = {}
-    for values in ("fp32", "bf16"):
+    for values, memory_parallel in (("fp32", 2), ("bf16", 2), ("bf16", 1)):
         batches = _batches(1, rows=4)
         mine = iter([(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]) for x, y in batches])
-        t = Trainer(compose([*overrides, f"memory.value_dtype={values}"]), train_loader=mine)
+        cfg = compose([*overrides, f"memory.value_dtype={values}", f"parallel.memory_parallel={memory_parallel}"])
+        t = Trainer(cfg, train_loader=mine)
         probe = DtypeProbe(t.model)
         t.train_step()
         local = [p.to_local() if isinstance(p, DTensor) else p for p in t.model.parameters()]
         state = [v for st in t.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
-        results[values] = {
+        assert torch.isfinite(t.model.shared.memory_values.weight.to_local()).all()
+        results[f"{values}/{memory_parallel}"] = {
             "fsdp": t.meshes.fsdp is not None, "seen": {k: sorted(map(str, v)) for k, v in probe.seen.items()},
             "params": sorted({str(p.dtype) for p in local}), "state": sorted({str(v.dtype) for v in state}),
             "table": str(t.model.shared.memory_values.weight.dtype),
@@ -225,11 +229,13 @@ def _two_rank_dtypes(rank: int, overrides: list[str], out_path: str) -> None:
 @pytest.mark.slow  # ~45 s on a busy 2-core machine, nearly all of it process start-up
 def test_two_fsdp_ranks_compute_in_bf16_with_fp32_scores_and_state(tmp_path):
     out = tmp_path / "dtypes.pt"
-    overrides = [*MEMPLUS, "data.micro_batch=2", "parallel.dtype=bf16", "parallel.memory_parallel=2",
-                 f"dump_dir={tmp_path / 'run'}"]
+    overrides = [*MEMPLUS, "data.micro_batch=2", "parallel.dtype=bf16", f"dump_dir={tmp_path / 'run'}"]
     run_ranks(_two_rank_dtypes, 2, overrides, str(out))
     bf16, fp32 = ["torch.bfloat16"], ["torch.float32"]
-    for values, got in torch.load(out, weights_only=True).items():
+    results = torch.load(out, weights_only=True)
+    assert sorted(results) == ["bf16/1", "bf16/2", "fp32/2"]
+    for run, got in results.items():
+        values = run.split("/")[0]
         assert got["fsdp"]  # FSDP2's policy makes the bf16 here, not autocast
         assert got["seen"]["linear"] == got["seen"]["attention_inputs"] == bf16
         assert got["seen"]["pk_sub_scores"] == got["seen"]["pk_topk_scores"] == got["seen"]["pk_weights"] == fp32
