@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from memlm.errors import ConfigError
 
-# The keys of memlm.memory.values.VALUE_DTYPES (kept torch-free here).
+# memory.value_dtype choices; memlm.memory.values.VALUE_DTYPES maps them to torch dtypes.
 VALUE_DTYPE_NAMES = ("fp32", "bf16")
 
 

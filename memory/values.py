@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from memlm.memory.config import VALUE_DTYPE_NAMES
 from memlm.memory.hugepages import advise_huge_pages
 from memlm.memory.ops import embedding_bag
 from memlm.memory.search import full_precision
@@ -21,7 +22,7 @@ from memlm.memory.search import full_precision
 # memory.value_dtype -> the table's storage dtype. bf16 halves the table, its
 # gradient and the bytes each read moves; the optimizer keeps float32 moments
 # for it (memlm.memory.sparse_adamw). See docs/memory.md, "Value precision".
-VALUE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+VALUE_DTYPES = dict(zip(VALUE_DTYPE_NAMES, (torch.float32, torch.bfloat16), strict=True))
 
 
 class ValuePool(nn.Module):

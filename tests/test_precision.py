@@ -89,6 +89,27 @@ def test_bf16_on_one_process_computes_in_bf16_and_scores_in_fp32(tmp_path, monke
     assert probe.seen["pk_weights"] == {torch.float32}
 
 
+@pytest.mark.parametrize("sub", ["detached", "grad"])
+def test_lookup_under_autocast_scores_in_fp32(sub):
+    """memlm.memory on its own, inside any model's autocast(bf16): the query
+    projection is bf16, the sub-scores and weights are the fp32 ones computed
+    from that query (reference: plain fp32 ops on the same query)."""
+    torch.manual_seed(0)
+    lookup = ProductKeys(dim=32, n_keys=16, heads=2, knn=4, k_dim=16)
+    x = torch.randn(10, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q = lookup.query(x)
+        weights, slots, sub_scores = lookup(x, sub=sub)
+    assert q.dtype == torch.bfloat16
+    assert weights.dtype == sub_scores.dtype == torch.float32
+    ref_sub = torch.einsum("thcd,hcnd->thcn", q.float().view(10, 2, 2, 8), lookup.keys.detach())
+    torch.testing.assert_close(sub_scores.detach(), ref_sub, atol=0, rtol=0)
+    ref_scores, ref_slots = product_keys.product_key_topk(ref_sub, 4)
+    assert torch.equal(slots.view(10, 2, 4).sort(-1).values, ref_slots.sort(-1).values)
+    torch.testing.assert_close(weights.detach().view(10, 2, 4).sort(-1).values,
+                               ref_scores.softmax(-1).sort(-1).values)
+
+
 def test_fp32_run_computes_in_fp32(tmp_path, monkeypatch):
     t = _trainer([*MEMPLUS, "parallel.dtype=fp32"], tmp_path, "fp32", _batches(1))
     probe = DtypeProbe(t.model, monkeypatch)
