@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 from memlm.errors import ConfigError
 
+# memory.value_dtype choices; memlm.memory.values.VALUE_DTYPES maps them to torch dtypes.
+VALUE_DTYPE_NAMES = ("fp32", "bf16")
+
 
 @dataclass
 class MemoryConfig:
@@ -35,6 +38,11 @@ class MemoryConfig:
     # Multiplies the published value init std v_dim**-0.5 (0 -> zero values).
     value_init_scale: float = 1.0
     value_grad_clip: float = 1.0
+    # Storage dtype of the value table: fp32 | bf16. bf16 halves the table,
+    # its gradient and every read's traffic; the optimizer still keeps float32
+    # moments, but an update smaller than half a bf16 step (2**-9 of the
+    # value) is rounded away. Trade-off: docs/memory.md, "Value precision".
+    value_dtype: str = "fp32"
     balance_loss_coef: float = 0.0
     sparse_updates: bool = False
     kernel: str = "auto"  # auto | triton | torch
@@ -137,6 +145,8 @@ class MemoryConfig:
                 )
         if self.v_dim < 0:
             raise ConfigError(f"{prefix}.v_dim", self.v_dim, "0 (= model.dim) or a positive integer")
+        if self.value_dtype not in VALUE_DTYPE_NAMES:
+            raise ConfigError(f"{prefix}.value_dtype", self.value_dtype, f"one of: {', '.join(VALUE_DTYPE_NAMES)}")
         if self.value_lr <= 0:
             raise ConfigError(f"{prefix}.value_lr", self.value_lr, "a positive number")
         for key in ("value_weight_decay", "value_grad_clip", "balance_loss_coef", "value_init_scale"):

@@ -50,6 +50,7 @@ class ProductKeyMemory(nn.Module):
         kernel: str = "auto",
         layer_id: int | None = None,
         value_init_scale: float = 1.0,
+        value_dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
         v_dim = v_dim or dim
@@ -58,7 +59,7 @@ class ProductKeyMemory(nn.Module):
         self.lookup = ProductKeys(dim, n_keys, heads, knn, k_dim, qk_norm, eval_knn)
         n_slots = n_keys**2
         if values is None:
-            self.values = ValuePool(n_slots, v_dim, value_init_scale)  # registered: this layer owns its table
+            self.values = ValuePool(n_slots, v_dim, value_init_scale, value_dtype)  # registered: this layer owns its table
             self.owns_values = True
         else:
             if (values.n_slots, values.v_dim) != (n_slots, v_dim):

@@ -117,7 +117,7 @@ def shard_value_pools(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
         placements = [Replicate(), Shard(1)]
         weight = pool.weight.detach()
         if weight.is_meta:
-            local = torch.empty(weight.shape[0], weight.shape[1] // p, device="meta")
+            local = torch.empty(weight.shape[0], weight.shape[1] // p, dtype=weight.dtype, device="meta")
             dt = DTensor.from_local(local, mesh, placements, run_check=False)
         else:
             dt = distribute_tensor(weight, mesh, placements, src_data_rank=None)

@@ -19,7 +19,7 @@ try:  # torch >= 2.9
     from torch.fx.experimental.sym_node import DynamicInt
 except ImportError:  # pragma: no cover - older torch: knn is a constant, each value compiles once
     DynamicInt = None
-from memlm.memory.search import product_key_topk, subkey_scores
+from memlm.memory.search import full_precision, product_key_topk, subkey_scores
 from memlm.memory.search_grad import product_key_search, topk_of_sub_scores
 
 SUB_MODES = ("detached", "grad", "none")
@@ -114,28 +114,36 @@ class ProductKeys(nn.Module):
 
     def query_and_keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, dim) -> query (T, H, 2, half) and sub-keys (H, 2, n_keys, half),
-        at least float32 so that top-k and softmax do not suffer bf16 ties."""
-        compute = torch.promote_types(x.dtype, torch.float32)
-        q = self.query(x).view(-1, self.heads, 2, self.half).to(compute)
-        keys = self.keys.to(compute)
-        if self.qk_norm:
-            # QK-norm as in attention: unit-RMS query halves and sub-key rows,
-            # dot product over sqrt(half), so the scores are sqrt(half) * cosine
-            # whatever the scale the query projection drifts to. The 1/sqrt(half)
-            # goes on the (small) query, not on the (T, H, 2, n_keys) scores.
-            q = F.rms_norm(q, (self.half,)) * self.half**-0.5
-            keys = F.rms_norm(keys, (self.half,))
+        at least float32 so that top-k and softmax do not suffer bf16 ties.
+
+        The query projection is an ordinary linear layer: under autocast(bf16)
+        it runs in bf16 like every other projection; what follows it (the
+        upcast, qk-norm) runs with autocast off (search.full_precision)."""
+        q = self.query(x)  # (T, H * k_dim)
+        with full_precision(x.device):
+            compute = torch.promote_types(q.dtype, torch.float32)
+            q = q.view(-1, self.heads, 2, self.half).to(compute)
+            keys = self.keys.to(compute)
+            if self.qk_norm:
+                # QK-norm as in attention: unit-RMS query halves and sub-key rows,
+                # dot product over sqrt(half), so the scores are sqrt(half) * cosine
+                # whatever the scale the query projection drifts to. The 1/sqrt(half)
+                # goes on the (small) query, not on the (T, H, 2, n_keys) scores.
+                q = F.rms_norm(q, (self.half,)) * self.half**-0.5
+                keys = F.rms_norm(keys, (self.half,))
         return q, keys
 
     def sub_scores(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, dim) -> sub-key scores (T, H, 2, n_keys), differentiable (dense)."""
-        return subkey_scores(*self.query_and_keys(x))
+        """x (T, dim) -> sub-key scores (T, H, 2, n_keys), differentiable (dense), float32+."""
+        q, keys = self.query_and_keys(x)
+        with full_precision(x.device):
+            return subkey_scores(q, keys)
 
     def forward(
         self, x: torch.Tensor, sub: str = "detached"
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x (T, dim) -> weights (T, H*knn) softmax per head in float32 (or
-        wider), slots (T, H*knn) int64, sub-key scores (T, H, 2, n_keys).
+        wider, also under autocast), slots (T, H*knn) int64, sub-key scores (T, H, 2, n_keys).
 
         `sub` says what the sub-key scores are for: "detached" (default: for
         metrics), "grad" (differentiable: a loss on them, e.g. the balance
@@ -147,14 +155,16 @@ class ProductKeys(nn.Module):
         if sub not in SUB_MODES:
             raise ValueError(f"sub must be one of {SUB_MODES}, got {sub!r}")
         q, keys = self.query_and_keys(x)
-        if sub == "grad":
-            sub_scores = subkey_scores(q, keys)
-            scores, slots = topk_of_sub_scores(sub_scores, self.current_knn, ordered=False)  # (T, H, knn) each
-        else:
-            scores, slots, sub_scores = product_key_search(
-                q, keys, self.current_knn, keep_sub=sub == "detached", ordered=False
-            )
-        weights = scores.softmax(dim=-1)
+        # Scores, top-k and softmax in float32 (or wider) whatever autocast says.
+        with full_precision(x.device):
+            if sub == "grad":
+                sub_scores = subkey_scores(q, keys)
+                scores, slots = topk_of_sub_scores(sub_scores, self.current_knn, ordered=False)  # (T, H, knn) each
+            else:
+                scores, slots, sub_scores = product_key_search(
+                    q, keys, self.current_knn, keep_sub=sub == "detached", ordered=False
+                )
+            weights = scores.softmax(dim=-1)
         return weights.flatten(1), slots.flatten(1), sub_scores
 
     @torch.no_grad()

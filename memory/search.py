@@ -13,6 +13,7 @@ with a backward through the selected sub-keys only.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -22,6 +23,18 @@ from memlm.memory.native_topk import topk as rows_topk
 # Half top-k through block maxima (see half_topk) from n_keys >= this * knn.
 BLOCK_TOPK_RATIO = 16
 BLOCK = 4
+
+
+def full_precision(device: torch.device) -> contextlib.AbstractContextManager:
+    """A context with autocast off for `device`: the product-key scores, their
+    top-k and the softmax then run in their inputs' dtype (the callers upcast
+    to float32). Under autocast(bf16) the scoring einsum would otherwise come
+    out bf16, whose 8-bit significand ties close scores and loses softmax
+    mass. torch.compile traces it (no graph break); devices without autocast
+    (meta) get a no-op context."""
+    if not torch.amp.is_autocast_available(device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
 
 
 def subkey_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

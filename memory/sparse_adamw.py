@@ -25,6 +25,14 @@ decay); in exchange, a step costs O(rows read), not O(N).
 
 Dense gradients are accepted too (then every row is touched and this is
 plain AdamW), so the optimizer can hold any parameter.
+
+Low-precision tables (memory.value_dtype=bf16): the moments m and v are
+kept in float32 whatever the parameter's dtype (torch.optim.AdamW would keep
+them in bf16, where v's tiny squared gradients lose most of their bits). Each
+update is computed in float32 on a float32 copy of the rows and rounded to
+the table's dtype once; an update smaller than half a bf16 step of the value
+(2**-9 relative) is lost. Dense updates go through the table in chunks of
+rows, so the float32 copy never holds more than DENSE_CHUNK_ELEMENTS.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from memlm.memory.hugepages import advise_huge_pages
@@ -67,8 +76,8 @@ class SparseRowAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
-                    state["exp_avg"] = _zeros_like_table(p)
-                    state["exp_avg_sq"] = _zeros_like_table(p)
+                    state["exp_avg"] = _zeros_like_table(p, moment_dtype(p.dtype))
+                    state["exp_avg_sq"] = _zeros_like_table(p, moment_dtype(p.dtype))
                 state["step"] += 1
                 if p.grad.is_sparse:
                     self._sparse_update(p, p.grad, state, group)
@@ -77,7 +86,14 @@ class SparseRowAdamW(torch.optim.Optimizer):
         return loss
 
     def _dense_update(self, p, grad, state, group) -> None:
-        _adamw(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group)
+        p, grad, m, v = (_local(t) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"]))
+        if p.dtype == m.dtype or p.dim() == 0:
+            _adamw(p, grad, m, v, state["step"], group)
+            return
+        # A low-precision table: through float32 rows, a chunk at a time (views: in place).
+        rows = max(1, DENSE_CHUNK_ELEMENTS // max(1, p[0].numel()))
+        for part in (slice(start, start + rows) for start in range(0, p.shape[0], rows)):
+            _adamw(p[part], grad[part], m[part], v[part], state["step"], group)
 
     def _sparse_update(self, p, grad, state, group) -> None:
         rows, g = sparse_rows(grad)  # (U,), (U, ...)
@@ -99,20 +115,40 @@ class SparseRowAdamW(torch.optim.Optimizer):
 # Rows per gather/update/scatter chunk of a sparse update (512 rows of 512
 # floats: 1 MB per tensor).
 ROW_CHUNK = 512
+# Largest float32 copy of a low-precision table a dense update makes (16 MB).
+DENSE_CHUNK_ELEMENTS = 1 << 22
 
 
-def _zeros_like_table(p: torch.Tensor) -> torch.Tensor:
-    """A moment buffer: zeros like `p`, on huge pages when large (its rows are
-    updated at random, like the table's; see memory/hugepages.py)."""
-    buf = torch.empty_like(p, memory_format=torch.preserve_format)
-    advise_huge_pages(buf)  # before the first write
+def moment_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """The moments' dtype: float32 at least (bf16 tables keep fp32 moments)."""
+    return torch.promote_types(param_dtype, torch.float32)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (an alias: in-place updates reach the DTensor);
+    AdamW is elementwise, so each rank updates its own shard."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _zeros_like_table(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A moment buffer: zeros like `p` in `dtype`, on huge pages when large
+    (its rows are updated at random, like the table's; see memory/hugepages.py)."""
+    buf = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
+    advise_huge_pages(_local(buf))  # before the first write
     return buf.zero_()
 
 
 def _adamw(p, grad, m, v, step: int, group: dict) -> None:
     """One AdamW update of (p, m, v) in place at step `step` (1-based), through
     torch's functional AdamW: the fused kernel where the device has one (one
-    pass over the four tensors), the plain single-tensor code otherwise."""
+    pass over the four tensors), the plain single-tensor code otherwise. A
+    parameter stored narrower than its moments (a bf16 table) is updated on a
+    float32 copy, rounded back once."""
+    if p.dtype != m.dtype:
+        wide = p.to(m.dtype)
+        _adamw(wide, grad.to(m.dtype), m, v, step, group)
+        p.copy_(wide)
+        return
     beta1, beta2 = group["betas"]
     fused = p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16)
     # The functional API counts the step itself: pass the previous count.

@@ -14,8 +14,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from memlm.memory.config import VALUE_DTYPE_NAMES
 from memlm.memory.hugepages import advise_huge_pages
 from memlm.memory.ops import embedding_bag
+from memlm.memory.search import full_precision
+
+# memory.value_dtype -> the table's storage dtype. bf16 halves the table, its
+# gradient and the bytes each read moves; the optimizer keeps float32 moments
+# for it (memlm.memory.sparse_adamw). See docs/memory.md, "Value precision".
+VALUE_DTYPES = dict(zip(VALUE_DTYPE_NAMES, (torch.float32, torch.bfloat16), strict=True))
 
 
 @torch.compiler.disable  # a reader (memory parallelism) runs collectives and DTensor code: eager
@@ -27,7 +34,7 @@ class ValuePool(nn.Module):
     # Read by Transformer.num_params(): the table counts as memory parameters.
     param_category = "memory"
 
-    def __init__(self, n_slots: int, v_dim: int, init_scale: float = 1.0):
+    def __init__(self, n_slots: int, v_dim: int, init_scale: float = 1.0, dtype: torch.dtype = torch.float32):
         super().__init__()
         if n_slots < 1 or v_dim < 1:
             raise ValueError(f"a value pool needs n_slots >= 1 and v_dim >= 1, got {n_slots}, {v_dim}")
@@ -38,7 +45,9 @@ class ValuePool(nn.Module):
         # Multiplies the published init std (memory.value_init_scale): 1 is
         # the paper's init, 0 starts every value at zero.
         self.init_scale = init_scale
-        self.weight = nn.Parameter(torch.empty(n_slots, v_dim))
+        if dtype not in VALUE_DTYPES.values():
+            raise ValueError(f"a value pool stores {list(VALUE_DTYPES.values())}, got {dtype}")
+        self.weight = nn.Parameter(torch.empty(n_slots, v_dim, dtype=dtype))
         # Rows each token reads from this pool, summed over the layers that
         # read it (each adds heads * knn when it is built): what one token
         # "uses" for the active-parameter count.
@@ -56,13 +65,16 @@ class ValuePool(nn.Module):
     def read(
         self, indices: torch.Tensor, weights: torch.Tensor, sparse: bool = False, kernel: str = "auto"
     ) -> torch.Tensor:
-        """indices, weights (B, K) -> (B, v_dim): sum_k weights[b, k] * table[indices[b, k]].
+        """indices, weights (B, K) -> (B, v_dim) in the table's dtype:
+        sum_k weights[b, k] * table[indices[b, k]].
 
         The local read is a custom op (memory/ops.py): torch.compile traces
-        it without a graph break. An installed reader runs eagerly."""
-        if self.reader is not None:
-            return _read_through(self.reader, self, indices, weights, sparse, kernel)
-        return embedding_bag(self.weight, indices, weights, sparse=sparse, kernel=kernel)
+        it without a graph break; an installed reader runs eagerly. Autocast
+        is off: the read's dtype is the table's (memory.value_dtype)."""
+        with full_precision(indices.device):
+            if self.reader is not None:
+                return _read_through(self.reader, self, indices, weights, sparse, kernel)
+            return embedding_bag(self.weight, indices, weights, sparse=sparse, kernel=kernel)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -79,4 +91,5 @@ class ValuePool(nn.Module):
         return (self.n_slots - active_rows) * self.v_dim
 
     def extra_repr(self) -> str:
-        return f"n_slots={self.n_slots}, v_dim={self.v_dim}, init_scale={self.init_scale}"
+        return (f"n_slots={self.n_slots}, v_dim={self.v_dim}, init_scale={self.init_scale}, "
+                f"dtype={self.weight.dtype}")

@@ -19,7 +19,7 @@ from torch import nn
 
 from memlm.memory.config import MemoryConfig
 from memlm.memory.layers import Memory, MemoryPlus, ProductKeyMemory
-from memlm.memory.values import ValuePool
+from memlm.memory.values import VALUE_DTYPES, ValuePool
 from memlm.model.ffn import FFNContext, SwiGLU, register_ffn
 
 SHARED_POOL_KEY = "memory_values"
@@ -58,7 +58,7 @@ def _value_pool(ctx: FFNContext, cfg: MemoryConfig, v_dim: int) -> ValuePool | N
         return None
     pool = ctx.shared.get(SHARED_POOL_KEY)
     if pool is None:
-        pool = ValuePool(cfg.n_keys**2, v_dim, cfg.value_init_scale)
+        pool = ValuePool(cfg.n_keys**2, v_dim, cfg.value_init_scale, VALUE_DTYPES[cfg.value_dtype])
         ctx.shared[SHARED_POOL_KEY] = pool
     return pool
 
@@ -72,6 +72,7 @@ def _build(ctx: FFNContext, kind: str) -> MemoryFFN:
         values=_value_pool(ctx, cfg, v_dim), qk_norm=cfg.qk_norm, eval_knn=cfg.eval_knn,
         balance_loss_coef=cfg.balance_loss_coef, sparse_updates=cfg.sparse_updates,
         kernel=cfg.kernel, layer_id=ctx.layer_id, value_init_scale=cfg.value_init_scale,
+        value_dtype=VALUE_DTYPES[cfg.value_dtype],
     )
     memory = MemoryPlus(dim, gate=cfg.gate, **common) if kind == "memplus" else Memory(dim, **common)
     dense = SwiGLU(dim, ctx.args.hidden_dim) if cfg.placement == "parallel" else None

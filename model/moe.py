@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memlm.errors import ConfigError
+from memlm.memory.search import full_precision
 from memlm.model.ffn import FFNContext, register_ffn
 
 
@@ -69,9 +70,10 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (T, dim) -> probs (T, E) float32+, gates (T, top_k), experts (T, top_k) int64."""
         compute = torch.promote_types(x.dtype, torch.float32)
-        logits = F.linear(x.to(compute), self.router.weight.to(compute))  # (T, E)
-        probs = logits.softmax(dim=-1)
-        top_p, experts = probs.topk(self.top_k, dim=-1)  # (T, k) each
+        with full_precision(x.device):  # float32 even under autocast(bf16)
+            logits = F.linear(x.to(compute), self.router.weight.to(compute))  # (T, E)
+            probs = logits.softmax(dim=-1)
+            top_p, experts = probs.topk(self.top_k, dim=-1)  # (T, k) each
         gates = top_p / top_p.sum(dim=-1, keepdim=True)
         return probs, gates, experts
 

@@ -40,6 +40,7 @@ from torch import nn
 
 from memlm.errors import ConfigError
 from memlm.memory.row_dots import row_dots
+from memlm.memory.search import full_precision
 from memlm.memory.search_grad import product_key_search
 from memlm.model.ffn import FFNContext, register_ffn
 
@@ -108,9 +109,10 @@ class PEER(nn.Module):
         q = self.query(x).view(-1, self.heads, 2, self.k_dim // 2)  # (T, H, 2, half)
         if self.query_norm:
             q = F.rms_norm(q, (self.k_dim // 2,))
-        # Scores in float32: top-k and softmax over bf16 scores tie and lose mass.
-        scores, idx = product_key_topk(q.to(compute), self.keys.to(compute), self.knn)
-        return scores.softmax(dim=-1), idx
+        # Scores in float32 (autocast off): top-k and softmax over bf16 scores tie and lose mass.
+        with full_precision(x.device):
+            scores, idx = product_key_topk(q.to(compute), self.keys.to(compute), self.knn)
+            return scores.softmax(dim=-1), idx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (batch, seq, dim) -> (batch, seq, dim)

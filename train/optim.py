@@ -55,10 +55,14 @@ def param_groups(model: nn.Module, cfg: Config) -> list[dict]:
 def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
     """AdamW; with memory.sparse_updates the lazy row-wise AdamW, which applies
     exact AdamW to dense gradients and touches only the rows read for the
-    tables' sparse gradients (see memlm.memory.sparse_adamw for the trade-off)."""
+    tables' sparse gradients (see memlm.memory.sparse_adamw for the trade-off).
+    With memory.value_dtype=bf16 that optimizer too: it keeps float32 moments
+    for the bf16 table (torch's AdamW would keep them in bf16)."""
     o = cfg.optim
     groups = param_groups(model, cfg)
-    if cfg.memory.sparse_updates and cfg.memory.kind != "none":
+    sparse = cfg.memory.sparse_updates and cfg.memory.kind != "none"
+    low_precision_values = cfg.memory.value_dtype != "fp32" and cfg.memory.kind in ("memory", "memplus")
+    if sparse or low_precision_values:
         from memlm.memory.sparse_adamw import SparseRowAdamW
 
         return SparseRowAdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)

@@ -16,6 +16,7 @@ from memlm.memory.parallel import value_pools
 from memlm.model import Transformer
 from memlm.train.config import ParallelConfig
 from memlm.train.distributed import Meshes
+from memlm.train.precision import compute_dtype
 
 
 def _is_memory_block(block: nn.Module) -> bool:
@@ -46,20 +47,17 @@ def apply_compile(model: Transformer) -> None:
         block.compile()
 
 
-def param_dtype(cfg: ParallelConfig, device: torch.device) -> torch.dtype:
-    if cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return torch.float32
-
-
 def apply_fsdp(model: Transformer, meshes: Meshes, cfg: ParallelConfig, device: torch.device) -> None:
-    """fully_shard every block, then the root; bf16 params with fp32 gradient
-    reduction on GPU, fp32 on CPU. Memory value pools are left out: they are
-    column-sharded by memlm.memory.parallel (other sparse tables, such as
-    PEER's experts, stay under FSDP)."""
+    """fully_shard every block, then the root; parameters all-gathered in the
+    compute dtype (memlm.train.precision: bf16 with parallel.dtype=bf16, and
+    by default on GPU), gradients reduced in fp32, fp32 shards. One process has
+    no mesh and gets its bf16 from autocast instead (train/precision.py says
+    why). Memory value pools are left out: they are column-sharded by
+    memlm.memory.parallel (other sparse tables, such as PEER's experts, stay
+    under FSDP)."""
     if meshes.fsdp is None:
         return
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype(cfg, device), reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg, device), reduce_dtype=torch.float32)
     ignored = {pool.weight for pool in value_pools(model)}
     for block in model.layers:
         fully_shard(block, mesh=meshes.fsdp, mp_policy=mp, ignored_params=ignored or None)

@@ -38,6 +38,7 @@ from memlm.train.parallelize import (
     apply_fsdp,
     reshard,
 )
+from memlm.train.precision import autocast, enable_tf32
 
 
 class NonFiniteLossError(RuntimeError):
@@ -62,6 +63,7 @@ class Trainer:
                  nonfinite_at: frozenset[int] = frozenset()):
         self.cfg = cfg
         self.env: DistEnv = init_distributed(cfg.device)
+        enable_tf32(self.env.device)
         self.meshes: Meshes = build_meshes(self.env, cfg.parallel.memory_parallel, cfg.parallel.fsdp)
         self.accum = accumulation_steps(cfg, self.env.world_size)
         self.dump_dir = Path(cfg.dump_dir)
@@ -150,10 +152,15 @@ class Trainer:
         return build_train_loader(self.cfg, self.env, split)
 
     # ---------------------------------------------------------------- step
+    def _autocast(self):
+        """bf16 compute on one process (parallel.dtype; see train/precision.py)."""
+        return autocast(self.cfg.parallel, self.env.device, fsdp=self.meshes.fsdp is not None)
+
     def _forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.model(inputs)
-        loss = chunked_cross_entropy(logits, targets)  # no fp32 copy of all the logits (train/loss.py)
-        aux = self.model.aux_loss() if hasattr(self.model, "aux_loss") else None
+        with self._autocast():
+            logits = self.model(inputs)
+            loss = chunked_cross_entropy(logits, targets)  # no fp32 copy of all the logits (train/loss.py)
+            aux = self.model.aux_loss() if hasattr(self.model, "aux_loss") else None
         return loss if aux is None else loss + aux
 
     def train_step(self) -> dict[str, float]:
@@ -216,7 +223,8 @@ class Trainer:
         total = torch.zeros((), device=self.env.device)
         for _ in range(self.cfg.val_batches):
             inputs, targets = next(self.val_loader)
-            logits = self.model(inputs.to(self.env.device))
+            with self._autocast():
+                logits = self.model(inputs.to(self.env.device))
             total += chunked_cross_entropy(logits, targets.to(self.env.device))
         if self.env.distributed:
             dist.all_reduce(total)
