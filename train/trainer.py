@@ -243,7 +243,14 @@ class Trainer:
     # ---------------------------------------------------------------- loop
     def fit(self, stop_after: int | None = None) -> dict[str, Any]:
         """Train until `cfg.steps` (or `stop_after` steps, e.g. a time slot
-        before a requeue: the schedule still spans cfg.steps)."""
+        before a requeue: the schedule still spans cfg.steps). The run's lock
+        on dump_dir is held until everything, summary.json included, is written."""
+        try:
+            return self._fit(stop_after)
+        finally:
+            self.close()
+
+    def _fit(self, stop_after: int | None) -> dict[str, Any]:
         cfg, env = self.cfg, self.env
         last_step = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         logger = MetricsLogger(self.dump_dir, env.is_main, cfg.name,
@@ -297,9 +304,6 @@ class Trainer:
                 final = self.checkpointer.root / f"step_{self.step:08d}" if just_saved else self.save_checkpoint()
             if cfg.eval.after_training and final is not None and self.step == cfg.steps:
                 eval_results = self._evaluate(final, logger)
-        except BaseException:
-            self.close()
-            raise
         finally:
             preemption.uninstall()
             self.checkpointer.finalize()  # a background save must land before the process exits
@@ -322,7 +326,6 @@ class Trainer:
             atomic_write_json(self.dump_dir / "summary.json", summary, indent=2)
             word = "preempted: checkpointed and stopped" if preempted else "done"
             print(f"[train] {word}: {summary}", flush=True)
-        self.close()
         return summary
 
     def _with_previous_results(self, summary: dict) -> dict:
