@@ -77,12 +77,16 @@ def _dcp(fn, *args, **kwargs):
         try:
             return fn(*args, no_dist=not dist.is_initialized(), **kwargs)
         except CheckpointException as err:
-            # failures: {rank: (exception, traceback summary)}; name the first rank's exception.
-            first = next(iter(err.failures.values()), err)
-            if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
-                first = first[0]
-            raise CheckpointError(f"checkpoint {kwargs.get('checkpoint_id')}: {type(first).__name__}: "
-                                  f"{str(first).splitlines()[0] if str(first) else ''}") from None
+            raise _checkpoint_error(err, kwargs.get("checkpoint_id")) from None
+
+
+def _checkpoint_error(err: CheckpointException, checkpoint_id) -> CheckpointError:
+    """failures: {rank: (exception, traceback summary)}: name the first rank's exception."""
+    first = next(iter(err.failures.values()), err)
+    if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+        first = first[0]
+    return CheckpointError(f"checkpoint {checkpoint_id}: {type(first).__name__}: "
+                           f"{str(first).splitlines()[0] if str(first) else ''}")
 
 
 def _barrier() -> None:
@@ -186,7 +190,10 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is not None:
             future, tmp, final, meta, start = pending
-            result = future.result() if hasattr(future, "result") else future.upload_completion.result()
+            try:
+                result = future.result() if hasattr(future, "result") else future.upload_completion.result()
+            except CheckpointException as err:  # a BaseException: make it an ordinary, readable error
+                raise _checkpoint_error(err, tmp) from None
             del result
             self._publish(tmp, final, meta, start)
 
