@@ -30,8 +30,8 @@ import os
 import random
 import sys
 
-from memlm.data.shards import atomic_write_bytes
 from memlm.errors import ConfigError
+from memlm.files import atomic_write_text
 
 GENERATOR_VERSION = 1  # bump when the generation logic (not only the word lists) changes
 
@@ -114,8 +114,8 @@ def write_corpus(out_dir: str, entities: int, attributes: int = 4, values: int =
     random.Random(seed + 1).shuffle(docs)  # a file prefix is not a handful of entities
     os.makedirs(out_dir, exist_ok=True)
     paths = {"train": os.path.join(out_dir, "train.jsonl"), "facts": os.path.join(out_dir, "facts.jsonl")}
-    atomic_write_bytes(paths["facts"], "".join(json.dumps(f) + "\n" for f in facts).encode())
-    atomic_write_bytes(paths["train"], "".join(json.dumps({"text": d}) + "\n" for d in docs).encode())
+    atomic_write_text(paths["facts"], "".join(json.dumps(f) + "\n" for f in facts))
+    atomic_write_text(paths["train"], "".join(json.dumps({"text": d}) + "\n" for d in docs))
     return paths
 
 

@@ -31,8 +31,8 @@ from memlm.data.shards import (
     FORMAT_VERSION,
     MANIFEST,
     SPLITS,
-    atomic_write_json,
     token_dtype,
+    write_json,
     write_shard,
 )
 from memlm.data.sources import WorkUnit, expand_paths, plan_units
@@ -82,7 +82,7 @@ def run_unit(unit: WorkUnit, tokenizer_path: str, on_error: str, val_fraction: f
         if len(tokens)
     }
     record = {**expected, "shards": shards, "stats": encoded.stats.to_dict()}
-    atomic_write_json(_done_path(out_dir, unit), record)  # last: marks the unit finished
+    write_json(_done_path(out_dir, unit), record)  # last: marks the unit finished
     return record
 
 
@@ -122,7 +122,7 @@ def prepare(sources: list[SourceConfig], tokenizer_path: str, out_dir: str, work
         _run_parallel(todo, args, workers, records, bar, len(units))
     bar.close()
     manifest = _manifest(plans, records, tok, val_fraction)
-    atomic_write_json(os.path.join(out_dir, MANIFEST), manifest)
+    write_json(os.path.join(out_dir, MANIFEST), manifest)
     tokenized = sum(e["tokens"] for u in todo for e in records[(u.source, u.index)]["shards"].values())
     manifest["_run"] = {"seconds": time.perf_counter() - start, "tokenized_units": len(todo),
                         "reused_units": len(units) - len(todo), "tokens": tokenized}

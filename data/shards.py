@@ -20,6 +20,7 @@ import numpy as np
 
 from memlm.data.tokenizer import Tokenizer
 from memlm.errors import ConfigError
+from memlm.files import atomic_output, atomic_write_bytes, atomic_write_json
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -31,17 +32,9 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_json(path: str, obj: dict) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+def write_json(path: str, obj: dict) -> None:
+    """The layout's JSON files (manifest, unit records): sorted keys, one per line."""
+    atomic_write_json(path, obj, indent=1, sort_keys=True)
 
 
 def write_shard(folder: str, stem: str, tokens: np.ndarray, offsets: np.ndarray) -> dict:
@@ -49,9 +42,8 @@ def write_shard(folder: str, stem: str, tokens: np.ndarray, offsets: np.ndarray)
     # tokens: (n_tokens,) uint16/uint32; offsets: (n_docs + 1,) int64 starting at 0
     atomic_write_bytes(os.path.join(folder, f"{stem}.bin"), tokens.tobytes())
     idx = os.path.join(folder, f"{stem}.idx.npy")
-    tmp = f"{idx}.tmp{os.getpid()}.npy"
-    np.save(tmp, offsets.astype(np.int64))
-    os.replace(tmp, idx)
+    with atomic_output(idx, suffix=".npy") as tmp:  # np.save appends .npy to any other name
+        np.save(tmp, offsets.astype(np.int64))
     return {"bin": f"{stem}.bin", "index": f"{stem}.idx.npy", "docs": len(offsets) - 1, "tokens": int(offsets[-1])}
 
 

@@ -45,6 +45,7 @@ from memlm.data.synthetic_templates import (
     TRAIN_QUESTION_TEMPLATES,
 )
 from memlm.errors import ConfigError
+from memlm.files import atomic_write_text
 
 # A seen person's QA documents each ask a fact in another training phrasing.
 MAX_QA_DOCS = min(len(t) for t in TRAIN_QUESTION_TEMPLATES.values())
@@ -212,11 +213,7 @@ def generate(
 
 
 def _write_jsonl(path: str, rows: list[dict]) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def write_corpus(

@@ -28,6 +28,7 @@ import sentencepiece as spm
 from tqdm import tqdm
 
 from memlm.errors import ConfigError
+from memlm.files import atomic_write_bytes
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 # sentencepiece skips longer training lines; documents are fed line by line anyway.
@@ -141,10 +142,7 @@ def train_tokenizer(
         minloglevel=2,
     )
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = f"{out}.tmp{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        fh.write(buf.getvalue())
-    os.replace(tmp, out)
+    atomic_write_bytes(out, buf.getvalue())
     return Tokenizer(out)
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
+
+from memlm.files import atomic_write_text
 
 
 def _fmt(value: Any) -> str:
@@ -40,24 +41,18 @@ def markdown_table(results: dict[str, dict], tasks: dict[str, dict], step: int,
     return "\n".join(lines) + "\n"
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def write_report(json_path: Path, payload: dict, table: str, samples: dict[str, list[dict]] | None) -> dict[str, Path]:
     """Write the JSON, the markdown table (same name, .md) and, if given, the
     samples (`<name>_samples.jsonl`, one record per line with its task)."""
     paths = {"json": json_path, "markdown": json_path.with_suffix(".md")}
+    json_path.parent.mkdir(parents=True, exist_ok=True)
     # allow_nan: an empty metric is NaN rather than a fake 0; Python's json reads it back.
-    _atomic_write(json_path, json.dumps(payload, indent=2, allow_nan=True) + "\n")
-    _atomic_write(paths["markdown"], table)
+    atomic_write_text(json_path, json.dumps(payload, indent=2, allow_nan=True) + "\n")
+    atomic_write_text(paths["markdown"], table)
     if samples is not None:
         paths["samples"] = json_path.with_name(f"{json_path.stem}_samples.jsonl")
         lines = [json.dumps({"task": task, **r}, ensure_ascii=False) for task, recs in samples.items() for r in recs]
-        _atomic_write(paths["samples"], "\n".join(lines) + "\n")
+        atomic_write_text(paths["samples"], "\n".join(lines) + "\n")
     return paths
 
 

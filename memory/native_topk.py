@@ -24,11 +24,12 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
+
+from memlm.files import atomic_output
 
 SOURCE = Path(__file__).with_name("topk_rows.c")
 ENABLE_ENV = "MEMLM_NATIVE_TOPK"
@@ -70,21 +71,20 @@ def _compile(compiler: str) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         # Build under a private name and rename: ranks that start together
         # each build their own copy and never load a half-written file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        cmd = [compiler, *flags, "-shared", "-fPIC", str(SOURCE), "-o", tmp]
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            out = None
-            errors.append(f"{' '.join(cmd)}: {e}")
-        if out is not None and out.returncode == 0:
-            os.replace(tmp, target)
+            with atomic_output(target, suffix=".so", durable=False) as tmp:  # a cache: rebuilt if lost
+                cmd = [compiler, *flags, "-shared", "-fPIC", str(SOURCE), "-o", str(tmp)]
+                out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+                if out.returncode != 0:
+                    raise _BuildFailed(out.stderr.strip()[-500:])
             return target
-        if out is not None:
-            errors.append(f"{' '.join(cmd)}: {out.stderr.strip()[-500:]}")
-        Path(tmp).unlink(missing_ok=True)
+        except (OSError, subprocess.TimeoutExpired, _BuildFailed) as e:
+            errors.append(f"{' '.join(cmd)}: {e}")
     raise RuntimeError("; ".join(errors))
+
+
+class _BuildFailed(Exception):
+    """The compiler ran and refused these flags (its stderr is the message)."""
 
 
 @functools.lru_cache(maxsize=1)

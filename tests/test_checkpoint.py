@@ -17,6 +17,7 @@ from distributed_workers import run_ranks
 from train_workers import fit, full_state
 
 from memlm.train.checkpoint import CheckpointError, verify
+from memlm.train.checkpoint_dir import seal_meta
 from memlm.train.config import compose
 from memlm.train.trainer import Trainer
 
@@ -124,7 +125,7 @@ def test_crafted_pickle_in_a_checkpoint_is_refused(tmp_path):
     shard.write_bytes(payload * (shard.stat().st_size // len(payload) + 1))
     meta = json.loads((ckpt / "meta.json").read_text())
     meta["manifest"][shard.name] = {"size": shard.stat().st_size, "crc32": zlib.crc32(shard.read_bytes())}
-    (ckpt / "meta.json").write_text(json.dumps(meta))
+    (ckpt / "meta.json").write_text(json.dumps(seal_meta(meta)))  # meta's own crc32 too
     with pytest.raises(CheckpointError, match="UnpicklingError"):
         Trainer(compose([*BASE, "steps=4", f"dump_dir={tmp_path / 'run'}", f"resume={ckpt}"]))
     assert not (tmp_path / "pwned").exists()

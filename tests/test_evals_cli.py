@@ -83,13 +83,16 @@ def test_cli_eval_run_takes_the_runs_own_eval_settings(run_dir, tmp_path, capsys
 
     import yaml
 
+    from memlm.train.checkpoint_dir import seal_meta
+
     # A copy of the run whose saved eval settings differ from the CLI's defaults (5 shots, 32 new tokens).
     run = Path(shutil.copytree(run_dir, tmp_path / "run"))
     meta_path = next((run / "checkpoints").glob("step_*")) / "meta.json"
     meta = json.loads(meta_path.read_text())
     saved = yaml.safe_load(meta["config"])
     saved["eval"].update(num_fewshot=2, max_new_tokens=7)
-    meta_path.write_text(json.dumps({**meta, "config": yaml.safe_dump(saved)}))
+    # seal_meta: meta.json carries its own crc32, so an edit must be resealed to load.
+    meta_path.write_text(json.dumps(seal_meta({**meta, "config": yaml.safe_dump(saved)})))
     out = tmp_path / "r.json"
     # The run's own settings, the task list and limit from the command line.
     assert main([f"checkpoint={run}", "eval=run", "tasks=[synthetic_qa]", "limit=3", f"out={out}"]) == 0

@@ -6,17 +6,19 @@ Layout of `dump_dir/checkpoints/`:
         .metadata, __*.distcp   DCP shards: model weights and optimizer tensors
         rank{r}.json          per-rank state: data loader, RNG states
         meta.json             step, tokens, scheduler, optimizer hyper-parameters,
-                              world size, config, and the manifest (every file's
-                              size and crc32); written last: its presence marks
-                              the checkpoint complete
-    .tmp_step_00000700/       a save in progress (ignored, removed on the next save)
+                              world size, config, the manifest (every file's
+                              size and crc32) and its own crc32; written last:
+                              its presence marks the checkpoint complete
+    .tmp_step_00000700/       a save in progress (ignored, removed on the next start or save)
+    abandoned_<time>/         later checkpoints a rollback or fresh start left behind
     latest                    name of the newest complete checkpoint
 
 A save writes into `.tmp_<name>`, then renames it, then rewrites `latest`
 (each an atomic rename), so a crash at any moment leaves the previous
-checkpoint usable. Loading checks the manifest before DCP reads anything.
-No load path unpickles tensor data: DCP loads tensors with weights_only, and
-every non-tensor value is JSON.
+checkpoint usable; `recover()` finishes or undoes an interrupted re-save.
+The names and integrity rules live in memlm.train.checkpoint_dir. Loading
+checks the manifest before DCP reads anything. No load path unpickles tensor
+data: DCP loads tensors with weights_only, and every non-tensor value is JSON.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import random
 import shutil
 import time
 import warnings
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +45,27 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from memlm.files import atomic_write_text
+from memlm.train.checkpoint_dir import (
+    OLD,
+    PREFIX,
+    TMP,
+    CheckpointError,
+    abandon_later,
+    checkpoint_dirs,
+    complete_checkpoints,
+    manifest,
+    misnamed_dirs,
+    read_meta,
+    recover,
+    seal_meta,
+    step_of,
+    verify,
+    write_latest,
+)
 from memlm.train.config import CheckpointConfig
 
-PREFIX = "step_"
-
-
-class CheckpointError(RuntimeError):
-    pass
+__all__ = ["CheckpointError", "Checkpointer", "check_shapes", "complete_checkpoints", "verify"]
 
 
 def _dcp(fn, *args, **kwargs):
@@ -62,10 +77,16 @@ def _dcp(fn, *args, **kwargs):
         try:
             return fn(*args, no_dist=not dist.is_initialized(), **kwargs)
         except CheckpointException as err:
-            first = next(iter(err.failures.values()), err)
-            first = getattr(first, "exc", first)
-            raise CheckpointError(f"checkpoint {kwargs.get('checkpoint_id')}: {type(first).__name__}: "
-                                  f"{str(first).splitlines()[0] if str(first) else ''}") from None
+            raise _checkpoint_error(err, kwargs.get("checkpoint_id")) from None
+
+
+def _checkpoint_error(err: CheckpointException, checkpoint_id) -> CheckpointError:
+    """failures: {rank: (exception, traceback summary)}: name the first rank's exception."""
+    first = next(iter(err.failures.values()), err)
+    if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+        first = first[0]
+    return CheckpointError(f"checkpoint {checkpoint_id}: {type(first).__name__}: "
+                           f"{str(first).splitlines()[0] if str(first) else ''}")
 
 
 def _barrier() -> None:
@@ -79,28 +100,6 @@ def _rank() -> int:
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _manifest(directory: Path, with_checksum: bool) -> dict[str, dict[str, int]]:
-    files = sorted(p for p in directory.iterdir() if p.is_file() and p.name != "meta.json")
-    return {p.name: {"size": p.stat().st_size, **({"crc32": _crc32(p)} if with_checksum else {})} for p in files}
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def rng_state() -> dict[str, Any]:
@@ -124,35 +123,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
-
-
-def verify(directory: Path, with_checksum: bool = True) -> dict[str, Any]:
-    """Check a checkpoint against its manifest; return its meta. Raises
-    CheckpointError naming the first missing, truncated or corrupted file."""
-    meta_path = directory / "meta.json"
-    if not meta_path.is_file():
-        raise CheckpointError(f"{directory} is not a complete checkpoint: {meta_path} is missing")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{meta_path} is unreadable: {err}") from None
-    for name, expected in meta["manifest"].items():
-        path = directory / name
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint file {path} is missing")
-        if path.stat().st_size != expected["size"]:
-            raise CheckpointError(f"checkpoint file {path} has {path.stat().st_size} bytes, expected {expected['size']} (truncated?)")
-        if with_checksum and "crc32" in expected and _crc32(path) != expected["crc32"]:
-            raise CheckpointError(f"checkpoint file {path} is corrupted (crc32 mismatch)")
-    return meta
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Directories that look complete (meta.json present), newest step first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "meta.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
 
 
 def check_shapes(directory: Path, model_state: dict[str, Any]) -> None:
@@ -189,19 +159,19 @@ class Checkpointer:
         self.finalize()  # one save in flight at most
         start = time.perf_counter()
         name = f"{PREFIX}{step:08d}"
-        tmp, final = self.root / f".tmp_{name}", self.root / name
+        tmp, final = self.root / f"{TMP}{name}", self.root / name
         if _rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             # Saves never overlap, so any temporary directory left is from a
             # save that was interrupted: it is incomplete by construction.
-            for stale in self.root.glob(".tmp_*"):
+            for stale in self.root.glob(f"{TMP}*"):
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
         _barrier()
         osd = get_optimizer_state_dict(model, optimizer)
         state = {"model": get_model_state_dict(model), "optim": {"state": osd["state"]}}
         loader_state = loader.state_dict() if hasattr(loader, "state_dict") else None
-        _atomic_write(tmp / f"rank{_rank()}.json", json.dumps({"loader": loader_state, "rng": rng_state()}))
+        atomic_write_text(tmp / f"rank{_rank()}.json", json.dumps({"loader": loader_state, "rng": rng_state()}))
         meta = {"step": step, "world_size": _world(), **trainer_state, "scheduler": scheduler.state_dict(),
                 "param_groups": osd["param_groups"], "config": config_yaml}
         if self.cfg.async_save:
@@ -220,7 +190,10 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is not None:
             future, tmp, final, meta, start = pending
-            result = future.result() if hasattr(future, "result") else future.upload_completion.result()
+            try:
+                result = future.result() if hasattr(future, "result") else future.upload_completion.result()
+            except CheckpointException as err:  # a BaseException: make it an ordinary, readable error
+                raise _checkpoint_error(err, tmp) from None
             del result
             self._publish(tmp, final, meta, start)
 
@@ -228,18 +201,21 @@ class Checkpointer:
         """Every rank has written into tmp: add the manifest, rename, point `latest` at it."""
         _barrier()
         if _rank() == 0:
-            meta = {**meta, "manifest": _manifest(tmp, self.cfg.verify == "checksum")}
-            _atomic_write(tmp / "meta.json", json.dumps(meta))
+            meta = seal_meta({**meta, "manifest": manifest(tmp, self.cfg.verify == "checksum")})
+            atomic_write_text(tmp / "meta.json", json.dumps(meta))
             if final.exists():  # re-saving a step (e.g. after a resume): keep the old one until replaced
-                old = self.root / f".old_{final.name}"
+                # A kill between these two renames leaves `latest` naming a missing
+                # folder for a moment: readers then load .old_/.tmp_ (same step) and
+                # the next start's recover() finishes the swap (checkpoint_dir.py).
+                old = self.root / f"{OLD}{final.name}"
                 shutil.rmtree(old, ignore_errors=True)
                 os.replace(final, old)
                 os.replace(tmp, final)
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(tmp, final)
-            _atomic_write(self.root / "latest", final.name + "\n")
-            self._prune()
+            write_latest(self.root, final.name)
+            self._prune(final)
             size = sum(p.stat().st_size for p in final.iterdir())
             verb = "wrote in the background" if self.cfg.async_save else "saved"
             print(f"[checkpoint] {verb} {final} ({size / 2**20:.1f} MiB, "
@@ -247,13 +223,41 @@ class Checkpointer:
                   f"{time.perf_counter() - start:.2f}s)", flush=True)
         _barrier()
 
-    def _prune(self) -> None:
-        kept = complete_checkpoints(self.root)
-        for i, path in enumerate(kept):
-            step = int(path.name[len(PREFIX):])
+    def _prune(self, newest: Path) -> None:
+        """Keep `newest` (just published: it passed every check at save) and
+        the keep - 1 checkpoints before it, plus multiples of keep_every. Only
+        older steps are candidates: later ones cannot be in this run's lineage
+        (start_lineage moved them aside), and are never deleted here."""
+        older = [p for p in complete_checkpoints(self.root) if step_of(p.name) < step_of(newest.name)]
+        for i, path in enumerate(older, start=1):
+            step = step_of(path.name)
             if i < self.cfg.keep or (self.cfg.keep_every and step % self.cfg.keep_every == 0):
                 continue
             shutil.rmtree(path, ignore_errors=True)
+
+    # ---------------------------------------------------------------- run start (rank 0 holds the run lock)
+    def recover(self) -> None:
+        """Before resolving: finish or undo a re-save a kill interrupted, drop
+        interrupted saves, and make `latest` name a complete checkpoint."""
+        _barrier()
+        if _rank() == 0:
+            for line in recover(self.root, self.cfg.verify == "checksum"):
+                print(f"[checkpoint] recovered {self.root}: {line}", flush=True)
+        _barrier()
+
+    def start_lineage(self, step: int) -> None:
+        """The run continues from `step` (0: a fresh start): checkpoints of
+        later steps belong to a history it abandoned (a rollback, or newer
+        checkpoints that all failed their checks). They are moved aside, never
+        resumed or pruned, and `latest` names a checkpoint of this lineage."""
+        _barrier()
+        if _rank() == 0 and self.root.is_dir():
+            dest, names = abandon_later(self.root, step)
+            if dest is not None:
+                print(f"[checkpoint] this run continues from step {step}: moved the {len(names)} later "
+                      f"checkpoint(s) of an abandoned history ({', '.join(names)}) to {dest}; "
+                      "they will not be resumed", flush=True)
+        _barrier()
 
     # ---------------------------------------------------------------- load
     def resolve(self, resume: str) -> Path | None:
@@ -265,7 +269,10 @@ class Checkpointer:
             path = Path(resume)
             verify(path, self.cfg.verify == "checksum")
             return path
-        for path in complete_checkpoints(self.root):
+        if _rank() == 0:
+            for path in misnamed_dirs(self.root):
+                print(f"[checkpoint] warning: skipping {path}: not a checkpoint name ({PREFIX}<step>)", flush=True)
+        for path in checkpoint_dirs(self.root):
             try:
                 verify(path, self.cfg.verify == "checksum")
                 return path
@@ -276,7 +283,7 @@ class Checkpointer:
 
     def load(self, path: Path, model, optimizer, scheduler, loader) -> dict[str, Any]:
         """Restore everything saved; returns meta (step, tokens, ...)."""
-        meta = json.loads((path / "meta.json").read_text())
+        meta = read_meta(path)
         model_state = get_model_state_dict(model)
         check_shapes(path, model_state)
         osd = get_optimizer_state_dict(model, optimizer)

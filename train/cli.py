@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(to_yaml(cfg))
         return 0
+    from memlm.train.checkpoint import CheckpointError
     from memlm.train.distributed import shutdown
+    from memlm.train.run_lock import RunLockedError
     from memlm.train.trainer import Trainer
 
     try:
@@ -54,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except (RunLockedError, CheckpointError) as err:  # a busy dump_dir, a bad checkpoint: one clear line
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     finally:
         shutdown()
     return 0

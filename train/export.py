@@ -24,10 +24,11 @@ import torch
 from safetensors.torch import save_file
 
 import memlm
+from memlm.errors import ConfigError
 from memlm.model import build_model
 from memlm.model.hf import to_hf_config, to_hf_state_dict
 from memlm.model.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
-from memlm.train.checkpoint import Checkpointer, verify
+from memlm.train.checkpoint import Checkpointer, CheckpointError, verify
 from memlm.train.config import from_yaml
 from memlm.train.load import resolve_checkpoint_dir, run_tokenizer_path
 
@@ -103,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"))
     args = parser.parse_args(argv)
-    out = export(args.checkpoint, args.out_dir, args.max_shard_size)
+    try:
+        out = export(args.checkpoint, args.out_dir, args.max_shard_size)
+    except (CheckpointError, ConfigError) as err:  # a missing or bad checkpoint: one clear line
+        print(f"error: cannot export {args.checkpoint}: {err}", file=sys.stderr)
+        return 1
     files = sorted(p.name for p in out.iterdir())
     print(f"[export] {resolve_checkpoint_dir(args.checkpoint)} -> {out}: {', '.join(files)}")
     return 0

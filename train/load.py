@@ -17,6 +17,7 @@ import torch
 from memlm.model import Transformer, build_model
 from memlm.model.pretrained import CONFIG_NAME, from_pretrained
 from memlm.train.checkpoint import Checkpointer, verify
+from memlm.train.checkpoint_dir import LATEST, latest_checkpoint
 from memlm.train.config import Config, from_yaml
 
 
@@ -30,11 +31,14 @@ class LoadedModel:
 
 
 def resolve_checkpoint_dir(path: str | Path) -> Path:
+    """A checkpoint directory from what the user named: a `latest` file or a
+    run's dump_dir -> the checkpoint `latest` names (checkpoint_dir's reader
+    rule: also right while a re-save is between its renames); else the path."""
     path = Path(path)
-    if path.name == "latest" and path.is_file():
-        return path.parent / path.read_text().strip()
-    if (path / "checkpoints" / "latest").is_file():
-        return resolve_checkpoint_dir(path / "checkpoints" / "latest")
+    if path.name == LATEST and path.is_file():
+        return latest_checkpoint(path.parent) or path.parent / path.read_text().strip()
+    if (path / "checkpoints").is_dir():
+        return latest_checkpoint(path / "checkpoints") or path
     return path
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from memlm.errors import ConfigError
+from memlm.files import atomic_write_json
 from memlm.launch.preemption import install_preemption_handler
 from memlm.model import Transformer
 from memlm.train import memory_hooks
@@ -39,6 +40,7 @@ from memlm.train.parallelize import (
     reshard,
 )
 from memlm.train.precision import autocast, enable_tf32
+from memlm.train.run_lock import RunLock, lock_run_dir
 
 
 class NonFiniteLossError(RuntimeError):
@@ -61,6 +63,14 @@ def accumulation_steps(cfg: Config, world_size: int) -> int:
 class Trainer:
     def __init__(self, cfg: Config, train_loader: Any = None, val_loader: Any = None,
                  nonfinite_at: frozenset[int] = frozenset()):
+        self.run_lock: RunLock | None = None
+        try:
+            self._init(cfg, train_loader, val_loader, nonfinite_at)
+        except BaseException:
+            self.close()  # a run that failed to start gives its dump_dir back
+            raise
+
+    def _init(self, cfg: Config, train_loader: Any, val_loader: Any, nonfinite_at: frozenset[int]) -> None:
         self.cfg = cfg
         self.env: DistEnv = init_distributed(cfg.device)
         enable_tf32(self.env.device)
@@ -69,6 +79,9 @@ class Trainer:
         self.dump_dir = Path(cfg.dump_dir)
         if self.env.is_main:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
+        # One run per dump_dir, taken before anything in it is written, cleaned or resumed.
+        self.run_lock = lock_run_dir(self.dump_dir, self.env.is_main, self.env.distributed, self.env.device)
+        if self.env.is_main:
             (self.dump_dir / "config.yaml").write_text(to_yaml(cfg))
         # Data first: it checks every file and the vocabulary before the model is built.
         self.train_loader = train_loader if train_loader is not None else self._default_loader("train")
@@ -88,7 +101,9 @@ class Trainer:
         self.checkpointer = Checkpointer(self.dump_dir, cfg.checkpoint)
         self._last_saved_step = -1
         self._check_eval_config()
+        self.checkpointer.recover()  # finish or undo a save a kill interrupted, before choosing one
         self.resumed_from = self._restore()
+        self.checkpointer.start_lineage(self.step)  # later checkpoints belong to an abandoned history
 
     def _check_eval_config(self) -> None:
         e = self.cfg.eval
@@ -236,7 +251,14 @@ class Trainer:
     # ---------------------------------------------------------------- loop
     def fit(self, stop_after: int | None = None) -> dict[str, Any]:
         """Train until `cfg.steps` (or `stop_after` steps, e.g. a time slot
-        before a requeue: the schedule still spans cfg.steps)."""
+        before a requeue: the schedule still spans cfg.steps). The run's lock
+        on dump_dir is held until everything, summary.json included, is written."""
+        try:
+            return self._fit(stop_after)
+        finally:
+            self.close()
+
+    def _fit(self, stop_after: int | None) -> dict[str, Any]:
         cfg, env = self.cfg, self.env
         last_step = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         logger = MetricsLogger(self.dump_dir, env.is_main, cfg.name,
@@ -296,16 +318,35 @@ class Trainer:
             logger.close()
         return self._finish(start, last, val_loss, eval_results)
 
+    def close(self) -> None:
+        """Give the dump_dir back (the run lock); fit() does it when it ends."""
+        if self.run_lock is not None:
+            self.run_lock.release()
+
     def _finish(self, start: float, last: dict, val_loss, eval_results: dict, preempted: bool = False) -> dict:
         summary = {"name": self.cfg.name, "steps": self.step, "tokens": self.tokens,
                    "final_loss": last.get("loss"), "val_loss": val_loss, "evals": eval_results,
                    "nonfinite_skipped": self.nonfinite_total, "preempted": preempted,
                    "seconds": round(time.perf_counter() - start, 2), "dump_dir": str(self.dump_dir)}
         if self.env.is_main:
-            (self.dump_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            if not last:  # nothing trained (a requeue of a finished run): keep the results reported
+                summary = self._with_previous_results(summary)
+            atomic_write_json(self.dump_dir / "summary.json", summary, indent=2)
             word = "preempted: checkpointed and stopped" if preempted else "done"
             print(f"[train] {word}: {summary}", flush=True)
         return summary
+
+    def _with_previous_results(self, summary: dict) -> dict:
+        """The results summary.json already holds for this same step fill the
+        ones this invocation could not measure (no step, so no final loss)."""
+        try:
+            previous = json.loads((self.dump_dir / "summary.json").read_text())
+        except (OSError, ValueError):
+            return summary
+        if not isinstance(previous, dict) or previous.get("steps") != self.step:
+            return summary
+        return {**summary, **{k: previous[k] for k in ("final_loss", "val_loss", "evals")
+                              if summary.get(k) in (None, {}) and k in previous}}
 
     def _evaluate(self, checkpoint: Path, logger: MetricsLogger) -> dict[str, Any]:
         """Run the eval suite on a saved checkpoint: every rank loads the full
