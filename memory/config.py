@@ -35,6 +35,9 @@ class MemoryConfig:
     # Multiplies the published value init std v_dim**-0.5 (0 -> zero values).
     value_init_scale: float = 1.0
     value_grad_clip: float = 1.0
+    # Dtype of the value gradients sent between memory-parallel replicas:
+    # fp32 | bf16 (half the bytes; the sum is rounded to bf16).
+    value_grad_reduce_dtype: str = "fp32"
     balance_loss_coef: float = 0.0
     sparse_updates: bool = False
     kernel: str = "auto"  # auto | triton | torch
@@ -137,6 +140,8 @@ class MemoryConfig:
                 )
         if self.v_dim < 0:
             raise ConfigError(f"{prefix}.v_dim", self.v_dim, "0 (= model.dim) or a positive integer")
+        if self.value_grad_reduce_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"{prefix}.value_grad_reduce_dtype", self.value_grad_reduce_dtype, "one of: fp32, bf16")
         if self.value_lr <= 0:
             raise ConfigError(f"{prefix}.value_lr", self.value_lr, "a positive number")
         for key in ("value_weight_decay", "value_grad_clip", "balance_loss_coef", "value_init_scale"):
