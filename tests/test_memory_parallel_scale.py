@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed_workers import run_ranks
-from memory_parallel_workers import TABLE, column_parallel_read, reduction_paths, sharded_init
+from memory_parallel_workers import column_parallel_read, reduction_paths, sharded_init
 from test_train_equivalence import MEMPLUS, SEQ, _assert_same, _batches, _distributed, _reference
 
 from memlm.errors import ConfigError
@@ -101,3 +101,24 @@ def test_column_parallel_backward_reads_the_table_once(tmp_path, sparse):
         assert r["sparse_grad"] == sparse
         assert r["out_diff"] <= 1e-6 and r["table_grad_diff"] <= 1e-6 and r["weights_grad_diff"] <= 1e-6, r
 
+
+
+@pytest.mark.slow
+def test_sparse_updates_on_two_ranks_resume_exactly(tmp_path):
+    """The lazy optimizer's state of a column-sharded table (DTensor moments
+    updated through their local shards) saves and restores like any other."""
+    from train_workers import fit_and_dump
+
+    overrides = [*(o for o in TINY if not o.startswith("checkpoint.at_end")), "memory.sparse_updates=true",
+                 "parallel.memory_parallel=2", "data.micro_batch=2", "steps=2", f"dump_dir={tmp_path}"]
+    saved, resumed = tmp_path / "saved.pt", tmp_path / "resumed.pt"
+    run_ranks(fit_and_dump, 2, overrides, str(saved))
+    assert (tmp_path / "checkpoints" / "step_00000002").is_dir()
+    # Same steps, resume=auto: restores the final checkpoint and trains no further.
+    run_ranks(fit_and_dump, 2, [*overrides, "resume=auto", "checkpoint.at_end=false"], str(resumed))
+    a, b = torch.load(saved, weights_only=True), torch.load(resumed, weights_only=True)
+    assert b["step"] == 2 and "shared.memory_values.weight/exp_avg_sq" in a["optim"]
+    for part in ("model", "optim"):
+        assert a[part].keys() == b[part].keys()
+        for k, x in a[part].items():
+            assert torch.equal(x, b[part][k]) if isinstance(x, torch.Tensor) else x == b[part][k], f"{part} {k}"
