@@ -72,6 +72,11 @@ class _ColumnParallelBag(torch.autograd.Function):
         # Row block j of `part` holds rank j's tokens: send it there. What comes
         # back is, per source rank i, my tokens' column slice i.
         recv = _all_to_all_rows(part.detach(), group)  # (P*B, v/P), blocks ordered by source rank
+        if ctx.graph is not None:
+            # The backward needs part's graph, not its numbers (the bag's backward
+            # reads table, indices and weights): free them, as the old
+            # recomputing backward did.
+            part.untyped_storage().resize_(0)
         b = indices.shape[0]
         out = torch.cat([recv[i * b:(i + 1) * b] for i in range(p)], dim=1)  # (B, v)
         ctx.group, ctx.p, ctx.b, ctx.sink = group, p, b, sink
