@@ -34,6 +34,7 @@ def test_seeded_normal_shards_join_into_the_full_table():
         seeded_normal_(torch.empty(2, 200), 5, 0.5, col_offset=100, full_cols=cols)
 
 
+@pytest.mark.slow  # 4 gloo ranks
 def test_sharded_init_replicas_are_bitwise_equal_and_equal_full_init(tmp_path):
     """4 ranks, memory_parallel=2: ranks 0 and 2 hold the same column slice,
     as do 1 and 3. (Before: seeded by seed + rank, so the replicas differed.)"""
@@ -72,6 +73,7 @@ def test_sparse_updates_without_memory_parallel_equal_one_process(tmp_path):
     _assert_same(ref, got)
 
 
+@pytest.mark.slow  # 4 gloo ranks
 def test_value_grad_reduction_starts_in_the_hook_and_equals_the_blocking_path(tmp_path):
     """4 ranks, memory_parallel=2 (2 replicas), 2 micro-batches per step."""
     micro = 1
