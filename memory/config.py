@@ -43,6 +43,9 @@ class MemoryConfig:
     # moments, but an update smaller than half a bf16 step (2**-9 of the
     # value) is rounded away. Trade-off: docs/memory.md, "Value precision".
     value_dtype: str = "fp32"
+    # Dtype of the value gradients sent between memory-parallel replicas:
+    # fp32 | bf16 (half the bytes; the sum is rounded to bf16).
+    value_grad_reduce_dtype: str = "fp32"
     balance_loss_coef: float = 0.0
     sparse_updates: bool = False
     kernel: str = "auto"  # auto | triton | torch
@@ -147,6 +150,8 @@ class MemoryConfig:
             raise ConfigError(f"{prefix}.v_dim", self.v_dim, "0 (= model.dim) or a positive integer")
         if self.value_dtype not in VALUE_DTYPE_NAMES:
             raise ConfigError(f"{prefix}.value_dtype", self.value_dtype, f"one of: {', '.join(VALUE_DTYPE_NAMES)}")
+        if self.value_grad_reduce_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"{prefix}.value_grad_reduce_dtype", self.value_grad_reduce_dtype, "one of: fp32, bf16")
         if self.value_lr <= 0:
             raise ConfigError(f"{prefix}.value_lr", self.value_lr, "a positive number")
         for key in ("value_weight_decay", "value_grad_clip", "balance_loss_coef", "value_init_scale"):

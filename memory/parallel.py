@@ -14,10 +14,13 @@ backward  all-to-all the output gradient back by columns    (P*B, v/P)
 The table parameter is a DTensor on the memory mesh ("mem_replica",
 "mem_parallel") with placements (Replicate, Shard(1)), so checkpoints store
 it once and reshard freely. Gradients on a replica are partial sums over the
-group's tokens; `reduce_value_grads` sums them over replicas.
+group's tokens; the trainer sums them over replicas (memlm.train.value_grads).
+`init_value_tables` draws each shard from the seed alone, so replicas agree.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from memlm.memory import ops
+from memlm.memory.sparse_adamw import add_local_sparse_grad
+from memlm.memory.values import seeded_normal_, tile_seed
 
 
 def _all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -42,57 +47,85 @@ def _all_to_all_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 class _ColumnParallelBag(torch.autograd.Function):
+    """The forward keeps the autograd graph of its local bag (which saves only
+    references: table, indices, weights), so the backward differentiates it
+    directly: the table is read once per forward + backward, not re-read.
+
+    Dense: `local_values` is the shard's differentiable view (to_local) and
+    gets its gradient through autograd. Sparse (`sink` set): a DTensor cannot
+    hold a sparse gradient, so `table` (the parameter) only makes autograd
+    run this backward, `local_values` is the detached shard, and the shard's
+    row gradient (sparse COO, (N, v/P)) goes to `sink(grad)`."""
+
     @staticmethod
-    def forward(ctx, local_values, indices, weights, group, kernel):
+    def forward(ctx, table, local_values, indices, weights, group, kernel, sink):
         # local_values: (N, v/P); indices, weights: (B, K) for this rank's tokens.
         p = dist.get_world_size(group)
         all_idx = _all_gather_rows(indices, group)  # (P*B, K)
         all_w = _all_gather_rows(weights.to(local_values.dtype), group)
-        part = ops.embedding_bag(local_values.detach(), all_idx, all_w.detach(), kernel=kernel)  # (P*B, v/P)
+        needs_values = ctx.needs_input_grad[1] or (sink is not None and ctx.needs_input_grad[0])
+        with torch.enable_grad():
+            values = local_values.detach().requires_grad_(needs_values)
+            w = all_w.detach().requires_grad_(ctx.needs_input_grad[3])
+            part = ops.embedding_bag(values, all_idx, w, sparse=sink is not None, kernel=kernel)  # (P*B, v/P)
+        ctx.graph = (part, values, w) if part.requires_grad else None
         # Row block j of `part` holds rank j's tokens: send it there. What comes
         # back is, per source rank i, my tokens' column slice i.
-        recv = _all_to_all_rows(part, group)  # (P*B, v/P), blocks ordered by source rank
+        recv = _all_to_all_rows(part.detach(), group)  # (P*B, v/P), blocks ordered by source rank
+        if ctx.graph is not None:
+            # The backward needs part's graph, not its numbers (the bag's backward
+            # reads table, indices and weights): free them, as the old
+            # recomputing backward did.
+            part.untyped_storage().resize_(0)
         b = indices.shape[0]
         out = torch.cat([recv[i * b:(i + 1) * b] for i in range(p)], dim=1)  # (B, v)
-        ctx.save_for_backward(local_values, all_idx, all_w)
-        ctx.group, ctx.kernel, ctx.p, ctx.b = group, kernel, p, b
+        ctx.group, ctx.p, ctx.b, ctx.sink = group, p, b, sink
         ctx.weights_dtype = weights.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        local_values, all_idx, all_w = ctx.saved_tensors
+        part, values, w = ctx.graph
+        ctx.graph = None  # the local graph is used once; free its references now
         p, b = ctx.p, ctx.b
         # Column slice i of my tokens' gradient goes to rank i (mirror of forward).
         send = torch.cat(grad_out.contiguous().chunk(p, dim=1), dim=0)  # (P*B, v/P)
         grad_part = _all_to_all_rows(send, ctx.group)  # my columns, every group token
-        with torch.enable_grad():
-            values = local_values.detach().requires_grad_(ctx.needs_input_grad[0])
-            w = all_w.detach().requires_grad_()
-            part = ops.embedding_bag(values, all_idx, w, kernel=ctx.kernel)
-            wanted = [t for t in (values, w) if t.requires_grad]
-            grads = torch.autograd.grad(part, wanted, grad_part)
-        grad_values = grads[0] if ctx.needs_input_grad[0] else None
-        partial_w = grads[-1]  # (P*B, K): my columns' share for every group token
-        recv = _all_to_all_rows(partial_w, ctx.group)  # every rank's share of my tokens
-        grad_w = recv.view(p, b, -1).sum(0).to(ctx.weights_dtype)
-        return grad_values, None, grad_w, None, None
+        wanted = [t for t in (values, w) if t.requires_grad]
+        grads = torch.autograd.grad(part, wanted, grad_part)
+        grad_values = grads[0] if values.requires_grad else None
+        grad_w = None
+        if w.requires_grad:
+            partial_w = grads[-1]  # (P*B, K): my columns' share for every group token
+            recv = _all_to_all_rows(partial_w, ctx.group)  # every rank's share of my tokens
+            grad_w = recv.view(p, b, -1).sum(0).to(ctx.weights_dtype)
+        if ctx.sink is not None:
+            if grad_values is not None:
+                ctx.sink(grad_values)
+            grad_values = None
+        return None, grad_values, None, grad_w, None, None, None
 
 
 class ColumnParallelReader:
-    """Installed as `pool.reader` on a column-sharded `ValuePool`."""
+    """Installed as `pool.reader` on a column-sharded `ValuePool`. With
+    `sparse`, the shard's row gradients accumulate on the parameter (see
+    `memlm.memory.sparse_adamw.add_local_sparse_grad`), summed over replicas
+    by the trainer."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
 
     def __call__(self, pool: nn.Module, indices: torch.Tensor, weights: torch.Tensor,
                  sparse: bool, kernel: str) -> torch.Tensor:
+        table = pool.weight
         if sparse:
-            raise NotImplementedError("sparse value updates are not supported with a sharded value table yet")
-        local = pool.weight.to_local() if isinstance(pool.weight, DTensor) else pool.weight
+            local = table.detach().to_local() if isinstance(table, DTensor) else table.detach()
+            sink = functools.partial(add_local_sparse_grad, table)
+            return _ColumnParallelBag.apply(table, local, indices, weights, self.group, kernel, sink)
+        local = table.to_local() if isinstance(table, DTensor) else table
         if dist.get_world_size(self.group) == 1:
             return ops.embedding_bag(local, indices, weights, kernel=kernel)
-        return _ColumnParallelBag.apply(local, indices, weights, self.group, kernel)
+        return _ColumnParallelBag.apply(None, local, indices, weights, self.group, kernel, None)
 
 
 def value_pools(model: nn.Module) -> list[nn.Module]:
@@ -126,16 +159,20 @@ def shard_value_pools(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
     return pools
 
 
-def reduce_value_grads(pools: list[nn.Module], mesh: DeviceMesh, world_size: int) -> None:
-    """Sum each table's gradient over the replica groups and divide by the
-    world size: every rank's loss is a mean over its own tokens, so the
-    global-batch gradient is the average over all ranks."""
-    group = mesh.get_group("mem_replica")
-    for pool in pools:
-        grad = pool.weight.grad
-        if grad is None:
-            continue
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(local, group=group)
-        local.div_(world_size)
+@torch.no_grad()
+def init_value_tables(pools: list[nn.Module], seed: int) -> None:
+    """Initialize every pool's table (or this rank's column shard of it) from
+    `seed` and the pool's position alone (memory.values.seeded_normal_): every
+    replica of a shard gets the same numbers, and the shards of any
+    memory-parallel split join into the table one process draws."""
+    for i, pool in enumerate(pools):
+        table = pool.weight.detach()
+        col0 = 0
+        if isinstance(table, DTensor):
+            local = table.to_local()
+            for dim, placement in enumerate(table.placements):
+                if placement.is_shard():
+                    col0 = table.device_mesh.get_local_rank(dim) * local.shape[1]
+        else:
+            local = table
+        seeded_normal_(local, tile_seed(seed, i), pool.init_std, col_offset=col0, full_cols=pool.v_dim)

@@ -33,6 +33,14 @@ update is computed in float32 on a float32 copy of the rows and rounded to
 the table's dtype once; an update smaller than half a bf16 step of the value
 (2**-9 relative) is lost. Dense updates go through the table in chunks of
 rows, so the float32 copy never holds more than DENSE_CHUNK_ELEMENTS.
+
+Sharded parameters (DTensor: FSDP shards, column-sharded value tables) are
+updated through their local tensors: AdamW is elementwise, so each rank
+updates its own part. A DTensor cannot hold a sparse gradient, so the row
+gradient of a column-sharded table lives beside it, on the parameter:
+`add_local_sparse_grad(p, g)` accumulates it (the column-parallel read does
+this in its backward), `table_grad(p)` is what the optimizer and the clipping
+read, and `zero_grad` clears it with the dense gradients.
 """
 
 from __future__ import annotations
@@ -63,6 +71,12 @@ class SparseRowAdamW(torch.optim.Optimizer):
             raise ValueError(f"invalid eps={eps} or weight_decay={weight_decay}: expected >= 0")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                clear_local_sparse_grad(p)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -70,19 +84,23 @@ class SparseRowAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
+            for param in group["params"]:
+                grad = table_grad(param)
+                if grad is None:
                     continue
-                state = self.state[p]
+                state = self.state[param]
                 if not state:
                     state["step"] = 0
-                    state["exp_avg"] = _zeros_like_table(p, moment_dtype(p.dtype))
-                    state["exp_avg_sq"] = _zeros_like_table(p, moment_dtype(p.dtype))
+                    state["exp_avg"] = _zeros_like_table(param, moment_dtype(param.dtype))
+                    state["exp_avg_sq"] = _zeros_like_table(param, moment_dtype(param.dtype))
                 state["step"] += 1
-                if p.grad.is_sparse:
-                    self._sparse_update(p, p.grad, state, group)
+                # Local tensors of DTensors: the same storage, updated in place.
+                p, moments = _local(param), {k: _local(state[k]) for k in ("exp_avg", "exp_avg_sq")}
+                local_state = {"step": state["step"], **moments}
+                if grad.is_sparse:
+                    self._sparse_update(p, grad, local_state, group)
                 else:
-                    self._dense_update(p, p.grad, state, group)
+                    self._dense_update(p, _local(grad), local_state, group)
         return loss
 
     def _dense_update(self, p, grad, state, group) -> None:
@@ -110,6 +128,36 @@ class SparseRowAdamW(torch.optim.Optimizer):
             p.index_copy_(0, chunk, p_rows)
             m_all.index_copy_(0, chunk, m_rows)
             v_all.index_copy_(0, chunk, v_rows)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+_LOCAL_SPARSE_GRAD = "local_sparse_grad"
+
+
+def add_local_sparse_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Accumulate a sparse COO gradient of `param`'s local tensor (uncoalesced
+    sums are fine: the reduction and the optimizer coalesce)."""
+    held = getattr(param, _LOCAL_SPARSE_GRAD, None)
+    setattr(param, _LOCAL_SPARSE_GRAD, grad if held is None else held + grad)
+
+
+def set_local_sparse_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    setattr(param, _LOCAL_SPARSE_GRAD, grad)
+
+
+def clear_local_sparse_grad(param: torch.Tensor) -> None:
+    if getattr(param, _LOCAL_SPARSE_GRAD, None) is not None:
+        setattr(param, _LOCAL_SPARSE_GRAD, None)
+
+
+def table_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """`param.grad`, or the sparse gradient of its local shard kept beside it."""
+    if param.grad is not None:
+        return param.grad
+    return getattr(param, _LOCAL_SPARSE_GRAD, None)
 
 
 # Rows per gather/update/scatter chunk of a sparse update (512 rows of 512

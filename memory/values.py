@@ -7,6 +7,12 @@ submodule of a common parent (memlm's Transformer keeps it in
 `model.shared`). A layer that is given a pool keeps only a plain reference to
 it, so parameters() and state_dict() hold the table exactly once. There is no
 class-level or module-level registry.
+
+A training run initializes its tables with `seeded_normal_` (a function of
+the seed alone, drawn tile by tile), so every copy and every column shard of
+a table holds the same numbers whatever the number of ranks:
+
+    seeded_normal_(shard, seed, pool.init_std, col_offset=r * shard.shape[1], full_cols=pool.v_dim)
 """
 
 from __future__ import annotations
@@ -76,6 +82,10 @@ class ValuePool(nn.Module):
                 return _read_through(self.reader, self, indices, weights, sparse, kernel)
             return embedding_bag(self.weight, indices, weights, sparse=sparse, kernel=kernel)
 
+    @property
+    def init_std(self) -> float:
+        return self.init_scale * self.v_dim**-0.5
+
     @torch.no_grad()
     def init_weights(self) -> None:
         # Before the first write (a fresh table is untouched until here): a
@@ -83,7 +93,7 @@ class ValuePool(nn.Module):
         advise_huge_pages(self.weight)
         # Values ~ N(0, v_dim**-0.5) (the published init, at init_scale 1): a
         # bag of k rows with softmax weights then has entries of at most that scale.
-        nn.init.normal_(self.weight, mean=0.0, std=self.init_scale * self.v_dim**-0.5)
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
 
     def inactive_params(self) -> int:
         """Table entries one token does not read (at most `reads_per_token` rows are read)."""
@@ -93,3 +103,52 @@ class ValuePool(nn.Module):
     def extra_repr(self) -> str:
         return (f"n_slots={self.n_slots}, v_dim={self.v_dim}, init_scale={self.init_scale}, "
                 f"dtype={self.weight.dtype}")
+
+
+# Tiles of seeded_normal_: 16K rows x 128 columns (8 MB of float32). A shard
+# whose columns start and end on tile edges draws only its own tiles.
+TILE_ROWS, TILE_COLS = 1 << 14, 128
+_MASK64 = (1 << 64) - 1
+
+
+def tile_seed(*parts: int) -> int:
+    """A 63-bit generator seed mixed from integers (splitmix64 steps): nearby
+    inputs (seed 0 tile 1, seed 1 tile 0) give unrelated streams."""
+    h = 0x9E3779B97F4A7C15
+    for x in parts:
+        h = ((h ^ (x & _MASK64)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h ^= h >> 31
+        h = (h * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 29
+    return h >> 1
+
+
+@torch.no_grad()
+def seeded_normal_(out: torch.Tensor, seed: int, std: float, col_offset: int = 0,
+                   full_cols: int | None = None) -> torch.Tensor:
+    """Fill `out` (rows, c) with columns [col_offset, col_offset + c) of a
+    (rows, full_cols) N(0, std) table that depends on `seed` only.
+
+    The full table is cut into TILE_ROWS x TILE_COLS tiles, each drawn from
+    its own generator seeded by (seed, tile row, tile column) in float32 on
+    `out`'s device. A column shard draws the tiles that overlap its columns
+    and keeps its part, so the shards of any split, and every replica of a
+    shard, hold exactly the numbers of the unsharded table (no rank ever
+    holds more than one tile beyond its shard)."""
+    rows, cols = out.shape
+    full_cols = cols if full_cols is None else full_cols
+    if col_offset < 0 or col_offset + cols > full_cols:
+        raise ValueError(f"columns [{col_offset}, {col_offset + cols}) do not lie in a table of {full_cols} columns")
+    if cols == 0:
+        return out
+    gen = torch.Generator(device=out.device)
+    first, last = col_offset // TILE_COLS, (col_offset + cols - 1) // TILE_COLS
+    for r0 in range(0, rows, TILE_ROWS):
+        r1 = min(rows, r0 + TILE_ROWS)
+        for j in range(first, last + 1):
+            c0, c1 = j * TILE_COLS, min(full_cols, (j + 1) * TILE_COLS)
+            gen.manual_seed(tile_seed(seed, r0 // TILE_ROWS, j))
+            tile = torch.empty(r1 - r0, c1 - c0, device=out.device).normal_(0.0, std, generator=gen)
+            lo, hi = max(c0, col_offset), min(c1, col_offset + cols)
+            out[r0:r1, lo - col_offset:hi - col_offset].copy_(tile[:, lo - c0:hi - c0])
+    return out

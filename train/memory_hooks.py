@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memlm.errors import ConfigError
-from memlm.memory.parallel import reduce_value_grads as _reduce_pool_grads
+from memlm.memory.parallel import init_value_tables as _init_pool_tables
 from memlm.memory.parallel import shard_value_pools, value_pools
 from memlm.memory.schedule import apply_knn_schedule
 from memlm.memory.usage import usage_metrics
 from memlm.train.distributed import DistEnv, Meshes
+from memlm.train.value_grads import ValueGradReduction
 
 
 def shard_memory_values(model: nn.Module, meshes: Meshes, env: DistEnv) -> None:
@@ -25,21 +25,29 @@ def shard_memory_values(model: nn.Module, meshes: Meshes, env: DistEnv) -> None:
     on one process). The tables are then left out of FSDP."""
     if meshes.memory is None or not value_pools(model):
         return
-    if model.memory_config is not None and model.memory_config.sparse_updates:
-        raise ConfigError(
-            "memory.sparse_updates", True,
-            f"false when training on more than one rank (world size {env.world_size}): sparse "
-            "gradients of a sharded value table are not implemented yet",
-        )
     shard_value_pools(model, meshes.memory)
 
 
-def reduce_value_grads(model: nn.Module, meshes: Meshes, env: DistEnv) -> None:
-    if meshes.memory is None:
-        return
+def init_value_tables(model: nn.Module, seed: int) -> None:
+    """Draw every value table (or this rank's shard) from `seed` alone: the
+    same numbers on every replica, for init=full and init=sharded, on any
+    number of ranks (memlm.memory.parallel.init_value_tables)."""
+    _init_pool_tables(value_pools(model), seed)
+
+
+class _NoReduction:
+    def finish(self) -> None:
+        pass
+
+
+def value_grad_reduction(model: nn.Module, meshes: Meshes, env: DistEnv, accum: int, cfg: Any):
+    """What sums the value tables' gradients over replicas; call `.finish()`
+    after the last micro-batch's backward, before clipping. The dense
+    reduction starts from a hook during that backward (train/value_grads.py)."""
     pools = value_pools(model)
-    if pools:
-        _reduce_pool_grads(pools, meshes.memory, env.world_size)
+    if meshes.memory is None or not pools:
+        return _NoReduction()
+    return ValueGradReduction(pools, meshes.memory, env.world_size, accum, cfg.memory.value_grad_reduce_dtype)
 
 
 def on_step_start(model: nn.Module, step: int, cfg: Any) -> None:

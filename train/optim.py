@@ -100,16 +100,22 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> LambdaLR:
 def grad_norm(params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """L2 norm of the gradients; DTensor (FSDP-sharded) grads are reduced over
     their mesh, and `group` sums plain local shards (column-sharded values)."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    from memlm.memory.sparse_adamw import table_grad
+
+    pairs = [(p, g) for p in params if (g := table_grad(p)) is not None]
+    if not pairs:
         return torch.zeros(())
-    total = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-    for g in grads:
+    total = torch.zeros((), dtype=torch.float32, device=pairs[0][1].device)
+    for p, g in pairs:
         if g.is_sparse:
             g = g.coalesce()._values()
         sq = g.float().pow(2).sum()
+        if isinstance(p, DTensor) and not isinstance(sq, DTensor):
+            # The sparse gradient of a sharded table's local shard: sum over its shards.
+            placements = [Partial() if pl.is_shard() else Replicate() for pl in p.placements]
+            sq = DTensor.from_local(sq, p.device_mesh, placements)
         if isinstance(sq, DTensor):
             sq = sq.full_tensor()
         total = total + sq
@@ -124,7 +130,9 @@ def clip_(params: list[torch.Tensor], max_norm: float, group: dist.ProcessGroup 
     if max_norm > 0:
         coef = min(1.0, max_norm / (norm.item() + 1e-6))
         if coef < 1.0:
+            from memlm.memory.sparse_adamw import table_grad
+
             for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+                if (g := table_grad(p)) is not None:
+                    g.mul_(coef)
     return norm

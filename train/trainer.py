@@ -91,6 +91,7 @@ class Trainer:
             val_loader = self._default_loader("val")
         self.val_loader = val_loader
         self.model = self._build_model()
+        self.value_grads = memory_hooks.value_grad_reduction(self.model, self.meshes, self.env, self.accum, cfg)
         self.optimizer = build_optimizer(self.model, cfg, self.env.device)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.step = 0
@@ -161,6 +162,8 @@ class Trainer:
             model.to_empty(device=env.device)
             seed_everything(cfg.seed + env.rank)
             model.init_weights()
+        # Value tables from the seed alone: replicas agree, init=full == init=sharded.
+        memory_hooks.init_value_tables(model, cfg.seed)
         return model
 
     def _default_loader(self, split: str):
@@ -194,7 +197,7 @@ class Trainer:
                 loss = loss * float("nan")
             loss.backward()
             loss_sum += loss.detach()
-        memory_hooks.reduce_value_grads(self.model, self.meshes, self.env)
+        self.value_grads.finish()  # started by a hook during the last backward
         if self.env.distributed:
             dist.all_reduce(loss_sum)
             loss_sum /= self.env.world_size

@@ -1,0 +1,126 @@
+"""Value tables at scale (issue 22): identical replicas under init=sharded,
+the value-gradient reduction started from a hook (and in bf16), sparse value
+updates on several ranks, and a column-parallel backward that does not read
+the table again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed_workers import run_ranks
+from memory_parallel_workers import column_parallel_read, reduction_paths, sharded_init
+from test_train_equivalence import MEMPLUS, SEQ, _assert_same, _batches, _distributed, _reference
+
+from memlm.errors import ConfigError
+from memlm.memory.values import TILE_COLS, TILE_ROWS, seeded_normal_
+from memlm.train.config import compose
+from memlm.train.trainer import Trainer
+
+# Short runs: a 4-rank gloo test costs seconds per step on a loaded machine.
+TINY = [*MEMPLUS, "logging.wandb.mode=disabled"]
+
+
+def test_seeded_normal_shards_join_into_the_full_table():
+    # Shards cut inside a tile and across tile edges, and more than one tile of rows.
+    rows, cols = TILE_ROWS + 3, TILE_COLS + 40
+    full = seeded_normal_(torch.empty(rows, cols), seed=5, std=0.5)
+    for cuts in ([0, 84, cols], [0, TILE_COLS, cols], [0, 1, 100, 150, cols]):
+        parts = [seeded_normal_(torch.empty(rows, b - a), 5, 0.5, col_offset=a, full_cols=cols)
+                 for a, b in zip(cuts, cuts[1:])]
+        assert torch.equal(torch.cat(parts, dim=1), full)
+    assert not torch.equal(seeded_normal_(torch.empty(rows, cols), seed=6, std=0.5), full)
+    assert full.std().item() == pytest.approx(0.5, rel=0.02)
+    with pytest.raises(ValueError, match=r"columns \[100, 300\).*168 columns"):
+        seeded_normal_(torch.empty(2, 200), 5, 0.5, col_offset=100, full_cols=cols)
+
+
+@pytest.mark.slow  # 4 gloo ranks
+def test_sharded_init_replicas_are_bitwise_equal_and_equal_full_init(tmp_path):
+    """4 ranks, memory_parallel=2: ranks 0 and 2 hold the same column slice,
+    as do 1 and 3. (Before: seeded by seed + rank, so the replicas differed.)"""
+    overrides = [*TINY, "parallel.memory_parallel=2", "data.micro_batch=1", f"dump_dir={tmp_path / 'd'}"]
+    out = tmp_path / "init.pt"
+    run_ranks(sharded_init, 4, overrides, str(out))
+    got = torch.load(out, weights_only=True)
+    shards = got["shards"]
+    assert torch.equal(shards[0], shards[2]) and torch.equal(shards[1], shards[3])
+    assert not torch.equal(shards[0], shards[1])
+    # init=sharded == init=full on 4 ranks == init=full on one process (any split).
+    assert torch.equal(got["sharded"], got["full"])
+    assert torch.equal(torch.cat([shards[0], shards[1]], dim=1), got["full"])
+    one = Trainer(compose([*TINY, "data.micro_batch=1", f"dump_dir={tmp_path / 'one'}"]), train_loader=iter([]))
+    assert torch.equal(one.model.shared.memory_values.weight.detach(), got["full"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_sparse_updates_on_several_ranks_equal_one_process(tmp_path, world):
+    """Memory parallel 2 (so 4 ranks = 2 replicas whose rows are merged);
+    the 1-process sparse run on the concatenated batch is the reference."""
+    sparse = [*TINY, "memory.sparse_updates=true"]
+    batches = _batches(128)
+    ref = _reference(sparse, batches, tmp_path / "ref")
+    got = _distributed([*sparse, "parallel.memory_parallel=2"], batches, tmp_path, world=world)
+    _assert_same(ref, got)
+
+
+@pytest.mark.slow
+def test_sparse_updates_without_memory_parallel_equal_one_process(tmp_path):
+    sparse = [*TINY, "memory.sparse_updates=true"]
+    batches = _batches(128)
+    ref = _reference(sparse, batches, tmp_path / "ref")
+    got = _distributed([*sparse, "parallel.memory_parallel=1"], batches, tmp_path, world=2)
+    _assert_same(ref, got)
+
+
+@pytest.mark.slow  # 4 gloo ranks
+def test_value_grad_reduction_starts_in_the_hook_and_equals_the_blocking_path(tmp_path):
+    """4 ranks, memory_parallel=2 (2 replicas), 2 micro-batches per step."""
+    micro = 1
+    overrides = [*TINY, "parallel.memory_parallel=2", f"data.micro_batch={micro}",
+                 f"global_batch_tokens={2 * micro * SEQ * 4}", f"dump_dir={tmp_path / 'd'}"]
+    out = tmp_path / "grads.pt"
+    run_ranks(reduction_paths, 4, overrides, str(out))
+    got = torch.load(out, weights_only=True)
+    assert got["started"] == [0, 1]  # after the first backward: nothing; after the last: started
+    assert torch.equal(got["hooked"], got["old"])
+    # bf16 on the wire: close to the fp32 sum (bf16 keeps ~3 digits), not equal to it.
+    assert not torch.equal(got["hooked_bf16"], got["old"])
+    torch.testing.assert_close(got["hooked_bf16"], got["old"], rtol=1e-2, atol=1e-2 * got["old"].abs().max().item())
+
+
+def test_value_grad_reduce_dtype_is_validated():
+    with pytest.raises(ConfigError, match=r"memory.value_grad_reduce_dtype.*fp16.*fp32, bf16"):
+        compose([*TINY, "memory.value_grad_reduce_dtype=fp16"])
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_column_parallel_backward_reads_the_table_once(tmp_path, sparse):
+    out = tmp_path / "read.pt"
+    run_ranks(column_parallel_read, 2, 50, 8, 6, 4, sparse, str(out))
+    for r in torch.load(out, weights_only=True):
+        assert r["calls"] == 1  # the forward's bag; the backward reuses its graph (before: 2)
+        assert r["sparse_grad"] == sparse
+        assert r["out_diff"] <= 1e-6 and r["table_grad_diff"] <= 1e-6 and r["weights_grad_diff"] <= 1e-6, r
+
+
+
+@pytest.mark.slow
+def test_sparse_updates_on_two_ranks_resume_exactly(tmp_path):
+    """The lazy optimizer's state of a column-sharded table (DTensor moments
+    updated through their local shards) saves and restores like any other."""
+    from train_workers import fit_and_dump
+
+    overrides = [*(o for o in TINY if not o.startswith("checkpoint.at_end")), "memory.sparse_updates=true",
+                 "parallel.memory_parallel=2", "data.micro_batch=2", "steps=2", f"dump_dir={tmp_path}"]
+    saved, resumed = tmp_path / "saved.pt", tmp_path / "resumed.pt"
+    run_ranks(fit_and_dump, 2, overrides, str(saved))
+    assert (tmp_path / "checkpoints" / "step_00000002").is_dir()
+    # Same steps, resume=auto: restores the final checkpoint and trains no further.
+    run_ranks(fit_and_dump, 2, [*overrides, "resume=auto", "checkpoint.at_end=false"], str(resumed))
+    a, b = torch.load(saved, weights_only=True), torch.load(resumed, weights_only=True)
+    assert b["step"] == 2 and "shared.memory_values.weight/exp_avg_sq" in a["optim"]
+    for part in ("model", "optim"):
+        assert a[part].keys() == b[part].keys()
+        for k, x in a[part].items():
+            assert torch.equal(x, b[part][k]) if isinstance(x, torch.Tensor) else x == b[part][k], f"{part} {k}"
