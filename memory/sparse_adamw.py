@@ -25,6 +25,11 @@ decay); in exchange, a step costs O(rows read), not O(N).
 
 Dense gradients are accepted too (then every row is touched and this is
 plain AdamW), so the optimizer can hold any parameter.
+
+Skipping a step on the device: like torch's fused AdamW, a `found_inf`
+attribute (a (,) float tensor, set by the caller around `step()`) equal to
+1.0 makes the step change nothing (parameters, moments, step count) without
+reading the flag on the host. The step count is a device tensor for this.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ from memlm.memory.hugepages import advise_huge_pages
 
 
 class SparseRowAdamW(torch.optim.Optimizer):
+    # Honours `self.found_inf` (as torch.amp.GradScaler expects of fused optimizers).
+    _step_supports_amp_scaling = True
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict],
@@ -60,26 +68,30 @@ class SparseRowAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = getattr(self, "found_inf", None)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
                 if not state:
-                    state["step"] = 0
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     state["exp_avg"] = _zeros_like_table(p)
                     state["exp_avg_sq"] = _zeros_like_table(p)
-                state["step"] += 1
+                elif not torch.is_tensor(state["step"]):  # a state saved when the count was an int
+                    state["step"] = torch.tensor(float(state["step"]), device=p.device)
                 if p.grad.is_sparse:
-                    self._sparse_update(p, p.grad, state, group)
+                    self._sparse_update(p, p.grad, state, group, found_inf)
                 else:
-                    self._dense_update(p, p.grad, state, group)
+                    self._dense_update(p, p.grad, state, group, found_inf)
+                # The count moves only for a step taken (1 - found_inf), on the device.
+                state["step"].add_(1.0 if found_inf is None else 1.0 - found_inf.to(state["step"].device))
         return loss
 
-    def _dense_update(self, p, grad, state, group) -> None:
-        _adamw(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group)
+    def _dense_update(self, p, grad, state, group, found_inf=None) -> None:
+        _adamw(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group, found_inf)
 
-    def _sparse_update(self, p, grad, state, group) -> None:
+    def _sparse_update(self, p, grad, state, group, found_inf=None) -> None:
         rows, g = sparse_rows(grad)  # (U,), (U, ...)
         m_all, v_all = state["exp_avg"], state["exp_avg_sq"]
         # Chunks of rows: gather, update as dense AdamW would, write back. Small
@@ -90,7 +102,7 @@ class SparseRowAdamW(torch.optim.Optimizer):
             p_rows = p.index_select(0, chunk)
             m_rows = m_all.index_select(0, chunk)
             v_rows = v_all.index_select(0, chunk)
-            _adamw(p_rows, g_chunk, m_rows, v_rows, state["step"], group)
+            _adamw(p_rows, g_chunk, m_rows, v_rows, state["step"], group, found_inf)
             p.index_copy_(0, chunk, p_rows)
             m_all.index_copy_(0, chunk, m_rows)
             v_all.index_copy_(0, chunk, v_rows)
@@ -109,20 +121,27 @@ def _zeros_like_table(p: torch.Tensor) -> torch.Tensor:
     return buf.zero_()
 
 
-def _adamw(p, grad, m, v, step: int, group: dict) -> None:
-    """One AdamW update of (p, m, v) in place at step `step` (1-based), through
-    torch's functional AdamW: the fused kernel where the device has one (one
-    pass over the four tensors), the plain single-tensor code otherwise."""
+def _adamw(p, grad, m, v, steps_before: torch.Tensor, group: dict, found_inf: torch.Tensor | None = None) -> None:
+    """One AdamW update of (p, m, v) in place, the step after `steps_before`
+    (a (,) tensor, not modified), through torch's functional AdamW: the fused
+    kernel where the device has one (one pass over the four tensors; it skips
+    the update when found_inf is 1), the plain single-tensor code otherwise
+    (then a skipped update is undone with torch.where)."""
     beta1, beta2 = group["betas"]
     fused = p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16)
-    # The functional API counts the step itself: pass the previous count.
-    step_before = torch.tensor(float(step - 1), device=p.device if fused else "cpu")
-    adamw(
-        [p], [grad], [m], [v], [], [step_before],
-        foreach=False, fused=fused,
-        amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-        weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
-    )
+    # The functional API counts the step itself (in place): pass a copy of the previous count.
+    step_before = steps_before.detach().to(p.device if fused else "cpu", torch.float32, copy=True)
+    kwargs = dict(amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+    if fused or found_inf is None:
+        adamw([p], [grad], [m], [v], [], [step_before], foreach=False, fused=fused,
+              found_inf=found_inf if fused else None, **kwargs)
+        return
+    old = [t.clone() for t in (p, m, v)]
+    adamw([p], [grad], [m], [v], [], [step_before], foreach=False, fused=False, **kwargs)
+    skip = found_inf.to(p.device) > 0
+    for new, before in zip((p, m, v), old):
+        new.copy_(torch.where(skip, before, new))
 
 
 def sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
