@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from memlm.train.config import CheckpointConfig
+from memlm.train.finite import check_finite_state
 
 PREFIX = "step_"
 
@@ -187,6 +188,8 @@ class Checkpointer:
         the checkpoint becomes visible (renamed, `latest`) when the next save
         starts or `finalize()` is called."""
         self.finalize()  # one save in flight at most
+        # Before anything is written: a NaN/inf weight or moment is never saved.
+        check_finite_state(model, optimizer, f"checkpoint of step {step}", CheckpointError)
         start = time.perf_counter()
         name = f"{PREFIX}{step:08d}"
         tmp, final = self.root / f".tmp_{name}", self.root / name

@@ -9,6 +9,9 @@ one. Dense models are written with Hugging Face Llama tensor names and a HF
 `config.json`, so `transformers.LlamaForCausalLM.from_pretrained(out_dir)`
 loads the same directory; every export loads with
 `memlm.model.from_pretrained(out_dir)`.
+
+A checkpoint holding a NaN or inf tensor is refused before anything is
+written (ExportError naming the tensors; the command exits 1 with one line).
 """
 
 from __future__ import annotations
@@ -27,11 +30,16 @@ import memlm
 from memlm.model import build_model
 from memlm.model.hf import to_hf_config, to_hf_state_dict
 from memlm.model.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
-from memlm.train.checkpoint import Checkpointer, verify
+from memlm.train.checkpoint import Checkpointer, CheckpointError, verify
 from memlm.train.config import from_yaml
+from memlm.train.finite import check_finite
 from memlm.train.load import resolve_checkpoint_dir, run_tokenizer_path
 
 UNITS = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+
+
+class ExportError(RuntimeError):
+    pass
 
 
 def parse_size(text: str) -> int:
@@ -65,6 +73,7 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9) -> 
     model = build_model(cfg.model, memory)
     Checkpointer.load_weights(checkpoint, model)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    check_finite(state, f"export of {checkpoint}", ExportError)
     dense = cfg.model.ffn == "dense" and memory is None
     if dense:
         state = to_hf_state_dict(state, cfg.model)
@@ -103,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"))
     args = parser.parse_args(argv)
-    out = export(args.checkpoint, args.out_dir, args.max_shard_size)
+    try:
+        out = export(args.checkpoint, args.out_dir, args.max_shard_size)
+    except (ExportError, CheckpointError) as err:
+        print(f"[export] error: {err}", file=sys.stderr)
+        return 1
     files = sorted(p.name for p in out.iterdir())
     print(f"[export] {resolve_checkpoint_dir(args.checkpoint)} -> {out}: {', '.join(files)}")
     return 0
