@@ -216,8 +216,9 @@ class Trainer:
         params = dict(self.model.named_parameters())
         if name not in params:
             raise KeyError(f"nan_grad_at: no parameter {name!r}; valid: {', '.join(params)}")
+        grad = params[name].grad
         with torch.no_grad():
-            params[name].grad.fill_(float("nan"))
+            (grad._values() if grad.is_sparse else grad).fill_(float("nan"))
 
     @torch.no_grad()
     def validate(self) -> float | None:
