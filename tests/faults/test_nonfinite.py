@@ -47,7 +47,7 @@ def test_lr_1e6_skips_counts_stops_and_saves_only_finite_checkpoints(tmp_path, c
     cfg = compose([*BASE, *MEMPLUS, "optim.lr=1e6", "max_nonfinite_steps=3", "steps=20", "logging.every=1000",
                    "checkpoint.every=2", "checkpoint.keep=100", f"dump_dir={tmp_path}"])
     trainer = Trainer(cfg)
-    with pytest.raises(NonFiniteLossError, match=r"3 consecutive non-finite losses or gradient norms"):
+    with pytest.raises(NonFiniteLossError, match=r"3 consecutive non-finite"):
         trainer.fit()
     assert trainer.nonfinite_total >= 3
     assert _all_finite(trainer.model)
