@@ -109,3 +109,19 @@ def test_collectives_per_step_do_not_grow_with_depth(tmp_path):
     assert counts["dense2"] == counts["dense8"] == 2, counts
     assert counts["memplus2"] == counts["memplus8"] == 8, counts
     assert counts["dense8"] < 77 and counts["memplus8"] < 85
+
+
+def test_batches_go_to_cuda_from_pinned_memory_without_blocking(monkeypatch):
+    """to_device: on CUDA each tensor is pinned, then copied with
+    non_blocking=True (recorded with the two methods patched: no GPU here);
+    on CPU the batch is returned as it is."""
+    from memlm.train.data_source import to_device
+
+    batch = (torch.arange(6).view(2, 3), torch.arange(6).view(2, 3) + 1)
+    assert all(a is b for a, b in zip(to_device(batch, torch.device("cpu")), batch))
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append(("to", str(a[0]), k)) or self)
+    to_device(batch, torch.device("cuda", 0))
+    assert calls == ["pin", ("to", "cuda:0", {"non_blocking": True})] * 2

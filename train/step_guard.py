@@ -67,6 +67,7 @@ class StepGuard:
         self.announce = announce  # called with each console line (the main rank prints)
         self.nonfinite_total = nonfinite_total
         self.nonfinite_run = 0  # consecutive skipped steps, as of the last read
+        self._skipped_unreported = 0  # skipped steps since the last metrics report
         self._steps: list[tuple[int, float]] = []  # (step, lr) of the unread steps: host values
         self._rows: list[torch.Tensor] = []  # (4,) per unread step: loss, grad_norm, value_grad_norm, ok
 
@@ -77,25 +78,21 @@ class StepGuard:
         row = [t.detach().float().to(device).reshape(()) for t in (loss, grad_norm, value_grad_norm, ok)]
         self._rows.append(torch.stack(row))
 
-    @property
-    def pending(self) -> int:
-        return len(self._rows)
-
-    def read(self) -> dict[str, float]:
+    def read(self, report: bool = True) -> dict[str, float]:
         """Bring the unread steps to the host (one read), count and announce the
         skipped ones, apply the stop rule; return the last step's metrics
         ({} when nothing is unread). `skipped` is the number of skipped steps
-        since the previous read, present when it is not 0."""
+        since the previous report, present when it is not 0; `report=False`
+        (a read before a save) leaves that window open."""
         if not self._rows:
             return {}
         rows = torch.stack(self._rows).tolist()  # the host read
         steps, self._steps, self._rows = self._steps, [], []
-        skipped = 0
         for (step, _), (loss, gnorm, vnorm, ok) in zip(steps, rows):
             if ok:
                 self.nonfinite_run = 0
                 continue
-            skipped += 1
+            self._skipped_unreported += 1
             self.nonfinite_total += 1
             self.nonfinite_run += 1
             cause = (f"non-finite loss {loss}" if not math.isfinite(loss) else
@@ -109,6 +106,8 @@ class StepGuard:
                 )
         loss, gnorm, vnorm, _ = rows[-1]
         metrics = {"loss": loss, "lr": steps[-1][1], "grad_norm": gnorm, "value_grad_norm": vnorm}
-        if skipped:
-            metrics["skipped"] = float(skipped)
+        if report:
+            if self._skipped_unreported:
+                metrics["skipped"] = float(self._skipped_unreported)
+            self._skipped_unreported = 0
         return metrics

@@ -130,7 +130,7 @@ class Trainer:
             print(line, flush=True)
 
     def save_checkpoint(self):
-        self.guard.read()  # the skip count and stop rule are up to date before anything is written
+        self.guard.read(report=False)  # skip count and stop rule up to date before anything is written
         self._last_saved_step = self.step
         return self.checkpointer.save(
             self.step, self.model, self.optimizer, self.scheduler, self.train_loader,
