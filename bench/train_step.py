@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import machine_line, write_section  # noqa: E402
 
 from memlm.model import build_model  # noqa: E402
-from memlm.train.config import compose  # noqa: E402
 from memlm.train.clip import clip_group_  # noqa: E402
+from memlm.train.config import compose  # noqa: E402
 from memlm.train.optim import build_optimizer  # noqa: E402
 from memlm.train.trainer import Trainer  # noqa: E402
 

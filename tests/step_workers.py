@@ -82,7 +82,7 @@ def collectives_per_step(rank: int, runs: dict[str, list[str]], out_path: str, s
     out = {}
     for name, overrides in runs.items():
         trainer = Trainer(compose([*overrides, f"steps={steps}", "logging.every=1000"]))
-        with count_collectives(lambda: trainer.step) as calls:
+        with count_collectives(lambda t=trainer: t.step) as calls:
             trainer.fit()
         middle = [(n, fsdp) for step, n, fsdp in calls if step == 2]
         out[name] = {"other": sorted(n for n, fsdp in middle if not fsdp),
@@ -97,11 +97,11 @@ def nan_grad_step_on_ranks(rank: int, overrides: list[str], nan_param: str, out_
     of `nan_param` is NaN. Rank 0 saves the full weights and optimizer state
     after step 1 and after step 2, and what a save of a poisoned model raised."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from train_workers import full_optim_state
 
     from memlm.train.checkpoint import CheckpointError
     from memlm.train.config import compose
     from memlm.train.trainer import Trainer
-    from train_workers import full_optim_state
 
     trainer = Trainer(compose(overrides), nan_grad_at={2: nan_param})
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)

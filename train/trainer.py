@@ -11,7 +11,6 @@ or meta for sharded init) -> memory parallelism -> activation checkpointing
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -26,13 +25,12 @@ from memlm.launch.preemption import install_preemption_handler
 from memlm.model import Transformer
 from memlm.train import memory_hooks
 from memlm.train.checkpoint import Checkpointer
+from memlm.train.clip import clip_group_
 from memlm.train.config import Config, to_yaml
-from memlm.train.data_source import build_train_loader, has_validation
+from memlm.train.data_source import build_train_loader, has_validation, to_device
 from memlm.train.distributed import DistEnv, Meshes, build_meshes, init_distributed, seed_everything
 from memlm.train.load import keep_tokenizer
 from memlm.train.metrics import MetricsLogger, device_peak_flops, format_eta, peak_memory_gib
-from memlm.train.clip import clip_group_
-from memlm.train.data_source import to_device
 from memlm.train.optim import build_optimizer, build_scheduler, memory_value_params
 from memlm.train.parallelize import (
     apply_activation_checkpointing,
@@ -292,6 +290,7 @@ class Trainer:
                     preempted = True
                     break
             if preempted:
+                last = self.guard.read() or last  # steps since the last logging step (one process)
                 return self._finish(start, last, None, eval_results, preempted=True)
             val_loss = self._log_validation(logger) if self.val_loader is not None else val_loss
             just_saved = cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0
