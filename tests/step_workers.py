@@ -123,3 +123,37 @@ def nan_grad_step_on_ranks(rank: int, overrides: list[str], nan_param: str, out_
     if rank == 0:
         torch.save({"after_1": after_1, "after_2": after_2, "metrics": metrics, "refused": refused_all,
                     "nonfinite_total": trainer.nonfinite_total}, out_path)
+
+
+def clip_on_two_meshes(rank: int, out_path: str) -> None:
+    """clip_group_ over DTensor gradients on two meshes (FSDP-like Shard(0) on
+    a 1-D mesh, value-table-like (Replicate, Shard(1)) on a 2-D one) and a
+    plain tensor; rank 0 saves the norm, the reference norm of the full
+    gradients, and the clipped full gradients."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from memlm.train.clip import clip_group_
+
+    torch.distributed.init_process_group("gloo")
+    flat = init_device_mesh("cpu", (2,))
+    grid = init_device_mesh("cpu", (1, 2), mesh_dim_names=("mem_replica", "mem_parallel"))
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(8, 4, generator=gen) for _ in range(3)] + [torch.randn(6, 8, generator=gen)]
+    params = []
+    for i, g in enumerate(full):
+        if i < 2:
+            p = nn.Parameter(distribute_tensor(torch.zeros_like(g), flat, [Shard(0)]))
+            p.grad = distribute_tensor(g.clone(), flat, [Shard(0)])
+        elif i == 2:
+            p = nn.Parameter(torch.zeros_like(g))
+            p.grad = g.clone()
+        else:
+            p = nn.Parameter(distribute_tensor(torch.zeros_like(g), grid, [Replicate(), Shard(1)]))
+            p.grad = distribute_tensor(g.clone(), grid, [Replicate(), Shard(1)])
+        params.append(p)
+    norm = clip_group_(params, max_norm=1.0)
+    clipped = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in params]
+    if rank == 0:
+        torch.save({"norm": norm, "full": full, "clipped": clipped}, out_path)

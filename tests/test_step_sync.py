@@ -125,3 +125,48 @@ def test_batches_go_to_cuda_from_pinned_memory_without_blocking(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append(("to", str(a[0]), k)) or self)
     to_device(batch, torch.device("cuda", 0))
     assert calls == ["pin", ("to", "cuda:0", {"non_blocking": True})] * 2
+
+
+def test_clip_over_gradients_on_two_meshes_equals_plain_clipping(tmp_path):
+    """The memory values live on another mesh than the dense weights: their
+    norms are reduced per mesh and combined; the result is the plain norm of
+    the full gradients, and each gradient is scaled by max_norm / norm."""
+    from step_workers import clip_on_two_meshes
+
+    out = tmp_path / "clip.pt"
+    run_ranks(clip_on_two_meshes, 2, str(out))
+    got = torch.load(out, weights_only=True)
+    want = torch.linalg.vector_norm(torch.cat([g.flatten() for g in got["full"]]))
+    torch.testing.assert_close(got["norm"], want, rtol=1e-6, atol=0)
+    for clipped, g in zip(got["clipped"], got["full"]):
+        torch.testing.assert_close(clipped, g * (1.0 / (want + 1e-6)), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 0.5, 1e6])
+def test_clip_group_equals_torch_clip_grad_norm(max_norm):
+    """clip_group_ on plain gradients against torch.nn.utils.clip_grad_norm_
+    (the reference), and a sparse gradient against its dense equal."""
+    from memlm.train.clip import clip_group_
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(5, 3), (7,), (2, 2, 2)]
+    ours = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    ref = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    for p, q in zip(ours, ref):
+        p.grad = torch.randn(p.shape, generator=gen)
+        q.grad = p.grad.clone()
+    norm = clip_group_(ours, max_norm)
+    want = torch.nn.utils.clip_grad_norm_(ref, max_norm if max_norm > 0 else float("inf"))
+    torch.testing.assert_close(norm, want)
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p.grad, q.grad)
+    if 0 < max_norm < float(want):  # clipping happened
+        assert torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in ours])) <= max_norm * (1 + 1e-5)
+    # Sparse (memory.sparse_updates): rows 1 and 3 read, row 1 twice.
+    table = torch.nn.Parameter(torch.zeros(5, 4))
+    dense = torch.nn.Parameter(torch.zeros(5, 4))
+    rows, values = torch.tensor([[1, 3, 1]]), torch.randn(3, 4, generator=gen)
+    table.grad = torch.sparse_coo_tensor(rows, values, (5, 4))
+    dense.grad = table.grad.to_dense()
+    torch.testing.assert_close(clip_group_([table], max_norm), clip_group_([dense], max_norm))
+    torch.testing.assert_close(table.grad.to_dense(), dense.grad)

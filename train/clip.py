@@ -33,11 +33,12 @@ def _local(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-def _by_mesh(grads: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Gradients grouped by DTensor mesh (plain tensors form one group)."""
+def _by_mesh(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors (gradients, or parameters: a DTensor's gradient lives on its
+    mesh) grouped by DTensor mesh; plain tensors form one group."""
     groups: dict[object, list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
     return list(groups.values())
 
 
@@ -65,17 +66,17 @@ def clip_group_(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor
     if max_norm > 0:
         # Each mesh's gradients are scaled by the same device-side coefficient
         # of the global norm.
-        for group in _by_mesh(grads):
+        for group in _by_mesh(with_grad):  # parameters: clip_grads_with_norm_ scales their .grad
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, _as_like(norm, group[0]), foreach=True)
     return norm
 
 
-def _as_like(norm: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """The plain norm as something `grad` can be multiplied by: a replicated
-    DTensor on the gradient's mesh (no communication) for DTensor gradients."""
-    if isinstance(grad, DTensor):
+def _as_like(norm: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The plain norm as something `param.grad` can be multiplied by: a
+    replicated DTensor on the parameter's mesh (no communication) for DTensors."""
+    if isinstance(param, DTensor):
         from torch.distributed.tensor import Replicate
 
-        mesh = grad.device_mesh
+        mesh = param.device_mesh
         return DTensor.from_local(norm, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return norm
