@@ -113,7 +113,7 @@ class Trainer:
             return None
         meta = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.train_loader)
         self.step, self.tokens = meta["step"], meta["tokens"]
-        self.guard.nonfinite_total = meta.get("nonfinite_total", 0)
+        self.nonfinite_total = meta.get("nonfinite_total", 0)
         if self.env.is_main:
             print(f"[train] resumed from {path} at step {self.step}", flush=True)
         return path
@@ -122,6 +122,10 @@ class Trainer:
     def nonfinite_total(self) -> int:
         """Steps skipped for a non-finite loss or gradient norm, as of the last host read."""
         return self.guard.nonfinite_total
+
+    @nonfinite_total.setter
+    def nonfinite_total(self, value: int) -> None:
+        self.guard.nonfinite_total = value
 
     def _print_main(self, line: str) -> None:
         if self.env.is_main:
