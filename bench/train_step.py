@@ -27,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import machine_line, write_section  # noqa: E402
 
 from memlm.model import build_model  # noqa: E402
+from memlm.train.clip import clip_group_  # noqa: E402
 from memlm.train.config import compose  # noqa: E402
-from memlm.train.optim import build_optimizer, clip_  # noqa: E402
+from memlm.train.optim import build_optimizer  # noqa: E402
 from memlm.train.trainer import Trainer  # noqa: E402
 
 TITLE = "## Training step (bench/train_step.py)"
@@ -56,7 +57,7 @@ def bare_step(overrides: list[str]):
     def step(x, y):
         loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
-        clip_(list(model.parameters()), cfg.optim.clip)
+        clip_group_(list(model.parameters()), cfg.optim.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -70,7 +71,7 @@ def trainer_step(overrides: list[str], dump_dir: str, steps: int):
 
     def step(x, y):
         feed.append((x, y))
-        trainer.train_step()
+        trainer.train_step(read=False)  # as in a non-logging step of fit()
 
     return step
 

@@ -4,14 +4,16 @@ The Slurm job of memlm.launch.slurm forwards SIGUSR1 (sent before the time
 limit) to every rank. Checkpointing inside the signal handler itself would
 interleave the checkpoint's collectives with whatever collective the rank was
 in (a deadlock), and ranks receive the signal at slightly different moments.
-So the handler only sets a flag, and the training loop asks once per step:
+So the handler only sets a flag, and the training loop asks at agreed steps
+(the trainer: every logging step, so a non-logging step has no collective
+and no host read for it; on one process every step, which costs nothing):
 
     from memlm.launch.preemption import install_preemption_handler
 
     preemption = install_preemption_handler(self.save_checkpoint)   # in Trainer.fit, before the loop
     while self.step < last_step:
         ...one optimizer step, logging, periodic checkpoint...
-        if preemption.check():  # collective: call it on every rank, once per step
+        if logging_step and preemption.check():  # collective: every rank, at the same steps
             break               # the checkpoint is written; leave fit() and exit the process
     preemption.uninstall()      # in a finally: restore the previous handlers
 
@@ -61,7 +63,7 @@ class PreemptionHandler:
         return bool(flag.item())
 
     def check(self) -> bool:
-        """Call once per step on every rank. True (after running the callback
+        """Call on every rank at the same steps. True (after running the callback
         once) when the run should stop; later calls return True without communicating."""
         if self.stopped:
             return True
@@ -84,7 +86,7 @@ class PreemptionHandler:
 def install_preemption_handler(callback: Callable[[], object] | None = None,
                                signals: Sequence[signal.Signals] = (signal.SIGUSR1,)) -> PreemptionHandler:
     """Catch `signals` (default SIGUSR1) from now on; returns the handler whose
-    `check()` the training loop calls once per step. Must be called from the
+    `check()` the training loop calls at agreed steps. Must be called from the
     main thread (Python delivers signals only there)."""
     return PreemptionHandler(callback, signals)
 

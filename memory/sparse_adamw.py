@@ -41,6 +41,11 @@ gradient of a column-sharded table lives beside it, on the parameter:
 `add_local_sparse_grad(p, g)` accumulates it (the column-parallel read does
 this in its backward), `table_grad(p)` is what the optimizer and the clipping
 read, and `zero_grad` clears it with the dense gradients.
+
+Skipping a step on the device: like torch's fused AdamW, a `found_inf`
+attribute (a (,) float tensor, set by the caller around `step()`) equal to
+1.0 makes the step change nothing (parameters, moments, step count) without
+reading the flag on the host. The step count is a device tensor for this.
 """
 
 from __future__ import annotations
@@ -55,6 +60,9 @@ from memlm.memory.hugepages import advise_huge_pages
 
 
 class SparseRowAdamW(torch.optim.Optimizer):
+    # Honours `self.found_inf` (as torch.amp.GradScaler expects of fused optimizers).
+    _step_supports_amp_scaling = True
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict],
@@ -83,6 +91,7 @@ class SparseRowAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = getattr(self, "found_inf", None)
         for group in self.param_groups:
             for param in group["params"]:
                 grad = table_grad(param)
@@ -90,30 +99,33 @@ class SparseRowAdamW(torch.optim.Optimizer):
                     continue
                 state = self.state[param]
                 if not state:
-                    state["step"] = 0
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=_local(param).device)
                     state["exp_avg"] = _zeros_like_table(param, moment_dtype(param.dtype))
                     state["exp_avg_sq"] = _zeros_like_table(param, moment_dtype(param.dtype))
-                state["step"] += 1
+                elif not torch.is_tensor(state["step"]):  # a state saved when the count was an int
+                    state["step"] = torch.tensor(float(state["step"]), device=_local(param).device)
                 # Local tensors of DTensors: the same storage, updated in place.
                 p, moments = _local(param), {k: _local(state[k]) for k in ("exp_avg", "exp_avg_sq")}
                 local_state = {"step": state["step"], **moments}
                 if grad.is_sparse:
-                    self._sparse_update(p, grad, local_state, group)
+                    self._sparse_update(p, grad, local_state, group, found_inf)
                 else:
-                    self._dense_update(p, _local(grad), local_state, group)
+                    self._dense_update(p, _local(grad), local_state, group, found_inf)
+                # The count moves only for a step taken (1 - found_inf), on the device.
+                state["step"].add_(1.0 if found_inf is None else 1.0 - found_inf.to(state["step"].device))
         return loss
 
-    def _dense_update(self, p, grad, state, group) -> None:
+    def _dense_update(self, p, grad, state, group, found_inf=None) -> None:
         p, grad, m, v = (_local(t) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"]))
         if p.dtype == m.dtype or p.dim() == 0:
-            _adamw(p, grad, m, v, state["step"], group)
+            _adamw(p, grad, m, v, state["step"], group, found_inf)
             return
         # A low-precision table: through float32 rows, a chunk at a time (views: in place).
         rows = max(1, DENSE_CHUNK_ELEMENTS // max(1, p[0].numel()))
         for part in (slice(start, start + rows) for start in range(0, p.shape[0], rows)):
-            _adamw(p[part], grad[part], m[part], v[part], state["step"], group)
+            _adamw(p[part], grad[part], m[part], v[part], state["step"], group, found_inf)
 
-    def _sparse_update(self, p, grad, state, group) -> None:
+    def _sparse_update(self, p, grad, state, group, found_inf=None) -> None:
         rows, g = sparse_rows(grad)  # (U,), (U, ...)
         m_all, v_all = state["exp_avg"], state["exp_avg_sq"]
         # Chunks of rows: gather, update as dense AdamW would, write back. Small
@@ -124,14 +136,10 @@ class SparseRowAdamW(torch.optim.Optimizer):
             p_rows = p.index_select(0, chunk)
             m_rows = m_all.index_select(0, chunk)
             v_rows = v_all.index_select(0, chunk)
-            _adamw(p_rows, g_chunk, m_rows, v_rows, state["step"], group)
+            _adamw(p_rows, g_chunk, m_rows, v_rows, state["step"], group, found_inf)
             p.index_copy_(0, chunk, p_rows)
             m_all.index_copy_(0, chunk, m_rows)
             v_all.index_copy_(0, chunk, v_rows)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 _LOCAL_SPARSE_GRAD = "local_sparse_grad"
@@ -186,27 +194,34 @@ def _zeros_like_table(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return buf.zero_()
 
 
-def _adamw(p, grad, m, v, step: int, group: dict) -> None:
-    """One AdamW update of (p, m, v) in place at step `step` (1-based), through
-    torch's functional AdamW: the fused kernel where the device has one (one
-    pass over the four tensors), the plain single-tensor code otherwise. A
-    parameter stored narrower than its moments (a bf16 table) is updated on a
-    float32 copy, rounded back once."""
+def _adamw(p, grad, m, v, steps_before: torch.Tensor, group: dict, found_inf: torch.Tensor | None = None) -> None:
+    """One AdamW update of (p, m, v) in place, the step after `steps_before`
+    (a (,) tensor, not modified), through torch's functional AdamW: the fused
+    kernel where the device has one (one pass over the four tensors; it skips
+    the update when found_inf is 1), the plain single-tensor code otherwise
+    (then a skipped update is undone with torch.where). A parameter stored
+    narrower than its moments (a bf16 table) is updated on a float32 copy,
+    rounded back once (a skipped update rounds back to the same values)."""
     if p.dtype != m.dtype:
         wide = p.to(m.dtype)
-        _adamw(wide, grad.to(m.dtype), m, v, step, group)
+        _adamw(wide, grad.to(m.dtype), m, v, steps_before, group, found_inf)
         p.copy_(wide)
         return
     beta1, beta2 = group["betas"]
     fused = p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16)
-    # The functional API counts the step itself: pass the previous count.
-    step_before = torch.tensor(float(step - 1), device=p.device if fused else "cpu")
-    adamw(
-        [p], [grad], [m], [v], [], [step_before],
-        foreach=False, fused=fused,
-        amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-        weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
-    )
+    # The functional API counts the step itself (in place): pass a copy of the previous count.
+    step_before = steps_before.detach().to(p.device if fused else "cpu", torch.float32, copy=True)
+    kwargs = dict(amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+    if fused or found_inf is None:
+        adamw([p], [grad], [m], [v], [], [step_before], foreach=False, fused=fused,
+              found_inf=found_inf if fused else None, **kwargs)
+        return
+    old = [t.clone() for t in (p, m, v)]
+    adamw([p], [grad], [m], [v], [], [step_before], foreach=False, fused=False, **kwargs)
+    skip = found_inf.to(p.device) > 0
+    for new, before in zip((p, m, v), old):
+        new.copy_(torch.where(skip, before, new))
 
 
 def sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,24 +241,32 @@ def sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return grad.indices()[0], grad.values()
 
 
+def coalesce_table_grad_(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient of `param` as clipping sees it: a dense gradient as it is;
+    a sparse one (table_grad: `.grad` or a shard's gradient kept beside it)
+    coalesced in place, returned as its row values (U, ...), so the norm is
+    the norm of the summed rows and scaling them scales the gradient."""
+    grad = table_grad(param)
+    if grad is None or not grad.is_sparse:
+        return grad
+    rows, values = sparse_rows(grad)
+    merged = torch.sparse_coo_tensor(rows.unsqueeze(0), values, grad.shape, is_coalesced=True,
+                                     check_invariants=False)
+    if param.grad is not None:
+        param.grad = merged
+    else:
+        set_local_sparse_grad(param, merged)
+    return values
+
+
 @torch.no_grad()
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Clip the global L2 norm of the gradients of `params` to `max_norm`,
-    for dense and sparse (COO) gradients alike; returns the norm before
-    clipping. torch.nn.utils.clip_grad_norm_ rejects sparse gradients. Sparse
-    gradients are coalesced in place first: the norm is the norm of their sum."""
-    grads = []
-    for p in params:
-        if p.grad is None:
-            continue
-        if p.grad.is_sparse:
-            rows, values = sparse_rows(p.grad)
-            p.grad = torch.sparse_coo_tensor(
-                rows.unsqueeze(0), values, p.grad.shape, is_coalesced=True, check_invariants=False
-            )
-            grads.append(values)
-        else:
-            grads.append(p.grad)
+    """Clip the global L2 norm of the gradients of `params` (one process) to
+    `max_norm`, for dense and sparse (COO) gradients alike; returns the norm
+    before clipping. torch.nn.utils.clip_grad_norm_ rejects sparse gradients.
+    Sparse gradients are coalesced in place first: the norm is the norm of
+    their sum. (Sharded tables: memlm.train.clip sums over the shards.)"""
+    grads = [g for p in params if (g := coalesce_table_grad_(p)) is not None]
     if not grads:
         return torch.zeros(())
     total = torch.stack([g.float().pow(2).sum() for g in grads]).sum().sqrt()

@@ -19,8 +19,12 @@ Choices, and why:
 - No token dropping and no capacity factor: token-expert assignments are
   sorted by expert and each expert runs on its contiguous slice, so every
   token reaches all of its top_k experts however unbalanced the routing is.
-  Slicing needs the per-expert counts on the host (one sync per layer); a
-  grouped-GEMM kernel can replace the loop without changing the math.
+  The slices are computed by one grouped GEMM per projection
+  (`F.grouped_mm`, group ends = cumulative per-expert counts, kept on the
+  device): no host sync. Where grouped_mm does not apply (CUDA in a dtype
+  other than bf16, or dim / hidden size not a multiple of 16 bytes), a loop
+  over the experts does the same math, reading the counts on the host (one
+  sync per layer).
 - Load balancing (Switch/GShard): aux = coef * E * sum_e f_e * P_e, where f_e
   is the fraction of the T*top_k token-slot assignments routed to e and P_e is
   the mean router probability of e. It equals `coef` for perfectly uniform
@@ -94,17 +98,47 @@ class MoE(nn.Module):
         # Stable sort keeps tokens in order within an expert (deterministic).
         order = torch.argsort(flat_experts, stable=True)  # (T*k,)
         token_of = order // self.top_k  # (T*k,) token index of each sorted assignment
-        counts = torch.bincount(flat_experts, minlength=self.n_experts).tolist()
+        counts = torch.bincount(flat_experts, minlength=self.n_experts)  # (E,)
         routed = x[token_of]  # (T*k, dim), grouped by expert
-        outs = []
-        for e, chunk in enumerate(routed.split(counts)):
-            # chunk: (count_e, dim); an empty chunk gives an empty output.
-            h = F.silu(chunk @ self.w1[e]) * (chunk @ self.w3[e])  # (count_e, hidden)
-            outs.append(h @ self.w2[e])  # (count_e, dim)
-        y = torch.cat(outs) * gates.reshape(-1)[order].unsqueeze(-1).to(x.dtype)  # (T*k, dim)
+        if self.grouped_mm_applies(x):
+            y = self.experts_grouped(routed, counts)
+        else:
+            y = self.experts_loop(routed, counts)
+        y = y * gates.reshape(-1)[order].unsqueeze(-1).to(x.dtype)  # (T*k, dim)
         out = torch.zeros_like(x).index_add_(0, token_of, y)  # (T, dim)
         self.last_aux_loss = self.balance_loss(probs, experts) if self.balance_loss_coef > 0 else None
         return out.reshape(shape)
+
+    def grouped_mm_applies(self, x: torch.Tensor) -> bool:
+        """F.grouped_mm runs on CPU (float dtypes) and on CUDA in bf16, with
+        row strides that are multiples of 16 bytes."""
+        if not hasattr(F, "grouped_mm"):
+            return False
+        if x.device.type == "cuda":
+            dtype_ok = x.dtype == torch.bfloat16
+        else:
+            dtype_ok = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+        align = 16 // x.element_size()
+        return dtype_ok and self.dim % align == 0 and self.hidden_dim % align == 0
+
+    def experts_grouped(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """routed: (T*k, dim) sorted by expert, counts: (E,) -> (T*k, dim); no host read."""
+        ends = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) end of each expert's rows
+
+        def grouped(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return _ContiguousGrad.apply(F.grouped_mm(a, w.to(a.dtype), offs=ends))
+
+        h = F.silu(grouped(routed, self.w1)) * grouped(routed, self.w3)  # (T*k, hidden)
+        return grouped(h, self.w2)  # (T*k, dim)
+
+    def experts_loop(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The same as experts_grouped, one expert at a time (reads counts on the host)."""
+        outs = []
+        for e, chunk in enumerate(routed.split(counts.tolist())):
+            # chunk: (count_e, dim); an empty chunk gives an empty output.
+            h = F.silu(chunk @ self.w1[e]) * (chunk @ self.w3[e])  # (count_e, hidden)
+            outs.append(h @ self.w2[e])  # (count_e, dim)
+        return torch.cat(outs)
 
     # ------------------------------------------------------ init, accounting
     def init_weights(self, init_std: float, out_std: float) -> None:
@@ -125,6 +159,19 @@ class MoE(nn.Module):
     def inactive_params(self) -> int:
         """Parameters of the n_experts - top_k experts a token does not run."""
         return (self.n_experts - self.top_k) * self.expert_params()
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward passes on a contiguous gradient: grouped_mm's
+    backward rejects expanded ones (e.g. the gradient of a sum)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 def default_expert_hidden_dim(dense_hidden_dim: int, top_k: int) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from memlm.errors import ConfigError
@@ -67,3 +69,35 @@ def test_error_names_the_value():
 def test_demo_experiment_sets_its_values():
     cfg = compose(["experiment=demo"])
     assert cfg.name == "demo" and cfg.dump_dir == "runs/demo"
+
+
+MEMPLUS = ["memory=memplus", "memory.layers=[1]"]
+# Optimizer numbers: a NaN, inf, zero or negative value would reach the weights
+# at the first step (before: `optim.lr=nan`, `optim.eps=0`, `optim.clip=nan`,
+# `memory.value_lr=nan` and `memory.value_grad_clip=inf` were accepted).
+BAD_NUMBERS = [
+    (["optim.lr=nan"], "optim.lr=nan"), (["optim.lr=inf"], "optim.lr=inf"), (["optim.lr=0"], "optim.lr=0"),
+    (["optim.eps=0"], "optim.eps=0"), (["optim.eps=nan"], "optim.eps=nan"), (["optim.eps=-1e-8"], "optim.eps=-1e-08"),
+    (["optim.clip=-1"], "optim.clip=-1"), (["optim.clip=nan"], "optim.clip=nan"), (["optim.clip=inf"], "optim.clip=inf"),
+    (["optim.weight_decay=nan"], "optim.weight_decay=nan"),
+    ([*MEMPLUS, "memory.value_lr=nan"], "memory.value_lr=nan"),
+    ([*MEMPLUS, "memory.value_grad_clip=inf"], "memory.value_grad_clip=inf"),
+    ([*MEMPLUS, "memory.value_weight_decay=nan"], "memory.value_weight_decay=nan"),
+]
+
+
+@pytest.mark.parametrize("overrides,named", BAD_NUMBERS, ids=[b[1] for b in BAD_NUMBERS])
+def test_nonfinite_or_nonpositive_optimizer_numbers_fail_at_compose(overrides, named):
+    with pytest.raises(ConfigError) as err:
+        compose(overrides)
+    key, value = named.split("=")
+    got, want = float(err.value.value), float(value)
+    assert err.value.key == key and (got == want or math.isnan(got) and math.isnan(want))
+    assert "a finite number > 0" in str(err.value)
+
+
+def test_zero_clip_still_means_no_clipping():
+    cfg = compose(["optim.clip=0", *MEMPLUS, "memory.value_grad_clip=0", "optim.weight_decay=0"])
+    assert (cfg.optim.clip, cfg.memory.value_grad_clip, cfg.optim.weight_decay) == (0, 0, 0)
+    with pytest.raises(ConfigError, match=r"or 0: no clipping"):
+        compose(["optim.clip=-1"])

@@ -64,6 +64,7 @@ from memlm.train.checkpoint_dir import (
     write_latest,
 )
 from memlm.train.config import CheckpointConfig
+from memlm.train.finite import check_finite_state
 
 __all__ = ["CheckpointError", "Checkpointer", "check_shapes", "complete_checkpoints", "verify"]
 
@@ -157,6 +158,8 @@ class Checkpointer:
         the checkpoint becomes visible (renamed, `latest`) when the next save
         starts or `finalize()` is called."""
         self.finalize()  # one save in flight at most
+        # Before anything is written: a NaN/inf weight or moment is never saved.
+        check_finite_state(model, optimizer, f"checkpoint of step {step}", CheckpointError)
         start = time.perf_counter()
         name = f"{PREFIX}{step:08d}"
         tmp, final = self.root / f"{TMP}{name}", self.root / name

@@ -8,6 +8,7 @@ before any process group, file or tensor is created.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,14 @@ from memlm.model.args import ModelArgs
 from memlm.model.ffn import ffn_kinds
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def check_number(key: str, value: float, zero: str = "") -> None:
+    """An optimizer number must be finite and positive; `zero` (what 0 means)
+    makes 0 valid too. A NaN or inf here would reach the weights at the first step."""
+    if math.isfinite(value) and (value > 0 or (zero and value == 0)):
+        return
+    raise ConfigError(key, value, f"a finite number > 0{f' (or 0: {zero})' if zero else ''}")
 GROUPS = ("model", "memory", "data", "optim", "parallel", "eval", "experiment")
 
 
@@ -44,8 +53,10 @@ class OptimConfig:
     clip: float = 1.0  # global gradient-norm clip of all non-memory-value weights; 0 -> off
 
     def validate(self, prefix: str = "optim") -> None:
-        if self.lr <= 0:
-            raise ConfigError(f"{prefix}.lr", self.lr, "a positive number")
+        check_number(f"{prefix}.lr", self.lr)
+        check_number(f"{prefix}.eps", self.eps)
+        check_number(f"{prefix}.clip", self.clip, zero="no clipping")
+        check_number(f"{prefix}.weight_decay", self.weight_decay, zero="no weight decay")
         if self.schedule not in ("cosine", "linear", "constant", "wsd"):
             raise ConfigError(f"{prefix}.schedule", self.schedule, "one of: cosine, linear, constant, wsd")
         for key in ("beta1", "beta2"):
@@ -57,9 +68,6 @@ class OptimConfig:
             raise ConfigError(f"{prefix}.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
         if not 0 < self.decay_fraction <= 1:
             raise ConfigError(f"{prefix}.decay_fraction", self.decay_fraction, "a number in (0, 1]")
-        if self.clip < 0 or self.weight_decay < 0:
-            key = "clip" if self.clip < 0 else "weight_decay"
-            raise ConfigError(f"{prefix}.{key}", getattr(self, key), "a number >= 0")
 
 
 @dataclass
@@ -172,6 +180,11 @@ class Config:
                 f"a multiple of parallel.memory_parallel={self.parallel.memory_parallel} "
                 "(the value table is split by columns over the memory-parallel ranks)",
             )
+        if self.memory.kind != "none":
+            # The value group's own optimizer numbers (memlm.train.optim.param_groups).
+            check_number("memory.value_lr", self.memory.value_lr)
+            check_number("memory.value_grad_clip", self.memory.value_grad_clip, zero="no clipping")
+            check_number("memory.value_weight_decay", self.memory.value_weight_decay, zero="no weight decay")
         self.data.validate()
         self.optim.validate()
         self.parallel.validate()

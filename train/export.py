@@ -9,6 +9,9 @@ one. Dense models are written with Hugging Face Llama tensor names and a HF
 `config.json`, so `transformers.LlamaForCausalLM.from_pretrained(out_dir)`
 loads the same directory; every export loads with
 `memlm.model.from_pretrained(out_dir)`.
+
+A checkpoint holding a NaN or inf tensor is refused before anything is
+written (ExportError naming the tensors; the command exits 1 with one line).
 """
 
 from __future__ import annotations
@@ -30,9 +33,14 @@ from memlm.model.hf import to_hf_config, to_hf_state_dict
 from memlm.model.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
 from memlm.train.checkpoint import Checkpointer, CheckpointError, verify
 from memlm.train.config import from_yaml
+from memlm.train.finite import check_finite
 from memlm.train.load import resolve_checkpoint_dir, run_tokenizer_path
 
 UNITS = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+
+
+class ExportError(RuntimeError):
+    pass
 
 
 def parse_size(text: str) -> int:
@@ -66,6 +74,7 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9) -> 
     model = build_model(cfg.model, memory)
     Checkpointer.load_weights(checkpoint, model)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    check_finite(state, f"export of {checkpoint}", ExportError)
     dense = cfg.model.ffn == "dense" and memory is None
     if dense:
         state = to_hf_state_dict(state, cfg.model)
@@ -106,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = export(args.checkpoint, args.out_dir, args.max_shard_size)
-    except (CheckpointError, ConfigError) as err:  # a missing or bad checkpoint: one clear line
+    except (ExportError, CheckpointError, ConfigError) as err:  # a missing, bad or non-finite checkpoint: one line
         print(f"error: cannot export {args.checkpoint}: {err}", file=sys.stderr)
         return 1
     files = sorted(p.name for p in out.iterdir())

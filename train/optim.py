@@ -1,4 +1,4 @@
-"""Optimizer, parameter groups, learning-rate schedules and gradient clipping.
+"""Optimizer, parameter groups and learning-rate schedules (clipping: train/clip.py).
 
 Groups: weights with decay; norms, biases and other vectors without decay;
 memory value tables (parameters of modules with `param_category == "memory"`)
@@ -9,10 +9,8 @@ schedule multiplier applies to every group.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -66,11 +64,11 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
         from memlm.memory.sparse_adamw import SparseRowAdamW
 
         return SparseRowAdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
-    # The fused kernel is much faster on CPU too; sharded (DTensor) parameters use foreach.
-    distributed = any(type(p).__name__ == "DTensor" for g in groups for p in g["params"])
+    # Fused on every device and for DTensor (sharded) parameters too: it is the
+    # implementation that honours `found_inf`, which skips a non-finite step on
+    # the device (train/step_guard.py), and it is much faster on CPU as well.
     return torch.optim.AdamW(
-        groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-        fused=not distributed,
+        groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True,
     )
 
 
@@ -95,44 +93,3 @@ def lr_multiplier(step: int, total: int, o: OptimConfig) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> LambdaLR:
     return LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg.steps, cfg.optim))
-
-
-def grad_norm(params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """L2 norm of the gradients; DTensor (FSDP-sharded) grads are reduced over
-    their mesh, and `group` sums plain local shards (column-sharded values)."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    from memlm.memory.sparse_adamw import table_grad
-
-    pairs = [(p, g) for p in params if (g := table_grad(p)) is not None]
-    if not pairs:
-        return torch.zeros(())
-    total = torch.zeros((), dtype=torch.float32, device=pairs[0][1].device)
-    for p, g in pairs:
-        if g.is_sparse:
-            g = g.coalesce()._values()
-        sq = g.float().pow(2).sum()
-        if isinstance(p, DTensor) and not isinstance(sq, DTensor):
-            # The sparse gradient of a sharded table's local shard: sum over its shards.
-            placements = [Partial() if pl.is_shard() else Replicate() for pl in p.placements]
-            sq = DTensor.from_local(sq, p.device_mesh, placements)
-        if isinstance(sq, DTensor):
-            sq = sq.full_tensor()
-        total = total + sq
-    if group is not None:
-        dist.all_reduce(total, group=group)
-    return total.sqrt()
-
-
-def clip_(params: list[torch.Tensor], max_norm: float, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Scale gradients so their global norm is at most `max_norm` (0 -> off); return the norm."""
-    norm = grad_norm(params, group)
-    if max_norm > 0:
-        coef = min(1.0, max_norm / (norm.item() + 1e-6))
-        if coef < 1.0:
-            from memlm.memory.sparse_adamw import table_grad
-
-            for p in params:
-                if (g := table_grad(p)) is not None:
-                    g.mul_(coef)
-    return norm

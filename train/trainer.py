@@ -11,7 +11,6 @@ or meta for sharded init) -> memory parallelism -> activation checkpointing
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -26,13 +25,14 @@ from memlm.launch.preemption import install_preemption_handler
 from memlm.model import Transformer
 from memlm.train import memory_hooks
 from memlm.train.checkpoint import Checkpointer
+from memlm.train.clip import clip_group_
 from memlm.train.config import Config, to_yaml
-from memlm.train.data_source import build_train_loader, has_validation
+from memlm.train.data_source import build_train_loader, has_validation, to_device
 from memlm.train.distributed import DistEnv, Meshes, build_meshes, init_distributed, seed_everything
 from memlm.train.load import keep_tokenizer
 from memlm.train.loss import chunked_cross_entropy
 from memlm.train.metrics import MetricsLogger, device_peak_flops, format_eta, peak_memory_gib
-from memlm.train.optim import build_optimizer, build_scheduler, clip_, memory_value_params
+from memlm.train.optim import build_optimizer, build_scheduler, memory_value_params
 from memlm.train.parallelize import (
     apply_activation_checkpointing,
     apply_compile,
@@ -41,10 +41,9 @@ from memlm.train.parallelize import (
 )
 from memlm.train.precision import autocast, enable_tf32
 from memlm.train.run_lock import RunLock, lock_run_dir
+from memlm.train.step_guard import NonFiniteLossError, StepGuard, step_if_finite, step_ok
 
-
-class NonFiniteLossError(RuntimeError):
-    pass
+__all__ = ["NonFiniteLossError", "Trainer", "accumulation_steps"]
 
 
 def accumulation_steps(cfg: Config, world_size: int) -> int:
@@ -62,15 +61,16 @@ def accumulation_steps(cfg: Config, world_size: int) -> int:
 
 class Trainer:
     def __init__(self, cfg: Config, train_loader: Any = None, val_loader: Any = None,
-                 nonfinite_at: frozenset[int] = frozenset()):
+                 nonfinite_at: frozenset[int] = frozenset(), nan_grad_at: dict[int, str] | None = None):
         self.run_lock: RunLock | None = None
         try:
-            self._init(cfg, train_loader, val_loader, nonfinite_at)
+            self._init(cfg, train_loader, val_loader, nonfinite_at, nan_grad_at)
         except BaseException:
             self.close()  # a run that failed to start gives its dump_dir back
             raise
 
-    def _init(self, cfg: Config, train_loader: Any, val_loader: Any, nonfinite_at: frozenset[int]) -> None:
+    def _init(self, cfg: Config, train_loader: Any, val_loader: Any, nonfinite_at: frozenset[int],
+              nan_grad_at: dict[int, str] | None) -> None:
         self.cfg = cfg
         self.env: DistEnv = init_distributed(cfg.device)
         enable_tf32(self.env.device)
@@ -96,9 +96,12 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.step = 0
         self.tokens = 0
-        self.nonfinite_total = 0
-        self._nonfinite_run = 0
-        self._nonfinite_at = nonfinite_at  # test hook: steps whose loss is replaced by NaN
+        # Per-step loss, norms and the skip flag stay on the device until a read.
+        self.guard = StepGuard(cfg.max_nonfinite_steps, self._print_main)
+        # Test hooks: steps whose loss is replaced by NaN; steps whose gradient of
+        # the named parameter is made NaN after backward (the loss stays finite).
+        self._nonfinite_at = nonfinite_at
+        self._nan_grad_at = dict(nan_grad_at or {})
         self.checkpointer = Checkpointer(self.dump_dir, cfg.checkpoint)
         self._last_saved_step = -1
         self._check_eval_config()
@@ -134,7 +137,21 @@ class Trainer:
             print(f"[train] resumed from {path} at step {self.step}", flush=True)
         return path
 
+    @property
+    def nonfinite_total(self) -> int:
+        """Steps skipped for a non-finite loss or gradient norm, as of the last host read."""
+        return self.guard.nonfinite_total
+
+    @nonfinite_total.setter
+    def nonfinite_total(self, value: int) -> None:
+        self.guard.nonfinite_total = value
+
+    def _print_main(self, line: str) -> None:
+        if self.env.is_main:
+            print(line, flush=True)
+
     def save_checkpoint(self):
+        self.guard.read(report=False)  # skip count and stop rule up to date before anything is written
         self._last_saved_step = self.step
         return self.checkpointer.save(
             self.step, self.model, self.optimizer, self.scheduler, self.train_loader,
@@ -181,14 +198,16 @@ class Trainer:
             aux = self.model.aux_loss() if hasattr(self.model, "aux_loss") else None
         return loss if aux is None else loss + aux
 
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step over `accum` micro-batches; returns its metrics."""
+    def train_step(self, read: bool = True) -> dict[str, float]:
+        """One optimizer step over `accum` micro-batches. Nothing is read on the
+        host unless `read` (then: the last step's metrics, see StepGuard.read;
+        otherwise {}). A step whose loss or gradient norm is not finite changes
+        no weight and no optimizer state (decided on the device)."""
         self.model.train()
         memory_hooks.on_step_start(self.model, self.step, self.cfg)
         loss_sum = torch.zeros((), device=self.env.device)
         for micro in range(self.accum):
-            inputs, targets = next(self.train_loader)
-            inputs, targets = inputs.to(self.env.device), targets.to(self.env.device)
+            inputs, targets = to_device(next(self.train_loader), self.env.device)
             sync = micro == self.accum - 1
             if hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(sync)
@@ -198,40 +217,36 @@ class Trainer:
             loss.backward()
             loss_sum += loss.detach()
         self.value_grads.finish()  # started by a hook during the last backward
+        self._inject_nan_grad()
         if self.env.distributed:
-            dist.all_reduce(loss_sum)
+            dist.all_reduce(loss_sum)  # every rank must agree on skipping: the global loss decides
             loss_sum /= self.env.world_size
         self.tokens += self.accum * self.cfg.data.micro_batch * self.cfg.data.seq_len * self.env.world_size
         lr = self.scheduler.get_last_lr()[0]
-        if not math.isfinite(loss_sum.item()):
-            return self._skip_nonfinite(loss_sum.item(), lr)
-        self._nonfinite_run = 0
         values = memory_value_params(self.model)
         value_ids = {id(p) for p in values}
         dense = [p for p in self.model.parameters() if id(p) not in value_ids]
-        gnorm = clip_(dense, self.cfg.optim.clip)
-        vnorm = clip_(values, self.cfg.memory.value_grad_clip)
-        self.optimizer.step()
+        gnorm = clip_group_(dense, self.cfg.optim.clip)
+        vnorm = clip_group_(values, self.cfg.memory.value_grad_clip) if values else torch.zeros_like(gnorm)
+        ok = step_ok(loss_sum, gnorm, vnorm)  # norms are global: every rank gets the same flag
+        step_if_finite(self.optimizer, ok)
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        self.scheduler.step()  # a skipped step is consumed (its data and schedule slot) like any other
         self.step += 1
-        return {"loss": loss_sum.item(), "lr": lr, "grad_norm": gnorm.item(), "value_grad_norm": vnorm.item()}
+        self.guard.record(self.step, lr, loss_sum, gnorm, vnorm, ok)
+        return self.guard.read() if read else {}
 
-    def _skip_nonfinite(self, loss: float, lr: float) -> dict[str, float]:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.nonfinite_total += 1
-        self._nonfinite_run += 1
-        self.step += 1  # the step is consumed (its data too) but changes no weight
-        self.scheduler.step()
-        if self.env.is_main:
-            print(f"[train] step {self.step}: non-finite loss {loss}, step skipped "
-                  f"({self.nonfinite_total} skipped so far)", flush=True)
-        if self._nonfinite_run >= self.cfg.max_nonfinite_steps:
-            raise NonFiniteLossError(
-                f"{self._nonfinite_run} consecutive non-finite losses (last at step {self.step}); "
-                f"stopping. Lower optim.lr, check the data, or raise max_nonfinite_steps."
-            )
-        return {"loss": loss, "lr": lr, "grad_norm": float("nan"), "value_grad_norm": float("nan"), "skipped": 1.0}
+    def _inject_nan_grad(self) -> None:
+        """Test hook (nan_grad_at): fill one parameter's gradient with NaN."""
+        name = self._nan_grad_at.get(self.step + 1)
+        if name is None:
+            return
+        params = dict(self.model.named_parameters())
+        if name not in params:
+            raise KeyError(f"nan_grad_at: no parameter {name!r}; valid: {', '.join(params)}")
+        grad = params[name].grad
+        with torch.no_grad():
+            (grad._values() if grad.is_sparse else grad).fill_(float("nan"))
 
     @torch.no_grad()
     def validate(self) -> float | None:
@@ -283,8 +298,11 @@ class Trainer:
             lambda: self.save_checkpoint() if self._last_saved_step != self.step else None)
         try:
             while self.step < last_step:
-                last = self.train_step()
-                if self.step % cfg.logging.every == 0 or self.step == last_step:
+                # Device values reach the host only at logging steps (and in
+                # saves, evaluations and validation): the other steps never wait.
+                logging_step = (self.step + 1) % cfg.logging.every == 0 or self.step + 1 == last_step
+                last = self.train_step(read=logging_step) or last
+                if logging_step:
                     now = time.perf_counter()
                     tps = (self.tokens - window_tokens) / max(now - window_start, 1e-9)
                     window_start, window_tokens = now, self.tokens
@@ -303,10 +321,14 @@ class Trainer:
                     saved = self.save_checkpoint()
                 if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.steps:
                     eval_results = self._evaluate(saved or self.save_checkpoint(), logger)
-                if preemption.check():  # collective: every rank stops after the same step
+                # Collective on several ranks, so only at logging steps (every rank
+                # reaches the same ones, so every rank stops after the same step);
+                # logging.every bounds how late a signal is seen.
+                if (logging_step or not env.distributed) and preemption.check():
                     preempted = True
                     break
             if preempted:
+                last = self.guard.read() or last  # steps since the last logging step (one process)
                 return self._finish(start, last, None, eval_results, preempted=True)
             val_loss = self._log_validation(logger) if self.val_loader is not None else val_loss
             just_saved = cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0
