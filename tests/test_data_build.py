@@ -119,7 +119,7 @@ def test_synthetic_kind_materializes_once(tmp_path):
 
 @pytest.mark.parametrize(("field", "value", "match"), [
     ("seq_len", 0, "positive integer"),
-    ("kind", "web", "one of: random, synthetic, raw, shards"),
+    ("kind", "web", "one of: random, synthetic, facts, raw, shards"),
     ("on_error", "ignore", "one of: raise, skip"),
     ("prefetch", -1, "0 disables prefetch"),
     ("val_fraction", 1.0, r"\[0, 1\)"),

@@ -34,7 +34,7 @@ def no_processes(monkeypatch):
     (["--nproc", "3", "--", "parallel.memory_parallel=2"],
      r"parallel.memory_parallel=2: a divisor of the world size, but --nproc 3 gives 3 rank\(s\)"),
     (["--nproc", "2", "--", "model.no_such_key=1"], r"model.no_such_key"),
-    (["--nproc", "2", "--", "optim.lr=-1"], r"optim.lr=-1.0: a positive number"),
+    (["--nproc", "2", "--", "optim.lr=-1"], r"optim.lr=-1.0: a finite number > 0"),
     (["--nproc", "2", "--", "steps=1,2"], r"memlm.launch sweep"),
     (["--nproc", "2", "--", "steps=1,,2"], r"Hydra said"),
     (["--nproc", "0", "--"], r"--nproc 0: must be an integer >= 1"),
