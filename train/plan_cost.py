@@ -159,8 +159,9 @@ def comm_volume(layout: Layout) -> dict[str, int]:
 
     fsdp_all_gather      every FSDP unit in forward, again in backward for the
                          units resharded after forward; every micro-batch
-    fsdp_reduce_scatter  the gradients (reduce dtype) once per step; hybrid
-                         sharding adds an all-reduce of the shards over replicas
+    fsdp_reduce_scatter  the gradients (reduce dtype) once per step
+    fsdp_replica_all_reduce  hybrid sharding: the gradient shards all-reduced
+                         over the replicas (one per node), once per step
     memory_all_to_all    per memory read and micro-batch (memory/parallel.py):
                          forward all-gather of (slots, weights) and all-to-all of
                          the bag; backward all-to-all of the output gradient and
@@ -172,8 +173,8 @@ def comm_volume(layout: Layout) -> dict[str, int]:
     reduce = sum(full for _, full, _ in layout.fsdp_units)
     out = {
         "fsdp_all_gather": int(_ring(s) * gather * layout.accum),
-        "fsdp_reduce_scatter": int(_ring(s) * reduce
-                                   + 2 * _ring(layout.fsdp_replicas) * layout.fsdp_local_bytes),
+        "fsdp_reduce_scatter": int(_ring(s) * reduce),
+        "fsdp_replica_all_reduce": int(2 * _ring(layout.fsdp_replicas) * layout.fsdp_local_bytes),
     }
     p, b, k = layout.memory_parallel, layout.tokens, layout.reads_per_token
     if layout.memory_reads and p > 1:
@@ -216,6 +217,7 @@ def step_time(layout: Layout, comm: dict[str, int], gpu: GPU, checkpoint: str) -
         return (gpu.network_bw if spans else gpu.nvlink_bw) * LINK_EFFICIENCY
 
     fsdp = (comm["fsdp_all_gather"] + comm["fsdp_reduce_scatter"]) / link(layout.fsdp_spans_nodes)
+    fsdp += comm["fsdp_replica_all_reduce"] / link(layout.world > layout.gpus_per_node)
     mem_comm = comm["memory_all_to_all"] / link(layout.memory_spans_nodes)
     value_reduce = comm["value_grad_reduce"] / link(layout.replicas_span_nodes)
     total = max(compute, fsdp) + memory + optimizer + mem_comm + value_reduce
