@@ -263,23 +263,27 @@ def fit(overrides: list[str], world: int, gpu: str, gpus_per_node: int) -> list[
             for p in fit_candidates(base, world)]
 
 
-def paper_table(gpu: str, gpus_per_node: int) -> str:
-    """The docs/scaling-plan.md table: each paper setting on 8, 64 and 512 GPUs
-    with the smallest memory_parallel that fits (or the largest tried)."""
-    rows = ["| setting | GPUs | memory_parallel | params | grads | optimizer | activations | total GiB/GPU | "
-            "fits | smallest P that fits | step s | MFU |", "|" + "---|" * 12]
+def paper_table(gpu: str, gpus_per_node: int, extra: list[str] = ()) -> str:
+    """The docs/scaling-plan.md table: each paper setting on 8, 64 and 512 GPUs.
+    Memory columns at the smallest memory_parallel that fits (or the largest
+    tried); every power-of-two memory_parallel that fits; the fastest of them."""
+    rows = ["| setting | GPUs | smallest P that fits | params | grads | optimizer | activations | total | "
+            "memory_parallel that fit | fastest P | step s | MFU |", "|" + "---|" * 12]
     for name, overrides in PAPER:
         for world in PAPER_WORLDS:
-            plans = fit([*PAPER_COMMON, *overrides], world, gpu, gpus_per_node)
+            plans = fit([*PAPER_COMMON, *overrides, *extra], world, gpu, gpus_per_node)
             fitting = [p for p in plans if p["fits"]]
             p = fitting[0] if fitting else plans[-1]
+            fast = min(fitting or plans, key=lambda q: q["time"]["step_s"])
             b, act = p["bytes"], p["bytes"]["activations"]
+            fit_list = ", ".join(str(q["memory_parallel"]) for q in fitting) or "none"
             rows.append(
-                f"| {name} | {world} | {p['memory_parallel']} | {_gib(b['params'])} | {_gib(b['grads'])} | "
-                f"{_gib(b['optimizer'])} | {_gib(act['saved'] + act['recompute'] + act['transient'])} | "
-                f"{_gib(b['total'])} | {'yes' if p['fits'] else 'no'} | "
-                f"{p['memory_parallel'] if fitting else 'none (up to ' + str(p['memory_parallel']) + ')'} | "
-                f"{p['time']['step_s']:.2f} | {p['time']['mfu']:.1%} |")
+                f"| {name} | {world} | {p['memory_parallel'] if fitting else 'none'} | {_gib(b['params'])} | "
+                f"{_gib(b['grads'])} | {_gib(b['optimizer'])} | "
+                f"{_gib(act['saved'] + act['recompute'] + act['transient'])} | "
+                f"{_gib(b['total'])}{'' if fitting else ' (P=' + str(p['memory_parallel']) + ')'} | {fit_list} | "
+                f"{fast['memory_parallel'] if fitting else '-'} | {fast['time']['step_s']:.2f} | "
+                f"{fast['time']['mfu']:.1%} |")
     return "\n".join(rows)
 
 
@@ -291,14 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", default="H200", help=f"one of: {', '.join(GPUS)}")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--fit", action="store_true", help="try every power-of-two memory_parallel")
-    parser.add_argument("--paper", action="store_true", help="the docs/scaling-plan.md table")
+    parser.add_argument("--paper", action="store_true",
+                        help="the docs/scaling-plan.md table (overrides apply to every setting)")
     parser.add_argument("--json", action="store_true", help="print the plan(s) as JSON")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=8b memory=memplus")
     args = parser.parse_intermixed_args(argv)  # overrides may come before or after the flags
     try:
         gpu_spec(args.gpu)
         if args.paper:
-            print(paper_table(args.gpu, args.gpus_per_node))
+            print(paper_table(args.gpu, args.gpus_per_node, args.overrides))
             return 0
         if args.fit:
             plans = fit(args.overrides, args.world, args.gpu, args.gpus_per_node)
