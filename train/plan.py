@@ -40,7 +40,15 @@ from memlm.train.distributed import DistEnv, build_meshes
 from memlm.train.memory_hooks import shard_memory_values
 from memlm.train.optim import build_optimizer
 from memlm.train.parallelize import apply_activation_checkpointing, apply_fsdp, param_dtype
-from memlm.train.plan_cost import GPUS, HBM_HEADROOM, Layout, activation_bytes, comm_volume, gpu_spec, step_time
+from memlm.train.plan_cost import (
+    GPUS,
+    HBM_HEADROOM,
+    Layout,
+    activation_bytes,
+    comm_volume,
+    gpu_spec,
+    step_time,
+)
 from memlm.train.trainer import accumulation_steps
 
 GiB = 2**30
@@ -165,7 +173,7 @@ def plan(cfg: Config, world: int, rank: int = 0, gpu: str = "H200", gpus_per_nod
     return {
         "world": world, "rank": rank, "gpu": gpu, "memory_parallel": cfg.parallel.memory_parallel,
         "model": cfg.model.name, "memory_kind": cfg.memory.kind,
-        "slots": cfg.memory.n_keys**2 if cfg.memory.kind != "none" else 0,
+        "slots": sum(t.shape[0] for t in tables),  # value-table rows (0 without memory layers)
         "params_total": counts["total"], "params_active": counts["active"],
         "bytes": {**bytes_, "value_tables": sum(local_bytes(t) for t in tables),
                   "activations": act, "total": total},

@@ -113,7 +113,12 @@ def _block_bytes_per_token(block: nn.Module, layout: Layout) -> tuple[int, int]:
         if getattr(ffn, "dense", None) is not None:  # placement=parallel keeps the SwiGLU too
             ffn_part += a * 4 * ffn.dense.w1.out_features
     else:
-        hidden = ffn.w1.out_features if hasattr(ffn, "w1") else 4 * d  # MoE/PEER: a dense-sized guess
+        if isinstance(getattr(ffn, "w1", None), nn.Linear):  # SwiGLU
+            hidden = ffn.w1.out_features
+        elif hasattr(ffn, "top_k") and hasattr(ffn, "hidden_dim"):  # MoE: each token's top_k experts
+            hidden = ffn.top_k * ffn.hidden_dim
+        else:  # PEER and others: a dense-sized guess
+            hidden = 4 * d
         ffn_part = norm + a * (d + 4 * hidden)
     return attention + ffn_part, attention
 
@@ -126,7 +131,7 @@ def activation_bytes(model: nn.Module, layout: Layout, checkpoint: str) -> dict[
     sub-key scores (fp32, heads x 2 x n_keys per token)."""
     t, a = layout.tokens, layout.compute_bytes
     saved, recompute = 0, 0
-    for i, block in enumerate(model.layers):
+    for block in model.layers:
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         full, attention = _block_bytes_per_token(inner, layout)
         wrapped = inner is not block or getattr(inner.attention, "_checkpoint_wrapped_module", None) is not None
