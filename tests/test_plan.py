@@ -77,3 +77,38 @@ def test_invalid_arguments_name_the_value(capsys, args, named, valid):
     assert main([*SMALL[:-1], *args]) == 2
     err = capsys.readouterr().err
     assert named in err and valid in err
+
+
+def _saved_for_backward(cfg) -> int:
+    """Bytes autograd keeps for backward in one fp32 forward + loss (storages
+    counted once, parameters excluded): the reference for the estimate."""
+    import torch
+    import torch.nn.functional as F
+
+    from memlm.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, cfg.memory)
+    model.init_weights()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.data.micro_batch, cfg.data.seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten())
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("memory", [[], ["memory=memplus", "memory.layers=[1,3]", "memory.n_keys=32", "memory.knn=8",
+                                         "memory.eval_knn=8", "memory.heads=2", "memory.k_dim=32"]])
+def test_activation_estimate_is_close_to_what_autograd_saves(memory):
+    cfg = compose(["model.dim=256", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=4", "data.seq_len=256",
+                   "data.micro_batch=2", "parallel.dtype=fp32", *memory])
+    estimate = plan(cfg, 1)["bytes"]["activations"]["saved"]
+    assert estimate == pytest.approx(_saved_for_backward(cfg), rel=0.15)
