@@ -49,6 +49,7 @@ if [ -d "$REPO_ROOT/.whl" ] && [ "${DRY_RUN:-0}" != "1" ]; then
 fi
 export PYTHONPATH="$PKG_DIR:$PKG_DIR/site${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+export PYTHONUNBUFFERED=1  # a section killed by its timeout still leaves its log
 unset TRITON_INTERPRET  # compiled kernels only
 
 DRY_FLAG=()
@@ -68,7 +69,8 @@ wanted() { [[ " $SECTIONS " == *" $1 "* ]]; }
 
 # run_section NAME LIMIT_S CMD...: run CMD with its output in $OUT/NAME.log,
 # killed after LIMIT_S x SCALE seconds (or what is left of the budget), and
-# append one line to the summary: status, seconds, the RESULT line or last line.
+# append one line to the summary: status, seconds, the RESULT line (or the
+# last PARTIAL line, or the last line of the log).
 run_section() {
     local name=$1 limit=$(($2 * SCALE))
     shift 2
@@ -91,7 +93,7 @@ run_section() {
     fi
     [ "$status" = ok ] || failures=$((failures + 1))
     local detail
-    detail="$(grep -h '^RESULT ' "$OUT/$name.log" | tail -n 1)"
+    detail="$(grep -hE '^(RESULT|PARTIAL) ' "$OUT/$name.log" | tail -n 1)"
     [ -n "$detail" ] || detail="$(tail -n 1 "$OUT/$name.log")"
     printf '%-13s %-20s %5s  %s\n' "$name" "$status" "$((SECONDS - t0))s" "$detail" | tee -a "$SUMMARY"
 }

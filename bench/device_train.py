@@ -9,7 +9,8 @@ section at a time, each under its own timeout):
 
 Every section builds the real `Trainer` (random tokens, no files read) and
 prints one `RESULT <section> ok|FAIL: ...` line that the shell script copies
-into its summary. MFU counts model FLOPs (3 x forward, no recomputation)
+into its summary (and `PARTIAL` lines as parts finish, kept if a section
+runs out of time). MFU counts model FLOPs (3 x forward, no recomputation)
 against the dense bf16 peak of memlm.train.metrics.PEAK_FLOPS.
 """
 
@@ -83,6 +84,7 @@ def section_mfu(dry: bool, tmp: str) -> dict:
     for name, overrides in _variants(dry).items():
         trainer = _trainer(overrides, f"{tmp}/{name}")
         results[name] = timed_steps(trainer, 2 if dry else 5, 2 if dry else 15)
+        print(f"PARTIAL mfu {name}: {json.dumps(results[name])}", flush=True)  # kept if a later part times out
         del trainer
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -103,8 +105,9 @@ def section_compile(dry: bool, tmp: str) -> dict:
             trainer.train_step()  # the compilation happens here
             _sync(trainer.env.device)
             first = time.perf_counter() - start
-            results[f"{name}/{mode}"] = {**timed_steps(trainer, 1 if dry else 3, 2 if dry else 10),
+            results[f"{name}/{mode}"] = {**timed_steps(trainer, 1 if dry else 2, 2 if dry else 6),
                                          "first_step_s": first}
+            print(f"PARTIAL compile {name}/{mode}: {json.dumps(results[f'{name}/{mode}'])}", flush=True)
             del trainer
     speedup = {name: results[f"{name}/eager"]["step_s"] / results[f"{name}/compiled"]["step_s"]
                for name in _variants(dry)}
