@@ -39,7 +39,7 @@ from memlm.train.config import Config, compose
 from memlm.train.distributed import DistEnv, build_meshes
 from memlm.train.memory_hooks import shard_memory_values
 from memlm.train.optim import build_optimizer
-from memlm.train.parallelize import apply_activation_checkpointing, apply_fsdp, param_dtype
+from memlm.train.parallelize import apply_activation_checkpointing, apply_fsdp
 from memlm.train.plan_cost import (
     GPUS,
     HBM_HEADROOM,
@@ -49,6 +49,7 @@ from memlm.train.plan_cost import (
     gpu_spec,
     step_time,
 )
+from memlm.train.precision import compute_dtype
 from memlm.train.trainer import accumulation_steps
 
 GiB = 2**30
@@ -192,7 +193,7 @@ def _layout(cfg: Config, model, meshes, env: DistEnv, accum: int, tables, table_
         world=world, rank=env.rank, gpus_per_node=gpn, memory_parallel=cfg.parallel.memory_parallel,
         tokens=cfg.data.micro_batch * cfg.data.seq_len, accum=accum, seq_len=cfg.data.seq_len,
         flops_per_token=model.flops_per_token(cfg.data.seq_len),
-        compute_bytes=param_dtype(cfg.parallel, target).itemsize,
+        compute_bytes=compute_dtype(cfg.parallel, target).itemsize,
         fsdp_size=1, fsdp_replicas=1, fsdp_spans_nodes=False,
         memory_reads=len(reads), reads_per_token=(reads[0].lookup.heads * reads[0].knn) if reads else 0,
         v_dim=tables[0].shape[1] if tables else 0, value_bytes=tables[0].element_size() if tables else 0,
@@ -205,7 +206,7 @@ def _layout(cfg: Config, model, meshes, env: DistEnv, accum: int, tables, table_
         layout.fsdp_size = shard.size()
         layout.fsdp_replicas = mesh.size(0) if mesh.ndim == 2 else 1
         layout.fsdp_spans_nodes = _spans_nodes(shard.mesh.flatten().tolist(), gpn)
-        gather = param_dtype(cfg.parallel, target)
+        gather = compute_dtype(cfg.parallel, target)
         layout.fsdp_units = _fsdp_units(model, gather, table_ids)
         layout.fsdp_local_bytes = layout.dense_local_bytes
     if meshes.memory is not None:
