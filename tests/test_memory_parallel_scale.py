@@ -124,3 +124,27 @@ def test_sparse_updates_on_two_ranks_resume_exactly(tmp_path):
         assert a[part].keys() == b[part].keys()
         for k, x in a[part].items():
             assert torch.equal(x, b[part][k]) if isinstance(x, torch.Tensor) else x == b[part][k], f"{part} {k}"
+
+
+def test_fsdp_shards_a_parameter_smaller_than_the_group_on_its_largest_dim():
+    """Product keys (heads, 2, n_keys, k_dim / 2) with 4 heads on 512 ranks:
+    Shard(0) would pad dim 0 128x and every all-gather would move the padding."""
+    from torch.distributed.tensor import Shard
+
+    from memlm.train.parallelize import _shard_placement
+
+    placement = _shard_placement(512)
+    assert placement(torch.nn.Parameter(torch.empty(4, 2, 1024, 256, device="meta"))) == Shard(2)
+    assert placement(torch.nn.Parameter(torch.empty(4096, 512, device="meta"))) is None  # FSDP's Shard(0)
+    assert placement(torch.nn.Parameter(torch.empty(64, device="meta"))) is None
+    assert _shard_placement(2)(torch.nn.Parameter(torch.empty(4, 2, 1024, 256, device="meta"))) is None
+
+
+@pytest.mark.slow  # 4 gloo ranks
+def test_keys_sharded_off_dim_0_train_like_one_process(tmp_path):
+    """memory.heads=2 on 4 FSDP ranks: the product keys are sharded on n_keys
+    (dim 2), not padded on dim 0; training equals the 1-process run."""
+    batches = _batches(128)
+    ref = _reference(TINY, batches, tmp_path / "ref")
+    got = _distributed([*TINY, "parallel.memory_parallel=1"], batches, tmp_path, world=4)
+    _assert_same(ref, got)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from memlm.memory.parallel import value_pools
 from memlm.model import Transformer
@@ -59,10 +60,24 @@ def apply_fsdp(model: Transformer, meshes: Meshes, cfg: ParallelConfig, device: 
         return
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg, device), reduce_dtype=torch.float32)
     ignored = {pool.weight for pool in value_pools(model)}
+    placement = _shard_placement(meshes.fsdp.size())
     for block in model.layers:
-        fully_shard(block, mesh=meshes.fsdp, mp_policy=mp, ignored_params=ignored or None)
+        fully_shard(block, mesh=meshes.fsdp, mp_policy=mp, ignored_params=ignored or None,
+                    shard_placement_fn=placement)
     fully_shard(model, mesh=meshes.fsdp, mp_policy=mp, ignored_params=ignored or None,
-                reshard_after_forward=False)
+                reshard_after_forward=False, shard_placement_fn=placement)
+
+
+def _shard_placement(ranks: int):
+    """FSDP shards dim 0 and pads it to a multiple of the ranks. A parameter
+    whose dim 0 is smaller than the group (product keys: (heads, 2, n_keys,
+    k_dim / 2), 4 heads on 512 ranks) would be padded 128x, and every
+    all-gather would move the padding: shard its largest dim instead."""
+    def placement(param: nn.Parameter) -> Shard | None:
+        if param.dim() < 2 or param.shape[0] >= ranks:
+            return None  # FSDP's default, Shard(0)
+        return Shard(max(range(param.dim()), key=lambda d: param.shape[d]))
+    return placement
 
 
 def reshard(model: nn.Module) -> None:
