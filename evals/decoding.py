@@ -1,4 +1,5 @@
-"""Batched greedy decoding with the KV cache.
+"""Batched decoding with the KV cache: greedy for the evals, any token choice
+(`pick`) for sampling (memlm.evals.sampling, `python -m memlm.generate`).
 
 The model takes no attention mask, so prompts of different lengths cannot
 share a batch through padding. Instead prompts are grouped by token length:
@@ -15,6 +16,7 @@ follows an eos, so that is what the model has seen before a fresh text.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -46,7 +48,80 @@ def fit_prompt(tokens: list[int], room: int) -> tuple[list[int], bool]:
     return (tokens[-room:], True) if len(tokens) > room else (tokens, False)
 
 
+def argmax_pick(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Greedy choice: logits (batch, vocab) -> (batch,); ties go to the lowest id."""
+    return logits.argmax(-1)
+
+
+# Why a row stopped: the model's eos, the caller's stop check, or max_new_tokens.
+FINISH_REASONS = ("eos", "stop", "length")
+
+
+@dataclass
+class Decoded:
+    tokens: list[list[int]]  # new tokens per prompt, without the eos
+    truncated: list[bool]  # whether each prompt was left-truncated to fit model.max_seq_len
+    finish: list[str]  # one of FINISH_REASONS per prompt
+
+
 @torch.no_grad()
+def decode(
+    model,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    eos_id: int,
+    should_stop: Callable[[list[int]], bool] | None = None,
+    batch_size: int = 16,
+    use_cache: bool = True,
+    on_batch: Callable[[int], None] | None = None,
+    pick: Callable[[torch.Tensor, list[int]], torch.Tensor] = argmax_pick,
+) -> Decoded:
+    """Continuations of token prompts, one new token per row and step chosen by
+    `pick(last logits (batch, vocab), prompt indices of the rows) -> (batch,)`:
+    argmax (greedy) by default, a sampler from memlm.evals.sampling otherwise.
+
+    A row stops at eos, when `should_stop(its tokens)` is true, or after
+    max_new_tokens. use_cache=False recomputes the whole sequence every step
+    (the reference the cache is checked and benchmarked against)."""
+    max_len = model.args.max_seq_len
+    room = max_len - max_new_tokens
+    if room < 1:
+        raise ConfigError("eval.max_new_tokens", max_new_tokens, f"an integer below model.max_seq_len={max_len}")
+    fitted = [fit_prompt(list(p), room) for p in prompts]
+    if any(not p for p, _ in fitted):
+        raise ValueError("decode: empty prompt (every prompt needs at least one token)")
+    device = model_device(model)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    finish = ["length"] * len(prompts)
+    for batch in length_batches([len(p) for p, _ in fitted], batch_size):
+        rows = torch.tensor([fitted[i][0] for i in batch], device=device)  # (batch, prompt_len)
+        cache = model.new_cache(len(batch), rows.shape[1] + max_new_tokens) if use_cache else None
+        logits = model(rows, cache=cache)  # (batch, prompt_len, vocab)
+        done = [False] * len(batch)
+        for step in range(max_new_tokens):
+            nxt = pick(logits[:, -1], batch)  # (batch,)
+            for r, token in enumerate(nxt.tolist()):
+                if done[r]:
+                    continue
+                if token == eos_id:
+                    done[r], finish[batch[r]] = True, "eos"
+                    continue
+                out = outputs[batch[r]]
+                out.append(token)
+                if should_stop is not None and should_stop(out):
+                    done[r], finish[batch[r]] = True, "stop"
+            if all(done) or step == max_new_tokens - 1:
+                break
+            if use_cache:
+                logits = model(nxt[:, None], cache=cache)
+            else:
+                rows = torch.cat([rows, nxt[:, None]], dim=1)
+                logits = model(rows)
+        if on_batch is not None:
+            on_batch(len(batch))
+    return Decoded(outputs, [t for _, t in fitted], finish)
+
+
 def greedy_generate(
     model,
     prompts: Sequence[list[int]],
@@ -58,52 +133,42 @@ def greedy_generate(
     on_batch: Callable[[int], None] | None = None,
 ) -> tuple[list[list[int]], list[bool]]:
     """Greedy continuations of token prompts: (new tokens per prompt without the
-    eos, whether each prompt was left-truncated to fit model.max_seq_len).
-
-    A row stops at eos, when `should_stop(its tokens)` is true, or after
-    max_new_tokens. use_cache=False recomputes the whole sequence every step
-    (the reference the cache is checked and benchmarked against)."""
-    max_len = model.args.max_seq_len
-    room = max_len - max_new_tokens
-    if room < 1:
-        raise ConfigError("eval.max_new_tokens", max_new_tokens, f"an integer below model.max_seq_len={max_len}")
-    fitted = [fit_prompt(list(p), room) for p in prompts]
-    if any(not p for p, _ in fitted):
-        raise ValueError("greedy_generate: empty prompt (every prompt needs at least one token)")
-    device = model_device(model)
-    outputs: list[list[int]] = [[] for _ in prompts]
-    for batch in length_batches([len(p) for p, _ in fitted], batch_size):
-        rows = torch.tensor([fitted[i][0] for i in batch], device=device)  # (batch, prompt_len)
-        cache = model.new_cache(len(batch), rows.shape[1] + max_new_tokens) if use_cache else None
-        logits = model(rows, cache=cache)  # (batch, prompt_len, vocab)
-        done = [False] * len(batch)
-        for step in range(max_new_tokens):
-            nxt = logits[:, -1].argmax(-1)  # (batch,): ties go to the lowest id
-            for r, token in enumerate(nxt.tolist()):
-                if done[r]:
-                    continue
-                if token == eos_id:
-                    done[r] = True
-                    continue
-                out = outputs[batch[r]]
-                out.append(token)
-                done[r] = should_stop is not None and should_stop(out)
-            if all(done) or step == max_new_tokens - 1:
-                break
-            if use_cache:
-                logits = model(nxt[:, None], cache=cache)
-            else:
-                rows = torch.cat([rows, nxt[:, None]], dim=1)
-                logits = model(rows)
-        if on_batch is not None:
-            on_batch(len(batch))
-    return outputs, [t for _, t in fitted]
+    eos, whether each prompt was left-truncated to fit model.max_seq_len)."""
+    out = decode(model, prompts, max_new_tokens, eos_id, should_stop, batch_size, use_cache, on_batch)
+    return out.tokens, out.truncated
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> str:
     """The text before the earliest stop sequence."""
     cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
     return text[:cut]
+
+
+def decode_texts(
+    model,
+    tokenizer,
+    contexts: Sequence[str],
+    stop: Sequence[str],
+    max_new_tokens: int,
+    batch_size: int = 16,
+    on_batch: Callable[[int], None] | None = None,
+    pick: Callable[[torch.Tensor, list[int]], torch.Tensor] = argmax_pick,
+    use_cache: bool = True,
+) -> tuple[list[str], Decoded]:
+    """Continuations of text prompts (each started the evals' way, `prompt_ids`),
+    decoded and cut before their first stop sequence: (texts, the token-level
+    result). The one text path of the harness, the lm-eval adapter and
+    `python -m memlm.generate`."""
+    stop = list(stop)
+
+    def should_stop(tokens: list[int]) -> bool:
+        text = tokenizer.decode(tokens)
+        return any(s in text for s in stop)
+
+    prompts = [prompt_ids(tokenizer, c) for c in contexts]
+    out = decode(model, prompts, max_new_tokens, tokenizer.eos_id, should_stop if stop else None, batch_size,
+                 use_cache, on_batch, pick)
+    return [cut_at_stop(tokenizer.decode(o), stop) for o in out.tokens], out
 
 
 def generate_texts(
@@ -117,13 +182,5 @@ def generate_texts(
 ) -> tuple[list[str], list[bool]]:
     """Greedy continuations of text prompts, each cut before its first stop
     sequence: (texts, whether each prompt was truncated). Shared by the harness and the lm-eval adapter."""
-    stop = list(stop)
-
-    def should_stop(tokens: list[int]) -> bool:
-        text = tokenizer.decode(tokens)
-        return any(s in text for s in stop)
-
-    prompts = [prompt_ids(tokenizer, c) for c in contexts]
-    outs, truncated = greedy_generate(model, prompts, max_new_tokens, tokenizer.eos_id,
-                                      should_stop if stop else None, batch_size, True, on_batch)
-    return [cut_at_stop(tokenizer.decode(o), stop) for o in outs], truncated
+    texts, out = decode_texts(model, tokenizer, contexts, stop, max_new_tokens, batch_size, on_batch)
+    return texts, out.truncated

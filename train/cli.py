@@ -1,6 +1,7 @@
 """Command line of `python -m memlm.train`.
 
     python -m memlm.train [hydra overrides ...]
+    python -m memlm.train --cfg job|hydra|all [hydra overrides ...]   (memlm.train.show_config)
     torchrun --nproc_per_node 2 -m memlm.train [hydra overrides ...]
 """
 
@@ -10,6 +11,7 @@ import sys
 
 from memlm.errors import ConfigError
 from memlm.train.config import GROUPS, compose, group_options
+from memlm.train.show_config import render, split_cfg_flag
 
 USAGE = """usage: python -m memlm.train [key=value ...]
 
@@ -19,7 +21,13 @@ Under torchrun every rank runs the same command.
 
 Config groups and their presets:
 {groups}
-Print the composed config without training: python -m memlm.train --cfg [overrides]
+Print the config without training (Hydra's flag, as Hydra users type it):
+  python -m memlm.train --cfg job [overrides]    the composed, validated, resolved config (bare --cfg: the same)
+  python -m memlm.train --cfg hydra [overrides]  what Hydra records of the composition: the preset of each
+                                                 group, the overrides, the config search path
+  python -m memlm.train --cfg all [overrides]    both (-c job|hydra|all and --cfg=job work too)
+  memlm composes with Hydra's compose API, not @hydra.main: Hydra's output folders, logging and
+  launcher are not used (a run writes into its dump_dir), so --cfg hydra shows only the composition.
 Sweep (Hydra multirun), one run after another: python -m memlm.train -m memory.n_keys=64,128 [overrides]
 """
 
@@ -34,18 +42,15 @@ def main(argv: list[str] | None = None) -> int:
         from memlm.launch.multirun import multirun
 
         return multirun(argv)  # one run per sweep point, one after another
-    show_only = "--cfg" in argv
-    overrides = [a for a in argv if a != "--cfg"]
     try:
+        show, overrides = split_cfg_flag(argv)
+        if show is not None:
+            print(render(show, overrides))
+            return 0
         cfg = compose(overrides)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if show_only:
-        from memlm.train.config import to_yaml
-
-        print(to_yaml(cfg))
-        return 0
     from memlm.train.checkpoint import CheckpointError
     from memlm.train.distributed import shutdown
     from memlm.train.run_lock import RunLockedError
