@@ -13,7 +13,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_evals_fixtures import MMLU_ROWS, QA_ROWS, make_model, make_tokenizer, write_jsonl, write_mmlu_csv
+from test_evals_fixtures import (
+    MMLU_ROWS,
+    QA_ROWS,
+    make_model,
+    make_tokenizer,
+    write_jsonl,
+    write_mmlu_csv,
+)
 
 from memlm.errors import ConfigError
 from memlm.evals.config import EvalConfig
