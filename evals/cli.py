@@ -30,7 +30,9 @@ Top-level keys:
 
 Every other key overrides a field of the eval config (eval.<key> also works):
   tasks=[nq_open,triviaqa,mmlu]   {tasks}
-  data_dir=<dir>       root of the task folders (docs/evals.md shows the layout)
+  data_dir=<dir>       root of the task folders (docs/evals.md shows the layout:
+                       the original releases' JSONL/JSON/CSV files, or the
+                       Hugging Face Parquet files as downloaded)
   limit=N              the first N examples of each task (0: all)
   num_fewshot=5        shots per prompt; task_fewshot.piqa=0 sets one task's
   max_new_tokens=32 batch_size=16 ppl_stride=0 log_samples=false
