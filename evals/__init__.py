@@ -25,9 +25,10 @@ Python API, used by the trainer after training:
   initialized; rank r evaluates examples r::world_size and the per-example
   results are gathered with `all_gather_object`, so every rank returns the same
   dict, equal to a one-process run. Every rank must call run_suite.
-- `data_cfg`: the run's `DataConfig`; the `synthetic_qa` task then uses the
-  questions of the synthetic corpus the model was trained on (else the
-  default synthetic corpus, generated in memory).
+- `data_cfg`: the run's `DataConfig` (`memlm.train.load.data_config(path)`
+  reads it from a checkpoint or an export); the synthetic_qa tasks ask the
+  questions of the synthetic corpus the model was trained on, and are refused
+  without one.
 - `meta`: extra JSON fields (e.g. the checkpoint path).
 
 Returns `{task: {metric: value, ..., "n": examples}}`: generative QA gives

@@ -30,7 +30,9 @@ Top-level keys:
 
 Every other key overrides a field of the eval config (eval.<key> also works):
   tasks=[nq_open,triviaqa,mmlu]   {tasks}
-  data_dir=<dir>       root of the task folders (docs/evals.md shows the layout)
+  data_dir=<dir>       root of the task folders (docs/evals.md shows the layout:
+                       the original releases' JSONL/JSON/CSV files, or the
+                       Hugging Face Parquet files as downloaded)
   limit=N              the first N examples of each task (0: all)
   num_fewshot=5        shots per prompt; task_fewshot.piqa=0 sets one task's
   max_new_tokens=32 batch_size=16 ppl_stride=0 log_samples=false
@@ -79,14 +81,36 @@ def _device(name: str) -> str:
     return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if name == "cuda" else "cpu"
 
 
-def _json_path(top: dict[str, str], loaded, step: int) -> tuple[Path, str]:
+def check_paths(top: dict[str, str]) -> None:
+    """Everything about the paths on the command line that is known before the
+    (possibly long) model load: the checkpoint exists, out= is a .json file an
+    export needs, the tokenizer file exists."""
+    from memlm.train.load import is_export_dir
+
+    checkpoint = Path(top["checkpoint"])
+    if not checkpoint.exists():
+        raise ConfigError("checkpoint", top["checkpoint"], "an existing checkpoint folder, run dump_dir or export folder")
+    export = is_export_dir(checkpoint)
     if top.get("out"):
         out = Path(top["out"])
         if out.suffix != ".json":
             raise ConfigError("out", top["out"], "a path ending in .json")
+        if out.is_dir() or any(p.exists() and not p.is_dir() for p in out.parents):
+            raise ConfigError("out", top["out"], "a .json file path whose folders are folders (or do not exist yet)")
+    elif export:
+        raise ConfigError("out", "", f"a .json path for the results ({checkpoint} is an export folder, not a run)")
+    if top.get("tokenizer") and not Path(top["tokenizer"]).is_file():
+        raise ConfigError("tokenizer", top["tokenizer"], "an existing sentencepiece .model file")
+    if export and not top.get("tokenizer") and not (checkpoint / "tokenizer.model").is_file():
+        raise ConfigError("tokenizer", "", f"the sentencepiece .model the model was trained with "
+                                           f"({checkpoint} has no tokenizer.model)")
+
+
+def _json_path(top: dict[str, str], loaded, step: int) -> tuple[Path, str]:
+    """Where the results go (out= was checked by check_paths before the load)."""
+    if top.get("out"):
+        out = Path(top["out"])
         return out.parent, out.name
-    if loaded.config is None:
-        raise ConfigError("out", "", f"a .json path for the results ({loaded.source} is an export folder, not a run)")
     source = Path(loaded.source)
     # <dump_dir>/checkpoints/step_N: the run folder as it is now, even if it moved since training.
     dump_dir = source.parent.parent if source.parent.name == "checkpoints" else Path(loaded.config.dump_dir)
@@ -126,10 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE.format(presets=", ".join(eval_presets()), tasks=known_tasks()))
         return 0
     from memlm.evals.formats import TaskDataError
+    from memlm.train.checkpoint import CheckpointError
 
     try:
         return _run(argv)
-    except (ConfigError, TaskDataError) as err:
+    except (ConfigError, TaskDataError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
@@ -138,11 +163,10 @@ def _run(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from memlm.data.tokenizer import Tokenizer
-    from memlm.evals.registry import SYNTHETIC_QA_FILES
     from memlm.evals.suite import run_suite
     from memlm.evals.tasks import load_task
     from memlm.train.config import compose
-    from memlm.train.load import load_model
+    from memlm.train.load import data_config, load_model
 
     start = time.perf_counter()
     top, overrides = parse_args(argv)
@@ -158,13 +182,12 @@ def _run(argv: list[str]) -> int:
 
         raise ConfigError("tasks", [], f"a non-empty list, e.g. tasks=[nq_open,mmlu]; {known_tasks()}")
     device = _device(top.get("device", "auto"))
-    if not Path(top["checkpoint"]).exists():
-        raise ConfigError("checkpoint", top["checkpoint"], "an existing checkpoint folder, run dump_dir or export folder")
-    # Task files are read and checked before the (possibly long) model load;
-    # synthetic_qa depends on the run's data config, known only after it.
+    check_paths(top)
+    # Task files are read and checked before the (possibly long) model load; the
+    # synthetic tasks ask about the training corpus the checkpoint's config names.
+    data_cfg = data_config(top["checkpoint"])
     for name in eval_cfg.tasks:
-        if name not in SYNTHETIC_QA_FILES:
-            load_task(name, eval_cfg)
+        load_task(name, eval_cfg, data_cfg)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     own_group = world_size > 1 and not dist.is_initialized()
     if own_group:
@@ -182,7 +205,7 @@ def _run(argv: list[str]) -> int:
         out_dir, json_name = _json_path(top, loaded, loaded.step)
         meta = {"checkpoint": str(loaded.source), "tokenizer": str(tokenizer_path)}
         results = run_suite(loaded.model, Tokenizer(str(tokenizer_path)), eval_cfg, loaded.step, out_dir, rank,
-                            world_size, data_cfg=loaded.config.data if loaded.config else None,
+                            world_size, data_cfg=data_cfg,
                             json_name=json_name, meta=meta)
     finally:
         if own_group:

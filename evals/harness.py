@@ -120,7 +120,8 @@ def _ppl_records(model, tokenizer, task: TaskData, examples, cfg: EvalConfig, ba
     texts = [ex["text"] for ex in examples]
     bar.reset(total=None)  # the window count is known only after tokenizing
     bar.unit = "window"
-    scored = rolling_loglikelihoods(model, tokenizer, texts, cfg.ppl_stride, cfg.batch_size, bar.update)
+    scored = rolling_loglikelihoods(model, tokenizer, texts, cfg.ppl_stride, cfg.batch_size, bar.update,
+                                    lambda n: bar.reset(total=n))
     return [{"nll": -lp, "tokens": n, "bytes": len(t.encode("utf-8"))} for t, (lp, n) in zip(texts, scored)]
 
 

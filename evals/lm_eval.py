@@ -12,7 +12,8 @@ Python, import this module and pass `model="memlm"` (or a `MemLM` instance) to
 
 Model arguments (--model_args): checkpoint (a checkpoint folder, run dump_dir
 or export folder, loaded with `memlm.train.load.load_model`), tokenizer
-(default: the run's), max_gen_toks (default 256, as lm-eval's models). The
+(default: the run's), max_gen_toks (default 256, as lm-eval's models); any
+other key is refused (a misspelled argument would otherwise be ignored). The
 batch size and device come from lm-eval's own --batch_size (a number; "auto"
 means 16) and --device (falls back to the CPU when CUDA is missing). The requests go through the same decoding and scoring
 functions as `python -m memlm.evals`, so a task given to both gets the same
@@ -32,6 +33,9 @@ from memlm.evals.decoding import generate_texts
 from memlm.evals.scoring import loglikelihoods, rolling_loglikelihoods
 
 DEFAULT_MAX_GEN_TOKS = 256
+MODEL_ARGS = ("checkpoint", "tokenizer", "max_gen_toks")
+# What lm-eval's evaluator adds to --model_args from its own options.
+LM_EVAL_ARGS = ("batch_size", "max_batch_size", "device")
 
 
 def _int_or_default(value: Any, default: int) -> int:
@@ -45,10 +49,15 @@ def _int_or_default(value: Any, default: int) -> int:
 class MemLM(LM):
     def __init__(self, checkpoint: str | None = None, tokenizer: str | None = None, device: str | None = "auto",
                  batch_size: int | str | None = 16, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
-                 model: Any = None, **_: Any):
+                 model: Any = None, max_batch_size: Any = None, **unknown: Any):
         """Either `checkpoint` (and optionally `tokenizer`), or an already loaded
-        `model` with a `tokenizer` object (in-process use, e.g. from the trainer)."""
+        `model` with a `tokenizer` object (in-process use, e.g. from the trainer).
+        max_batch_size (lm-eval's, for batch_size=auto) is accepted and unused:
+        the batch size is fixed."""
         super().__init__()
+        if unknown:
+            raise ValueError(f"memlm: unknown --model_args {', '.join(f'{k}={v!r}' for k, v in unknown.items())}; "
+                             f"valid: {', '.join(MODEL_ARGS)} (and lm-eval's own --{', --'.join(LM_EVAL_ARGS)})")
         import torch
 
         if model is None:
@@ -78,7 +87,7 @@ class MemLM(LM):
     def max_length(self) -> int:
         return self.model.args.max_seq_len
 
-    def _bar(self, total: int, what: str) -> tqdm:
+    def _bar(self, total: int | None, what: str) -> tqdm:
         return tqdm(total=total, desc=f"memlm {what}", file=sys.stderr, disable=self.rank != 0)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -89,9 +98,10 @@ class MemLM(LM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         texts = [req.args[0] for req in requests]
-        with self._bar(len(texts), "loglikelihood_rolling") as bar:
-            scored = rolling_loglikelihoods(self.model, self.tokenizer, texts, 0, self.batch_size)
-            bar.update(len(texts))
+        # Counted in windows of max_length tokens (known once the texts are tokenized), batch by batch.
+        with self._bar(None, "loglikelihood_rolling (windows)") as bar:
+            scored = rolling_loglikelihoods(self.model, self.tokenizer, texts, 0, self.batch_size, bar.update,
+                                            lambda n: bar.reset(total=n))
         return [logprob for logprob, _ in scored]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:

@@ -27,26 +27,37 @@ class TaskSpec:
     name: str
     kind: str  # qa | mmlu | choice | ppl
     folder: str  # under data_dir; "" for tasks that need no files
-    eval_files: tuple[str, ...]  # first one that exists is evaluated
+    eval_files: tuple[str, ...]  # first one that exists is evaluated; `*`: a glob of Parquet shards
     pool_files: tuple[str, ...] = ()  # few-shot pool; none found -> the first k eval examples
     reader: str = ""  # record parser, see formats.py
     format: str = ""  # what the files must look like, quoted in errors
 
 
-QA_FORMAT = 'JSONL or JSON list of {"question": str, "answer": str | [str, ...]}'
-NQ_FORMAT = 'NQ-open JSONL: one {"question": str, "answer": [str, ...]} per line'
+QA_FORMAT = ('JSONL, JSON list or Parquet of {"question": str, "answer": str | [str, ...]}')
+NQ_FORMAT = ('NQ-open JSONL (one {"question": str, "answer": [str, ...]} per line) or the Hugging Face '
+             'Parquet (google-research-datasets/nq_open: columns question, answer)')
 TRIVIAQA_FORMAT = ('TriviaQA JSONL or JSON ({"Data": [...]} or a list) of {"question": str, '
-                   '"answer": {"aliases": [str], "value": str}} (or the release\'s Question/Answer.Aliases/Value)')
-CHOICE_FORMAT = ('JSONL of {"context" or "question": str, "choices": [str, ...], "answer": index}')
+                   '"answer": {"aliases": [str], "value": str}} (or the release\'s Question/Answer.Aliases/Value); '
+                   'or the Hugging Face Parquet (mandarjoshi/trivia_qa: columns question, answer.value, answer.aliases)')
+CHOICE_FORMAT = ('JSONL or Parquet of {"context" or "question": str, "choices": [str, ...], "answer": index}')
 MMLU_FORMAT = ("MMLU CSV files test/<subject>_test.csv (+ dev/<subject>_dev.csv), rows "
-               "question,A,B,C,D,answer with no header; or test.jsonl (+ dev.jsonl) of "
-               '{"question": str, "choices": [4 str], "answer": index or letter, "subject": str}')
+               "question,A,B,C,D,answer (a header row naming these columns is skipped); or test.jsonl (+ dev.jsonl) of "
+               '{"question": str, "choices": [4 str], "answer": index or letter, "subject": str}; or the Hugging '
+               "Face Parquet (cais/mmlu: all/test-*.parquet + all/dev-*.parquet, the same columns)")
 FACTS_FORMAT = ('a run trained on data.kind=facts (memlm.data.facts): its facts.jsonl of '
                 '{"question": str, "answer": str, "values": int}')
-PPL_FORMAT = 'JSONL of {"text": str} (one document per line) or a plain-text file (one document)'
+PPL_FORMAT = ('JSONL or Parquet of {"text": str} (one document per record) or a plain UTF-8 text file (one document)')
 
-_CHOICE_EVAL = ("test.jsonl", "validation.jsonl")
-_CHOICE_POOL = ("train.jsonl", "dev.jsonl")
+# Hugging Face dataset repositories store each split as <split>-00000-of-0000N.parquet,
+# in a folder named after the config when the dataset has several.
+_CHOICE_EVAL = ("test.jsonl", "validation.jsonl", "test-*.parquet", "validation-*.parquet")
+_CHOICE_POOL = ("train.jsonl", "dev.jsonl", "train-*.parquet", "dev-*.parquet")
+_QA_EVAL = ("test.jsonl", "test.json", "test-*.parquet", "validation-*.parquet")
+_QA_POOL = ("train.jsonl", "train.json", "train-*.parquet")
+_PPL_EVAL = ("test.jsonl", "test.txt", "test-*.parquet")
+# TriviaQA's Hugging Face test split has no answers: only validation is evaluated. The
+# no-context configs first (small files); rc.nocontext is the one lm-eval's triviaqa uses.
+_TRIVIAQA_CONFIGS = ("", "rc.nocontext/", "unfiltered.nocontext/", "rc/", "unfiltered/")
 
 
 def _choice(name: str) -> TaskSpec:
@@ -56,13 +67,19 @@ def _choice(name: str) -> TaskSpec:
 TASKS: dict[str, TaskSpec] = {
     spec.name: spec
     for spec in (
-        TaskSpec("nq_open", "qa", "nq_open", ("test.jsonl", "NQ-open.dev.jsonl"),
-                 ("train.jsonl", "NQ-open.train.jsonl"), "qa", NQ_FORMAT),
+        TaskSpec("nq_open", "qa", "nq_open",
+                 ("test.jsonl", "validation.jsonl", "NQ-open.dev.jsonl", "validation-*.parquet",
+                  "nq_open/validation-*.parquet"),
+                 ("train.jsonl", "NQ-open.train.jsonl", "train-*.parquet", "nq_open/train-*.parquet"), "qa", NQ_FORMAT),
         TaskSpec("triviaqa", "qa", "triviaqa",
-                 ("test.jsonl", "test.json", "validation.jsonl", "unfiltered-web-dev.json"),
-                 ("train.jsonl", "train.json"), "triviaqa", TRIVIAQA_FORMAT),
-        TaskSpec("hotpotqa", "qa", "hotpotqa", ("test.jsonl", "test.json", "hotpot_dev_distractor_v1.json"),
-                 ("train.jsonl", "train.json"), "qa", QA_FORMAT),
+                 ("test.jsonl", "test.json", "validation.jsonl", "unfiltered-web-dev.json",
+                  *(f"{c}validation-*.parquet" for c in _TRIVIAQA_CONFIGS)),
+                 ("train.jsonl", "train.json", *(f"{c}train-*.parquet" for c in _TRIVIAQA_CONFIGS)),
+                 "triviaqa", TRIVIAQA_FORMAT),
+        TaskSpec("hotpotqa", "qa", "hotpotqa",
+                 ("test.jsonl", "test.json", "hotpot_dev_distractor_v1.json", "validation-*.parquet",
+                  "distractor/validation-*.parquet"),
+                 ("train.jsonl", "train.json", "train-*.parquet", "distractor/train-*.parquet"), "qa", QA_FORMAT),
         # Generated in memory (or from the run's synthetic data config): no files.
         TaskSpec("synthetic_qa", "qa", "", (), (), "qa", QA_FORMAT),
         # ... only the people with QA-format training text, or only the biography-only ones
@@ -72,13 +89,14 @@ TASKS: dict[str, TaskSpec] = {
         # ... the seen people's facts in the phrasings they were trained on: what the
         # model stored, apart from whether it understands a new phrasing.
         TaskSpec("synthetic_qa_trained", "qa", "", (), (), "qa", QA_FORMAT),
-        TaskSpec("mmlu", "mmlu", "mmlu", ("test", "test.jsonl"), ("dev", "dev.jsonl"), "mmlu", MMLU_FORMAT),
+        TaskSpec("mmlu", "mmlu", "mmlu", ("test", "test.jsonl", "all/test-*.parquet", "test-*.parquet"),
+                 ("dev", "dev.jsonl", "all/dev-*.parquet", "dev-*.parquet"), "mmlu", MMLU_FORMAT),
         _choice("openbookqa"),
         _choice("piqa"),
         _choice("hellaswag"),
         _choice("arc_easy"),
         _choice("arc_challenge"),
-        TaskSpec("ppl", "ppl", "ppl", ("test.jsonl", "test.txt"), (), "ppl", PPL_FORMAT),
+        TaskSpec("ppl", "ppl", "ppl", _PPL_EVAL, (), "ppl", PPL_FORMAT),
         # The random-facts corpus the run trained on (data.kind=facts): no files.
         TaskSpec("facts_bits", "bits", "", (), (), "", FACTS_FORMAT),
     )
@@ -105,8 +123,8 @@ def task_spec(name: str, key: str = "eval.tasks") -> TaskSpec:
     if sep and prefix in PREFIXES and folder and "/" not in folder and folder not in (".", ".."):
         fmt, reader = PREFIXES[prefix]
         if prefix == "qa":
-            return TaskSpec(name, "qa", folder, ("test.jsonl", "test.json"), ("train.jsonl", "train.json"), reader, fmt)
+            return TaskSpec(name, "qa", folder, _QA_EVAL, _QA_POOL, reader, fmt)
         if prefix == "choice":
             return TaskSpec(name, "choice", folder, _CHOICE_EVAL, _CHOICE_POOL, reader, fmt)
-        return TaskSpec(name, "ppl", folder, ("test.jsonl", "test.txt"), (), reader, fmt)
+        return TaskSpec(name, "ppl", folder, _PPL_EVAL, (), reader, fmt)
     raise ConfigError(key, name, known_tasks())

@@ -139,8 +139,11 @@ def rolling_loglikelihoods(
     stride: int = 0,
     batch_size: int = 16,
     on_batch: Callable[[int], None] | None = None,
+    on_windows: Callable[[int], None] | None = None,
 ) -> list[tuple[float, int]]:
-    """(log-likelihood in nats, token count) of each whole text, from rolling windows."""
+    """(log-likelihood in nats, token count) of each whole text, from rolling
+    windows. `on_windows(n)` learns the window count once the texts are
+    tokenized (a progress bar's total); `on_batch(k)` then counts k scored windows."""
     max_len = model.args.max_seq_len
     rows, owner, counts = [], [], []
     for d, text in enumerate(texts):
@@ -149,6 +152,8 @@ def rolling_loglikelihoods(
         for row in rolling_rows(tokens, tokenizer.eos_id, max_len, stride):
             rows.append(row)
             owner.append(d)
+    if on_windows is not None:
+        on_windows(len(rows))
     totals = [0.0] * len(texts)
     for d, (logprob, _) in zip(owner, score_rows(model, rows, batch_size, on_batch)):
         totals[d] += logprob

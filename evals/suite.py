@@ -57,7 +57,8 @@ def run_suite(
             results.update(metrics)
             if task.spec.kind == "qa" and (groups := exact_match_by(records, "phrasing")):
                 by_phrasing[name] = groups
-            tasks[name] = {"kind": task.spec.kind, "num_fewshot": shots, "fewshot_source": task.fewshot_source,
+            tasks[name] = {"kind": task.spec.kind, "source": task.source, "num_fewshot": shots,
+                           "fewshot_source": task.fewshot_source,
                            "seconds": round(time.perf_counter() - task_start, 2)}
             if eval_cfg.log_samples:
                 samples[name] = records

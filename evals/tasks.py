@@ -18,6 +18,7 @@ from memlm.errors import ConfigError
 from memlm.evals.config import EvalConfig
 from memlm.evals.formats import (
     TaskDataError,
+    describe,
     find_file,
     find_optional,
     parse_choice,
@@ -35,46 +36,52 @@ class TaskData:
     examples: list[dict]
     shots: dict[str, list[dict]]  # by MMLU subject; other tasks use the key ""
     fewshot_source: str  # a file, or "first k evaluated examples"
+    source: str = ""  # the evaluated file (or corpus), for the report
 
 
 def load_task(name: str, cfg: EvalConfig, data_cfg: Any = None) -> TaskData:
     spec = task_spec(name)
     k = cfg.fewshot_for(name) if spec.kind not in ("ppl", "bits") else 0
     if spec.name in SYNTHETIC_QA_FILES:
-        examples, pool = _synthetic_qa(data_cfg, spec.name), None
+        (examples, source), pool = _synthetic_qa(data_cfg, spec.name), None
     elif spec.kind == "bits":
-        examples, pool = _facts(data_cfg, spec.name), None
+        (examples, source), pool = _facts(data_cfg, spec.name), None
     else:
         if not cfg.data_dir:
             raise ConfigError("eval.data_dir", cfg.data_dir,
                               f"the folder holding {spec.folder}/ for task {name} (see docs/evals.md)")
         folder = Path(cfg.data_dir) / spec.folder
-        path = find_file(folder, spec.eval_files, spec.format, name)
-        pool_path = find_optional(folder, spec.pool_files) if k else None
-        examples = _read(spec, path, None, "test")
-        pool = _read(spec, pool_path, None if spec.kind == "mmlu" else k, "dev") if pool_path else None
+        paths = find_file(folder, spec.eval_files, spec.format, name)
+        pool_paths = find_optional(folder, spec.pool_files) if k else None
+        examples, source = _read(spec, paths, None, "test"), describe(paths)
+        pool = _read(spec, pool_paths, None if spec.kind == "mmlu" else k, "dev") if pool_paths else None
     if spec.kind == "mmlu":
-        examples, shots, source = _mmlu_shots(examples, pool, k, name)
+        examples, shots, shot_source = _mmlu_shots(examples, pool, k, name)
     elif pool is not None:
-        shots, source = {"": pool[:k]}, str(pool_path)
+        shots, shot_source = {"": pool[:k]}, describe(pool_paths)
         if len(pool) < k:
-            raise TaskDataError(f"task {name}: {pool_path} has {len(pool)} examples, fewer than {k} shots")
+            raise TaskDataError(f"task {name}: {shot_source} has {len(pool)} examples, fewer than {k} shots")
     else:
-        shots, source = {"": examples[:k]}, f"first {k} evaluated examples" if k else "none"
+        shots, shot_source = {"": examples[:k]}, f"first {k} evaluated examples" if k else "none"
         examples = examples[k:]
     if cfg.limit:
         examples = examples[: cfg.limit]
     if not examples:
         raise TaskDataError(f"task {name}: no examples left to evaluate (after {k} few-shot examples)")
-    return TaskData(spec, examples, shots, source)
+    return TaskData(spec, examples, shots, shot_source, source)
 
 
-def _read(spec: TaskSpec, path: Path, limit: int | None, split: str) -> list[dict]:
+# The fields each reader looks at: Parquet files are read for these columns only.
+_QA_FIELDS = ("question", "Question", "answer", "Answer")
+_CHOICE_FIELDS = ("context", "question", "choices", "answer")
+
+
+def _read(spec: TaskSpec, paths: list[Path], limit: int | None, split: str) -> list[dict]:
     if spec.kind == "mmlu":
-        return read_mmlu(path, split, spec.format)
+        return read_mmlu(paths, split, spec.format)
     if spec.kind == "ppl":
-        return read_texts(path, spec.format)
-    records = read_records(path, spec.format, limit)
+        return read_texts(paths, spec.format)
+    records = read_records(paths, spec.format, limit, _QA_FIELDS if spec.kind == "qa" else _CHOICE_FIELDS)
     if spec.kind == "qa":
         return [parse_qa(where, r, spec.reader, spec.format) for where, r in records]
     return [parse_choice(where, r, spec.format) for where, r in records]
@@ -124,51 +131,56 @@ def synthetic_folder_of_shards(data_cfg: Any) -> Path | None:
     return folders.pop() if len(folders) == 1 else None
 
 
-def _synthetic_qa(data_cfg: Any, task: str = "synthetic_qa") -> list[dict]:
-    """The synthetic corpus' held-out question phrasings: from the run's data
-    config when it trained on the synthetic corpus (same people and facts),
-    or from the corpus its shards were prepared from, else generated in
-    memory from the default SyntheticConfig. The _seen /
+def _synthetic_qa(data_cfg: Any, task: str = "synthetic_qa") -> tuple[list[dict], str]:
+    """(the questions, their file) of the synthetic corpus the model was trained
+    on: from the run's data config when it trained on the synthetic corpus
+    (same people and facts; regenerated under data.cache_dir when missing), or
+    from the corpus its shards were prepared from. Without a known synthetic
+    training corpus this fails: questions about people the model never read
+    would give a number that looks valid and means nothing. The _seen /
     _unseen tasks keep the people with / without QA training text; _trained
     asks the seen people's facts in the phrasings they were trained on.
 
     qa.jsonl lists each person's questions together; a seeded shuffle makes the
     shots (and a `limit` prefix) span many people instead of one person's facts."""
     split = SYNTHETIC_QA_FILES[task]
-    synthetic = data_cfg is not None and getattr(data_cfg, "kind", "") == "synthetic"
+    if data_cfg is None:
+        raise ConfigError("eval.tasks", task, "a model whose training corpus is known: a run checkpoint, or an "
+                          "export that records the run's data config (memlm_data.json, written by "
+                          "python -m memlm.train.export; re-export an older export from its checkpoint); "
+                          "in Python, run_suite(..., data_cfg=<the run's DataConfig>)")
+    kind = getattr(data_cfg, "kind", "")
+    synthetic = kind == "synthetic"
     folder = None if synthetic else synthetic_folder_of_shards(data_cfg)
+    if not synthetic and folder is None:
+        where = (f" from shards_dir={data_cfg.shards_dir!r}, whose manifest.json names no synthetic corpus "
+                 "(train.jsonl next to qa.jsonl) that exists on this machine") if kind == "shards" else ""
+        raise ConfigError("eval.tasks", task, "a model trained on the synthetic corpus (data=synthetic, or kind: "
+                          f"shards prepared from one); this model trained on data.kind={kind!r}{where}")
     fraction = data_cfg.synthetic.qa_fraction if synthetic else None
-    if folder is None and split == "qa_trained" and not (fraction or 0) > 0:
-        raise ConfigError("data.synthetic.qa_fraction", fraction if synthetic else "no synthetic corpus",
+    if synthetic and split == "qa_trained" and not fraction > 0:
+        raise ConfigError("data.synthetic.qa_fraction", fraction,
                           f"a fraction > 0 in the run's config for task {task}, so that some people "
                           "have QA training text to be asked in; or task synthetic_qa")
-    if folder is None and split in ("qa_seen", "qa_unseen") and not (synthetic and 0 < fraction < 1):
-        raise ConfigError("data.synthetic.qa_fraction", fraction if synthetic else "no synthetic corpus",
+    if synthetic and split in ("qa_seen", "qa_unseen") and not 0 < fraction < 1:
+        raise ConfigError("data.synthetic.qa_fraction", fraction,
                           f"a fraction strictly between 0 and 1 in the run's config for task {task}, "
                           "so that both people with and without QA training text exist; or task synthetic_qa")
-    if synthetic or folder is not None:
-        if synthetic:
-            from memlm.data.corpus import materialize_synthetic
+    if synthetic:
+        from memlm.data.corpus import materialize_synthetic
 
-            path = Path(materialize_synthetic(data_cfg)[split])
-        else:  # shards prepared from a synthetic corpus (the demo): that corpus' questions
-            path = folder / f"{split}.jsonl"
-        where = f"synthetic {path.name}"
-        examples = [_with_phrasing(parse_qa(w, r, "qa", where), r) for w, r in read_records(path, where)
-                    ] if path.is_file() else []
-        if not examples and folder is not None:
-            raise ConfigError("eval.tasks", task, f"a task with questions in {folder} ({path.name} is missing or "
-                              "empty: the corpus was generated without the QA text this task asks about); "
-                              "or task synthetic_qa")
-    else:
-        from memlm.data.config import SyntheticConfig
-        from memlm.data.synthetic import generate
-
-        syn = SyntheticConfig()
-        _, _, qa = generate(syn.people, syn.docs_per_person, syn.seed)
-        examples = [{"question": r["question"], "answers": list(r["answer"]), "phrasing": r["phrasing"]} for r in qa]
+        path = Path(materialize_synthetic(data_cfg)[split])
+    else:  # shards prepared from a synthetic corpus (the demo): that corpus' questions
+        path = folder / f"{split}.jsonl"
+    where = f"synthetic {path.name}"
+    examples = [_with_phrasing(parse_qa(w, r, "qa", where), r) for w, r in read_records(path, where)
+                ] if path.is_file() else []
+    if not examples:
+        raise ConfigError("eval.tasks", task, f"a task with questions in {path.parent} ({path.name} is missing or "
+                          "empty: the corpus was generated without the QA text this task asks about); "
+                          "or task synthetic_qa")
     random.Random(0).shuffle(examples)
-    return examples
+    return examples, str(path)
 
 
 def _facts(data_cfg: Any, task: str) -> list[dict]:
@@ -187,4 +199,4 @@ def _facts(data_cfg: Any, task: str) -> list[dict]:
             raise TaskDataError(f"{w}: expected {{\"question\": str, \"answer\": str, \"values\": int >= 2}}, "
                                 f"got {json.dumps(r)[:200]}")
         examples.append({"question": r["question"], "answer": r["answer"], "values": r["values"]})
-    return examples
+    return examples, str(path)

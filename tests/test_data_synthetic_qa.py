@@ -200,11 +200,14 @@ def test_shards_prepared_from_a_synthetic_corpus_are_asked_about_its_own_people(
     for task, people in (("synthetic_qa_trained", names[:6]), ("synthetic_qa_seen", names[:6]), ("synthetic_qa", names)):
         examples = load_task(task, cfg, shards).examples
         assert examples and all(any(n in ex["question"] for n in people) for ex in examples), task
-    # Shards of another corpus: no synthetic folder (synthetic_qa falls back to the default corpus).
+    # Shards of another corpus: no synthetic folder, and synthetic_qa is refused (not asked
+    # about some other corpus' people).
     other = tmp_path / "other.jsonl"
     other.write_text('{"text": "plain text"}\n' * 4)
     prepare([SourceConfig(name="web", path=str(other))], corpus["tokenizer"], str(tmp_path / "s2"), workers=1)
     assert synthetic_folder_of_shards(DataConfig(kind="shards", shards_dir=str(tmp_path / "s2"))) is None
+    with pytest.raises(ConfigError, match="manifest.json names no synthetic corpus"):
+        load_task("synthetic_qa", cfg, DataConfig(kind="shards", shards_dir=str(tmp_path / "s2")))
     # A corpus without QA text: the task that needs it says so.
     bare = DataConfig(kind="synthetic", vocab_size=400, cache_dir=str(tmp_path / "c2"),
                       synthetic=SyntheticConfig(people=12, docs_per_person=1))

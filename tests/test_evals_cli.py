@@ -117,6 +117,13 @@ def test_cli_export_folder_needs_out(run_dir, tmp_path, capsys):
     assert "out=''" in capsys.readouterr().err
     assert main([f"checkpoint={folder}", "tasks=[synthetic_qa]", "limit=2", f"out={tmp_path / 'e.json'}"]) == 0
     assert json.loads((tmp_path / "e.json").read_text())["results"]["synthetic_qa"]["n"] == 2
+    # The export records the run's corpus (memlm_data.json): the same questions and numbers as the run.
+    args = ["tasks=[synthetic_qa]", "limit=4", "num_fewshot=1", "log_samples=true"]
+    assert main([f"checkpoint={folder}", *args, f"out={tmp_path / 'export.json'}"]) == 0
+    assert main([f"checkpoint={run_dir}", *args, f"out={tmp_path / 'run.json'}"]) == 0
+    on_export, on_run = (json.loads((tmp_path / f"{n}.json").read_text())["results"] for n in ("export", "run"))
+    assert on_export == on_run
+    assert (tmp_path / "export_samples.jsonl").read_text() == (tmp_path / "run_samples.jsonl").read_text()
 
 
 def test_gathered_records_come_back_in_dataset_order(monkeypatch):

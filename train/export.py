@@ -98,12 +98,23 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9) -> 
         "model": dataclasses.asdict(cfg.model), "memory": dataclasses.asdict(cfg.memory),
     }
     (out_dir / CONFIG_NAME).write_text(json.dumps(memlm_config, indent=2))
+    write_data_config(cfg, out_dir)
     if dense:
         to_hf_config(cfg.model, torch_dtype="float32").save_pretrained(str(out_dir))
     tokenizer = run_tokenizer_path(cfg, checkpoint)
     if tokenizer and Path(tokenizer).is_file():
         shutil.copy(tokenizer, out_dir / "tokenizer.model")
     return out_dir
+
+
+# -------------------------------------------------------------- data config
+def write_data_config(cfg, out_dir: Path) -> None:
+    """The run's data config as memlm_data.json: evaluations that ask about the
+    training corpus (synthetic_qa) read it (memlm.train.load.data_config)."""
+    from memlm.train.load import DATA_CONFIG_NAME
+
+    payload = {"memlm_version": memlm.__version__, "data": dataclasses.asdict(cfg.data)}
+    (out_dir / DATA_CONFIG_NAME).write_text(json.dumps(payload, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:

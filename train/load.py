@@ -87,3 +87,44 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedMo
     model = build_model(cfg.model, cfg.memory if cfg.memory.kind != "none" else None, device=device)
     Checkpointer.load_weights(directory, model)
     return LoadedModel(model.eval(), cfg, run_tokenizer_path(cfg, directory), meta["step"], directory)
+
+
+# ------------------------------------------------- the training data, without the weights
+DATA_CONFIG_NAME = "memlm_data.json"  # an export's record of the run's data config (train/export.py)
+
+
+def is_export_dir(path: str | Path) -> bool:
+    return (Path(path) / CONFIG_NAME).is_file()
+
+
+def data_config(path: str | Path):
+    """The `DataConfig` the model at `path` was trained on, read without loading
+    any weights: a run checkpoint's saved config, or an export's memlm_data.json;
+    None for an export that records none (exported by an older memlm). For an
+    export, its tokenizer.model stands in when the run named no tokenizer file
+    (the synthetic corpus trains its own): re-creating the corpus' questions
+    then does not train a tokenizer again."""
+    import json
+
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from memlm.data.config import DataConfig
+    from memlm.errors import ConfigError
+
+    path = Path(path)
+    if not is_export_dir(path):
+        return from_yaml(verify(resolve_checkpoint_dir(path), with_checksum=False)["config"]).data
+    file = path / DATA_CONFIG_NAME
+    if not file.is_file():
+        return None
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))["data"]
+        data = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), raw))
+    except (OSError, ValueError, KeyError, TypeError, OmegaConfBaseException) as err:
+        raise ConfigError(str(file), "", f'{{"data": <the run\'s data config>}} as python -m memlm.train.export '
+                                         f"writes it ({type(err).__name__}: {err})") from None
+    data.validate(prefix=f"{file}: data")
+    if not data.tokenizer and (path / "tokenizer.model").is_file():
+        data.tokenizer = str(path / "tokenizer.model")
+    return data
