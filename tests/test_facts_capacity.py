@@ -105,3 +105,15 @@ def test_facts_bits_on_a_run_of_another_corpus_names_the_data_kind():
     cfg = compose(["data=synthetic", "eval.tasks=[facts_bits]"])
     with pytest.raises(ConfigError, match="data.kind=facts.*'synthetic'"):
         load_task("facts_bits", cfg.eval, cfg.data)
+
+
+def test_a_run_that_could_not_evaluate_its_tasks_stops_before_training(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    out = subprocess.run(
+        [sys.executable, "-m", "memlm.train", "data=synthetic", "data.synthetic.people=20",
+         f"data.cache_dir={tmp_path / 'cache'}", "steps=2", "logging.wandb.mode=disabled",
+         f"dump_dir={tmp_path / 'run'}", "eval.after_training=true", "eval.tasks=[facts_bits]"],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode != 0
+    assert "eval.tasks='facts_bits'" in out.stderr and "data.kind=facts" in out.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained

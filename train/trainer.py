@@ -115,6 +115,13 @@ class Trainer:
             raise ConfigError("eval.tasks", list(e.tasks), "at least one task when eval.after_training or eval.every is set")
         if (e.after_training or e.every) and self.cfg.data.kind == "random":
             raise ConfigError("data.kind", "random", "a corpus with a tokenizer (evaluation decodes text)")
+        if e.after_training or e.every:
+            # Every task's files (and the corpus a synthetic task asks about) are
+            # found and parsed now, not after hours of training.
+            from memlm.evals.tasks import load_task
+
+            for name in e.tasks:
+                load_task(name, e, self.cfg.data)
 
     def _restore(self):
         """resume: everything (model, optimizer, schedule, counters, data, RNG);
