@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 MEMORY_HISTORY_ENTRIES = 100_000  # allocator events kept for the snapshot (torch's own default)
 
@@ -36,6 +36,7 @@ class StepProfiler:
         self.cuda = device.type == "cuda"
         self.rank = rank
         self._prof: profile | None = None
+        self._range: record_function | None = None  # the running step's span in the trace
         self._start = 0
         self._steps_run = 0  # the last step run while recording
         self.written: list[Path] = []
@@ -49,12 +50,15 @@ class StepProfiler:
             if self.cuda:
                 torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
             self._start, self._steps_run = step, step - 1
+        if self._prof is not None:
+            self._range = record_function(f"train_step {step}")
+            self._range.__enter__()
 
     def after_step(self, step: int) -> None:
         """`step` (1-based) has run."""
         if self._prof is None:
             return
-        self._prof.step()  # marks the step boundary in the trace
+        self._end_range()
         self._steps_run = step
         if step >= self.last:
             self._write()
@@ -63,7 +67,13 @@ class StepProfiler:
         if self._prof is not None:
             self._write()
 
+    def _end_range(self) -> None:
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+
     def _write(self) -> None:
+        self._end_range()  # a step that raised
         prof, self._prof = self._prof, None
         prof.stop()
         self.out.mkdir(parents=True, exist_ok=True)
