@@ -205,6 +205,48 @@ def test_training_with_doc_mask_uses_the_loaders_document_ids(tmp_path):
     assert all(torch.isfinite(torch.tensor(losses)))
 
 
+def _trainer_losses(overrides: list[str], batches, dump_dir) -> list[float]:
+    trainer = Trainer(compose([*overrides, f"dump_dir={dump_dir}"]), train_loader=iter(batches))
+    try:
+        return [trainer.train_step()["loss"] for _ in range(len(batches))]
+    finally:
+        trainer.close()
+
+
+WRAPPED = [*DOC, *MEMPLUS, "model.doc_mask=true", "model.rope_restart=true", "logging.wandb.mode=disabled",
+           "checkpoint.at_end=false", "data.seq_len=24", "data.micro_batch=2", "optim.warmup=0"]
+
+
+@pytest.mark.parametrize("wrap", [
+    "parallel.activation_checkpoint=full",
+    pytest.param("parallel.compile=true", marks=pytest.mark.slow),  # ~1 min of compilation on CPU
+])
+def test_doc_mask_trains_the_same_under_checkpointing_and_compile(tmp_path, wrap):
+    """The mask and per-row RoPE tables pass through activation checkpointing (a memory
+    block wraps its attention alone) and compiled blocks unchanged."""
+    tokens, doc_ids, _ = _packed([[5, 9, 4, 6], [12, 1, 11]])
+    batches = [(tokens, tokens.roll(-1, dims=1), doc_ids)] * 3
+    eager = _trainer_losses(WRAPPED, batches, tmp_path / "eager")
+    assert _trainer_losses([*WRAPPED, wrap], batches, tmp_path / "wrapped") == pytest.approx(eager, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_doc_mask_two_fsdp_ranks_equal_one_process(tmp_path):
+    """FSDP2 on 2 gloo ranks, each with its rows and their document ids, equals one process."""
+    from distributed_workers import run_ranks
+    from train_workers import train_on_slices
+
+    tokens, doc_ids, _ = _packed([[5, 9, 4, 6], [12, 1, 11], [24], [2, 2, 20]])
+    batches = [(tokens, tokens.roll(-1, dims=1), doc_ids)] * 2
+    common = [o for o in WRAPPED if not o.startswith("data.micro_batch")]
+    ref = _trainer_losses([*common, "data.micro_batch=4"], batches, tmp_path / "ref")
+    torch.save(batches, tmp_path / "batches.pt")
+    run_ranks(train_on_slices, 2, [*common, "data.micro_batch=2", f"dump_dir={tmp_path / 'dist'}"],
+              str(tmp_path / "batches.pt"), len(batches), str(tmp_path / "dist.pt"), 2)
+    got = torch.load(tmp_path / "dist.pt", weights_only=True)
+    assert [m["loss"] for m in got["metrics"]] == pytest.approx(ref, rel=1e-5)
+
+
 def test_trainer_batch_must_match_doc_mask():
     batch = (torch.zeros(1, 4, dtype=torch.long),) * 2
     with pytest.raises(ConfigError, match="doc_ids"):
