@@ -135,6 +135,30 @@ def test_flex_block_mask_equals_sdpa_mask():
     torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=0)
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (FlexAttention's "
+                          "backward and the compiled kernel are CUDA-only); run on a GPU machine")
+
+
+@CUDA
+def test_cuda_flex_trains_like_sdpa():
+    """On CUDA `auto` picks the compiled FlexAttention kernel: logits and gradients equal the SDPA mask's."""
+    model, _ = compose_and_build([*DOC, "model.doc_mask=true", "model.rope_restart=true"])
+    model = model.cuda()
+    tokens, doc_ids, _ = _packed([[5, 9, 4, 6, 40, 200], [130, 1, 11, 100, 22]])
+    tokens, doc_ids = tokens.cuda(), doc_ids.cuda()
+    results = {}
+    for backend in ("auto", "sdpa"):
+        model.zero_grad(set_to_none=True)
+        model.args.doc_mask_backend = backend
+        logits = model(tokens, doc_ids=doc_ids)
+        logits.float().square().mean().backward()
+        results[backend] = (logits.detach(), model.layers[0].attention.wq.weight.grad.clone())
+    mask = doc_attention_mask(doc_ids, "auto")
+    assert type(mask).__name__ == "BlockMask"
+    torch.testing.assert_close(results["auto"][0], results["sdpa"][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(results["auto"][1], results["sdpa"][1], atol=1e-4, rtol=1e-3)
+
+
 def test_flex_backend_refuses_cpu_training():
     model, _ = compose_and_build([*DOC, "model.doc_mask=true", "model.doc_mask_backend=flex"])
     tokens, doc_ids, _ = _packed([[5, 9]])

@@ -7,6 +7,7 @@ import importlib.util
 import json
 
 import pytest
+import torch
 
 from memlm.errors import ConfigError
 from memlm.train.config import compose
@@ -25,6 +26,14 @@ def test_profile_steps_write_a_trace_of_those_steps(tmp_path):
     steps = sorted(e["name"] for e in events if e.get("name", "").startswith("train_step "))
     assert steps == ["train_step 2", "train_step 3"]  # one span per profiled step
     assert any(e.get("name") == "aten::scaled_dot_product_attention" for e in events)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (memory snapshots are CUDA-only)")
+def test_cuda_profile_writes_a_memory_snapshot(tmp_path):
+    Trainer(compose([*BASE, "device=cuda", "steps=3", "profile.steps=[2,2]", f"dump_dir={tmp_path}"])).fit()
+    names = sorted(p.name for p in (tmp_path / "profile").iterdir())
+    assert names == ["memory_rank0_steps2-2.pickle", "trace_rank0_steps2-2.json"]
+    assert (tmp_path / "profile" / names[0]).stat().st_size > 0
 
 
 def test_no_profile_by_default_and_bad_ranges_fail(tmp_path):
