@@ -87,6 +87,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, enable_
     """Masked attention. q: (batch, heads, seq, head_dim); k, v: (batch, kv_heads, seq, head_dim);
     mask from `doc_attention_mask` -> (batch, heads, seq, head_dim)."""
     if BlockMask is not None and isinstance(mask, BlockMask):
-        fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
+        # Inside a compiled block (parallel.compile) the compiler already fuses flex_attention.
+        eager_cuda = q.device.type == "cuda" and not torch.compiler.is_compiling()
+        fn = _compiled_flex() if eager_cuda else flex_attention
         return fn(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)

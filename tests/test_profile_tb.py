@@ -77,4 +77,4 @@ def test_tensorboard_gets_the_scalars_wandb_gets(tmp_path):
 def test_tensorboard_missing_fails_before_training(tmp_path):
     with pytest.raises(ConfigError, match="logging.tensorboard"):
         Trainer(compose([*BASE, "steps=2", "logging.tensorboard=true", f"dump_dir={tmp_path}"]))
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert not (tmp_path / "config.yaml").exists()  # failed before anything was written

@@ -83,6 +83,7 @@ class Trainer:
         enable_tf32(self.env.device)
         self.meshes: Meshes = build_meshes(self.env, cfg.parallel.memory_parallel, cfg.parallel.fsdp)
         self.accum = accumulation_steps(cfg, self.env.world_size)
+        check_tensorboard(cfg.logging.tensorboard and self.env.is_main)  # before any file or model
         self.dump_dir = Path(cfg.dump_dir)
         if self.env.is_main:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
@@ -112,7 +113,6 @@ class Trainer:
         self.checkpointer = Checkpointer(self.dump_dir, cfg.checkpoint)
         self._last_saved_step = -1
         self._check_eval_config()
-        check_tensorboard(cfg.logging.tensorboard and self.env.is_main)
         self.checkpointer.recover()  # finish or undo a save a kill interrupted, before choosing one
         self.resumed_from = self._restore()
         self.checkpointer.start_lineage(self.step)  # later checkpoints belong to an abandoned history
