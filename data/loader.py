@@ -10,6 +10,9 @@ Contract
     loader.load_state_dict(state)    # the next batches are exactly those an uninterrupted run yields
     loader.reshard_state_dict(states)  # states of every rank of a run on another world size: same global stream
 
+    loader = build_loader(cfg.data, rank, world_size, doc_ids=True)   # for model.doc_mask
+    inputs, targets, doc_ids = next(loader)  # doc_ids (micro_batch, seq_len) int64: document number in the row
+
 - The stream is infinite: epochs roll over inside it (each source reshuffles
   its documents every epoch, seeded), so iterate with next() and stop by steps.
 - Documents end in EOS and are packed back to back into windows of seq_len + 1
@@ -28,6 +31,13 @@ Contract
   rank reads or packs another rank's sequences: its own start follows
   arithmetically from the global position. micro_batch, seq_len and weights may
   change the same way. A different seed, split, kind or set of sources is an error.
+- Document ids (`doc_ids=True`): token t of a row belongs to document
+  number (count of EOS among inputs[:t]). Every document memlm stores ends in
+  EOS and its text never encodes to EOS (the tokenizer emits no control ids),
+  so this is exactly the packing's document split (an EOS belongs to the
+  document it ends; the row's first document may have begun in the previous
+  row). A pure function of the returned tokens: the state is the same with or
+  without it. Sources without a tokenizer (kind=random) have no documents.
 - Batches are made in a background thread (torchdata Prefetcher, `prefetch`
   batches ahead); the state always describes the batches *returned*, not the
   ones prefetched.
@@ -122,11 +132,22 @@ class PackedBatches(BaseNode):
         }
 
 
-class TokenLoader:
-    """An infinite iterator of (inputs, targets) with state_dict / load_state_dict (see module docstring)."""
+def document_ids(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(rows, seq) int64 document number of each token: the EOS tokens before it in its row."""
+    ends = (inputs == eos_id).long()
+    return ends.cumsum(dim=1) - ends  # exclusive: an EOS still belongs to the document it ends
 
-    def __init__(self, node: PackedBatches, corpus: Corpus, prefetch: int = 2):
+
+class TokenLoader:
+    """An infinite iterator of (inputs, targets), or (inputs, targets, doc_ids) when built
+    with doc_ids=True, with state_dict / load_state_dict (see module docstring)."""
+
+    def __init__(self, node: PackedBatches, corpus: Corpus, prefetch: int = 2, doc_ids: bool = False):
         self.node = node
+        self.doc_ids = doc_ids
+        if doc_ids and corpus.tokenizer is None:
+            raise ConfigError("data.kind", node.kind, "a corpus with documents and a tokenizer (their EOS "
+                              "marks the boundaries) for document ids (model.doc_mask=true)")
         self.prefetch = prefetch
         self.tokenizer = corpus.tokenizer
         self.vocab_size = corpus.vocab_size
@@ -143,10 +164,11 @@ class TokenLoader:
     def __iter__(self) -> TokenLoader:
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> tuple[torch.Tensor, ...]:
         if self._it is None:
             self._it = iter(self._loader)
-        return next(self._it)
+        inputs, targets = next(self._it)
+        return (inputs, targets, document_ids(inputs, self.eos_id)) if self.doc_ids else (inputs, targets)
 
     def state_dict(self) -> dict:
         """The node's state after the last returned batch, independent of the prefetch setting."""
@@ -192,8 +214,10 @@ class TokenLoader:
                 f"vocab {self.vocab_size}, sources: {', '.join(parts)}" + ("; " + "; ".join(skipped) if skipped else ""))
 
 
-def build_loader(cfg: DataConfig, rank: int = 0, world_size: int = 1, split: str = "train") -> TokenLoader:
-    """The loader of one rank, built from the data config (every file is opened and checked here)."""
+def build_loader(cfg: DataConfig, rank: int = 0, world_size: int = 1, split: str = "train",
+                 doc_ids: bool = False) -> TokenLoader:
+    """The loader of one rank, built from the data config (every file is opened and checked here);
+    `doc_ids=True` adds each token's document number to every batch (see module docstring)."""
     cfg.validate()
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError("rank", (rank, world_size), "0 <= rank < world_size, world_size >= 1")
@@ -202,4 +226,4 @@ def build_loader(cfg: DataConfig, rank: int = 0, world_size: int = 1, split: str
         if stats.total_skipped:
             log.warning("data: source %s: %s", name, stats.summary())
     node = PackedBatches(corpus, cfg.seq_len, cfg.micro_batch, rank, world_size, cfg.seed, split, cfg.kind)
-    return TokenLoader(node, corpus, cfg.prefetch)
+    return TokenLoader(node, corpus, cfg.prefetch, doc_ids)

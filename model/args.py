@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from memlm.errors import ConfigError
+from memlm.model.doc_mask import BACKENDS as DOC_MASK_BACKENDS
 
 
 @dataclass
@@ -28,6 +29,12 @@ class ModelArgs:
     init_std: float = 0.02
     # Scale the init of each block's output projections by 1/sqrt(2 * (layer + 1)).
     depth_init: bool = True
+    # Packed training rows: attention stops at document boundaries (memlm.model.doc_mask);
+    # the loader supplies document ids. Inference (one document per row) is unchanged.
+    doc_mask: bool = False
+    # With doc_mask: RoPE positions restart at 0 at each document's first token in a row.
+    rope_restart: bool = False
+    doc_mask_backend: str = "auto"  # auto (flex on CUDA, sdpa elsewhere) | flex | sdpa
 
     @property
     def kv_heads(self) -> int:
@@ -77,5 +84,12 @@ class ModelArgs:
             raise ConfigError(f"{prefix}.norm_eps", self.norm_eps, "a positive number")
         if self.rope_theta <= 0:
             raise ConfigError(f"{prefix}.rope_theta", self.rope_theta, "a positive number")
+        if self.rope_restart and not self.doc_mask:
+            raise ConfigError(f"{prefix}.rope_restart", self.rope_restart,
+                              f"false unless {prefix}.doc_mask=true (positions restart at the document "
+                              "boundaries the document mask uses)")
+        if self.doc_mask_backend not in DOC_MASK_BACKENDS:
+            raise ConfigError(f"{prefix}.doc_mask_backend", self.doc_mask_backend,
+                              f"one of: {', '.join(DOC_MASK_BACKENDS)}")
         if self.init_std <= 0:
             raise ConfigError(f"{prefix}.init_std", self.init_std, "a positive number")

@@ -1,12 +1,16 @@
-"""Grouped-query causal self-attention through `scaled_dot_product_attention`."""
+"""Grouped-query causal self-attention through `scaled_dot_product_attention`
+(or, with a document mask of packed rows, `memlm.model.doc_mask.attend`)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from memlm.model.args import ModelArgs
+from memlm.model.doc_mask import attend
 from memlm.model.kv_cache import KVCache
 from memlm.model.rope import apply_rope
 
@@ -29,8 +33,10 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         cache: KVCache | None = None,
         layer_id: int = 0,
+        doc_mask: Any = None,
     ) -> torch.Tensor:
-        # x: (batch, seq, dim); cos/sin: (seq, head_dim) for these positions.
+        # x: (batch, seq, dim); cos/sin: (seq, head_dim), or (batch, 1, seq, head_dim) per row
+        # (RoPE restart); doc_mask: from memlm.model.doc_mask.doc_attention_mask, no cache.
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -38,16 +44,18 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer_id, k, v)
-        kv_len = k.shape[2]
-        mask, causal = None, False
-        if kv_len == seq:
-            causal = seq > 1
-        elif seq > 1:
-            # New queries sit at the end of the cached sequence: query i sees keys <= offset + i.
-            mask = torch.ones(seq, kv_len, dtype=torch.bool, device=x.device).tril(kv_len - seq)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        gqa = self.n_kv_heads != self.n_heads
+        if doc_mask is not None:
+            out = attend(q, k, v, doc_mask, gqa)
+        else:
+            kv_len = k.shape[2]
+            mask, causal = None, False
+            if kv_len == seq:
+                causal = seq > 1
+            elif seq > 1:
+                # New queries sit at the end of the cached sequence: query i sees keys <= offset + i.
+                mask = torch.ones(seq, kv_len, dtype=torch.bool, device=x.device).tril(kv_len - seq)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
     def init_weights(self, init_std: float, out_std: float) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,10 +29,11 @@ class Block(nn.Module):
         self._out_std = args.init_std / depth_scale
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
+        doc_mask: Any = None,
     ) -> torch.Tensor:
-        # x: (batch, seq, dim)
-        h = x + self.attention(self.attention_norm(x), cos, sin, cache, self.layer_id)
+        # x: (batch, seq, dim); doc_mask: see memlm.model.doc_mask (packed rows, no cache)
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache, self.layer_id, doc_mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:

@@ -25,7 +25,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (batch, heads, seq, head_dim); cos/sin: (seq, head_dim) for x's positions."""
+    """x: (batch, heads, seq, head_dim); cos/sin: (seq, head_dim) for x's positions, or
+    (batch, 1, seq, head_dim) when each row has its own positions (RoPE restart per document)."""
     xf = x.float()
     out = xf * cos + _rotate_half(xf) * sin
     return out.to(x.dtype)

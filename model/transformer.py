@@ -17,6 +17,7 @@ from torch import nn
 
 from memlm.model.args import ModelArgs
 from memlm.model.block import Block
+from memlm.model.doc_mask import doc_attention_mask, doc_positions
 from memlm.model.ffn import FFNContext, build_ffn
 from memlm.model.kv_cache import KVCache
 from memlm.model.norms import RMSNorm
@@ -69,13 +70,17 @@ class Transformer(nn.Module):
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=out_std, a=-3 * out_std, b=3 * out_std)
 
     # -------------------------------------------------------------- forward
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *, head: bool = True) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *, head: bool = True,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (batch, seq) int64 -> logits (batch, seq, vocab).
 
         With a cache, `tokens` are the next positions after `cache.pos`; the
         cache is filled and advanced. `head=False` returns the final normalized
         hidden states (batch, seq, dim) instead: scoring a few positions needs
-        the output head only there (see `output_weight`)."""
+        the output head only there (see `output_weight`). `doc_ids` (batch, seq),
+        non-decreasing along each row, number the documents of packed rows:
+        attention then stays inside each document, and with `args.rope_restart`
+        positions restart at each document (memlm.model.doc_mask)."""
         start = cache.pos if cache is not None else 0
         seq = tokens.shape[1]
         if start + seq > self.args.max_seq_len:
@@ -83,9 +88,18 @@ class Transformer(nn.Module):
                 f"sequence of {start + seq} positions exceeds model.max_seq_len={self.args.max_seq_len}"
             )
         cos, sin = self.rope_cos[start:start + seq], self.rope_sin[start:start + seq]
+        mask = None
+        if doc_ids is not None:
+            if cache is not None or doc_ids.shape != tokens.shape:
+                raise ValueError(f"doc_ids of shape {tuple(doc_ids.shape)} (cache: {cache is not None}): "
+                                 f"valid is the tokens' shape {tuple(tokens.shape)} and no KV cache")
+            mask = doc_attention_mask(doc_ids, self.args.doc_mask_backend)
+            if self.args.rope_restart:
+                pos = doc_positions(doc_ids)  # (batch, seq)
+                cos, sin = self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1)
         h = self.tok_embeddings(tokens)
         for block in self.layers:
-            h = block(h, cos, sin, cache)
+            h = block(h, cos, sin, cache, mask)
         if cache is not None:
             cache.advance(seq)
         h = self.norm(h)

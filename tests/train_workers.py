@@ -19,7 +19,8 @@ def train_on_slices(rank: int, overrides: list[str], batches_path: str, steps: i
     batches = torch.load(batches_path, weights_only=True)
     cfg = compose(overrides)
     b = cfg.data.micro_batch
-    mine = iter([(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]) for x, y in batches])
+    # (inputs, targets) or (inputs, targets, doc_ids): this rank's rows of each tensor
+    mine = iter([tuple(t[rank * b:(rank + 1) * b] for t in batch) for batch in batches])
     trainer = Trainer(cfg, train_loader=mine)
     metrics = [trainer.train_step() for _ in range(steps)]
     state = full_state(trainer.model)

@@ -20,6 +20,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 
 import memlm.model  # noqa: F401  (registers the FFN kinds that validation lists)
+from memlm.data.config import KINDS as DATA_KINDS
 from memlm.data.config import DataConfig
 from memlm.errors import ConfigError
 from memlm.evals.config import EvalConfig
@@ -112,11 +113,27 @@ class WandbConfig:
 class LoggingConfig:
     every: int = 10  # steps between console / metrics.jsonl lines
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    # Also write every metrics record's scalars (those wandb gets) as TensorBoard
+    # events to dump_dir/tensorboard (needs the tensorboard package: memlm[tensorboard]).
+    tensorboard: bool = False
 
     def validate(self, prefix: str = "logging") -> None:
         if self.every < 1:
             raise ConfigError(f"{prefix}.every", self.every, "an integer >= 1")
         self.wandb.validate(f"{prefix}.wandb")
+
+
+@dataclass
+class ProfileConfig:
+    # [first, last] training steps (as logged, from 1; inclusive) to record with
+    # torch.profiler (+ a CUDA memory snapshot) into dump_dir/profile/; [] -> off.
+    steps: list[int] = field(default_factory=list)
+
+    def validate(self, total_steps: int, prefix: str = "profile") -> None:
+        s = list(self.steps)
+        if s and not (len(s) == 2 and 1 <= s[0] <= s[1] <= total_steps):
+            raise ConfigError(f"{prefix}.steps", s, f"[] (off) or [first, last] with 1 <= first <= last <= "
+                              f"steps={total_steps}")
 
 
 @dataclass
@@ -152,6 +169,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     # none | auto (newest complete checkpoint in dump_dir, if any) | a checkpoint directory
     resume: str = "none"
     init_from: str = ""  # a checkpoint directory: load its weights only, fresh optimizer
@@ -186,11 +204,16 @@ class Config:
             check_number("memory.value_grad_clip", self.memory.value_grad_clip, zero="no clipping")
             check_number("memory.value_weight_decay", self.memory.value_weight_decay, zero="no weight decay")
         self.data.validate()
+        if self.model.doc_mask and self.data.kind == "random":
+            raise ConfigError("model.doc_mask", True, "false with data.kind=random (random tokens have no "
+                              "documents); or a data kind with documents: " + ", ".join(
+                                  k for k in DATA_KINDS if k != "random"))
         self.optim.validate()
         self.parallel.validate()
         self.eval.validate()
         self.logging.validate()
         self.checkpoint.validate()
+        self.profile.validate(self.steps)
         if self.resume != "none" and self.init_from:
             raise ConfigError("init_from", self.init_from, "empty when resume is set (resume restores weights too)")
         if self.steps < 0:

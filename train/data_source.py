@@ -18,13 +18,14 @@ from memlm.errors import ConfigError
 
 def build_train_loader(cfg: Any, env: Any, split: str = "train"):
     """This rank's loader: (inputs, targets) int64 CPU tensors of shape
-    (micro_batch, seq_len), with state_dict() / load_state_dict(). (Ranks may
-    build at once: the synthetic corpus is written under a file lock.)"""
+    (micro_batch, seq_len), with state_dict() / load_state_dict(); with
+    model.doc_mask also each token's document id (inputs, targets, doc_ids).
+    (Ranks may build at once: the synthetic corpus is written under a file lock.)"""
     data = cfg.data
     if data.kind == "random":
         # Random tokens cover the model's vocabulary: nothing else defines it.
         data = dataclasses.replace(data, vocab_size=cfg.model.vocab_size)
-    loader = build_loader(data, env.rank, env.world_size, split)
+    loader = build_loader(data, env.rank, env.world_size, split, doc_ids=cfg.model.doc_mask)
     if loader.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             "model.vocab_size", cfg.model.vocab_size,
@@ -47,3 +48,14 @@ def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[to
         return tuple(t.to(device) for t in batch)
     return tuple(t.to(device, non_blocking=True) if t.is_pinned() else t.pin_memory().to(device, non_blocking=True)
                  for t in batch)
+
+
+def model_batch(batch: tuple[torch.Tensor, ...], device: torch.device, doc_mask: bool):
+    """A loader's batch on `device` as (inputs, targets, doc_ids): doc_ids (with
+    model.doc_mask, from a loader built with doc_ids=True) or None."""
+    if len(batch) != (3 if doc_mask else 2):
+        want = "(inputs, targets, doc_ids)" if doc_mask else "(inputs, targets)"
+        raise ConfigError("model.doc_mask", doc_mask, f"a setting that matches the loader's batches of "
+                          f"{len(batch)} tensors: with this setting the trainer needs {want}")
+    inputs, targets, *doc_ids = to_device(batch, device)
+    return inputs, targets, (doc_ids[0] if doc_ids else None)

@@ -1,8 +1,11 @@
 """Training metrics: one console line per `logging.every` steps, the same
-record in `dump_dir/metrics.jsonl`, and wandb (offline by default)."""
+record in `dump_dir/metrics.jsonl`, wandb (offline by default) and, with
+logging.tensorboard=true, TensorBoard events in `dump_dir/tensorboard`
+(the same scalars wandb gets, under the same names, at the same step)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import resource
 import time
@@ -10,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from memlm.errors import ConfigError
 
 # Dense bf16 tensor-core peak per GPU, for MFU. Unknown devices report no MFU.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
@@ -28,11 +33,25 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
 
 
+def check_tensorboard(enabled: bool) -> None:
+    """Fail before training when logging.tensorboard is on and TensorBoard is not installed."""
+    if enabled and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logging.tensorboard", True, "false, or install TensorBoard first: "
+                          "pip install 'memlm[tensorboard]' (or pip install tensorboard)")
+
+
 class MetricsLogger:
-    def __init__(self, dump_dir: Path, is_main: bool, run_name: str, config: dict, wandb_cfg: Any):
+    def __init__(self, dump_dir: Path, is_main: bool, run_name: str, config: dict, wandb_cfg: Any,
+                 tensorboard: bool = False):
         self.is_main = is_main
         self.path = dump_dir / "metrics.jsonl"
         self.wandb = None
+        self.tensorboard = None
+        if is_main and tensorboard:
+            check_tensorboard(tensorboard)
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=str(dump_dir / "tensorboard"))
         if is_main and wandb_cfg.mode != "disabled":
             import wandb
 
@@ -48,12 +67,19 @@ class MetricsLogger:
         record = {"time": round(time.time(), 3), **record}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        scalars = {k: v for k, v in record.items() if k != "step"}
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record.get("step"))
+            self.wandb.log(scalars, step=record.get("step"))
+        if self.tensorboard is not None:
+            for key, value in scalars.items():
+                self.tensorboard.add_scalar(key, value, global_step=record.get("step"))
         if line:
             print(line, flush=True)
 
     def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()  # flushes the event file
+            self.tensorboard = None
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None

@@ -27,11 +27,17 @@ from memlm.train import memory_hooks
 from memlm.train.checkpoint import Checkpointer
 from memlm.train.clip import clip_group_
 from memlm.train.config import Config, to_yaml
-from memlm.train.data_source import build_train_loader, has_validation, to_device
+from memlm.train.data_source import build_train_loader, has_validation, model_batch
 from memlm.train.distributed import DistEnv, Meshes, build_meshes, init_distributed, seed_everything
 from memlm.train.load import keep_tokenizer
 from memlm.train.loss import chunked_cross_entropy
-from memlm.train.metrics import MetricsLogger, device_peak_flops, format_eta, peak_memory_gib
+from memlm.train.metrics import (
+    MetricsLogger,
+    check_tensorboard,
+    device_peak_flops,
+    format_eta,
+    peak_memory_gib,
+)
 from memlm.train.optim import build_optimizer, build_scheduler, memory_value_params
 from memlm.train.parallelize import (
     apply_activation_checkpointing,
@@ -40,6 +46,7 @@ from memlm.train.parallelize import (
     reshard,
 )
 from memlm.train.precision import autocast, enable_tf32
+from memlm.train.profiling import StepProfiler
 from memlm.train.run_lock import RunLock, lock_run_dir
 from memlm.train.step_guard import NonFiniteLossError, StepGuard, step_if_finite, step_ok
 
@@ -76,6 +83,7 @@ class Trainer:
         enable_tf32(self.env.device)
         self.meshes: Meshes = build_meshes(self.env, cfg.parallel.memory_parallel, cfg.parallel.fsdp)
         self.accum = accumulation_steps(cfg, self.env.world_size)
+        check_tensorboard(cfg.logging.tensorboard and self.env.is_main)  # before any file or model
         self.dump_dir = Path(cfg.dump_dir)
         if self.env.is_main:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
@@ -198,9 +206,10 @@ class Trainer:
         """bf16 compute on one process (parallel.dtype; see train/precision.py)."""
         return autocast(self.cfg.parallel, self.env.device, fsdp=self.meshes.fsdp is not None)
 
-    def _forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor,
+                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         with self._autocast():
-            logits = self.model(inputs)
+            logits = self.model(inputs, doc_ids=doc_ids)  # doc_ids: model.doc_mask (model/doc_mask.py)
             loss = chunked_cross_entropy(logits, targets)  # no fp32 copy of all the logits (train/loss.py)
             aux = self.model.aux_loss() if hasattr(self.model, "aux_loss") else None
         return loss if aux is None else loss + aux
@@ -214,11 +223,11 @@ class Trainer:
         memory_hooks.on_step_start(self.model, self.step, self.cfg)
         loss_sum = torch.zeros((), device=self.env.device)
         for micro in range(self.accum):
-            inputs, targets = to_device(next(self.train_loader), self.env.device)
+            inputs, targets, doc_ids = model_batch(next(self.train_loader), self.env.device, self.cfg.model.doc_mask)
             sync = micro == self.accum - 1
             if hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(sync)
-            loss = self._forward_loss(inputs, targets) / self.accum
+            loss = self._forward_loss(inputs, targets, doc_ids) / self.accum
             if self.step + 1 in self._nonfinite_at:
                 loss = loss * float("nan")
             loss.backward()
@@ -262,10 +271,10 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), device=self.env.device)
         for _ in range(self.cfg.val_batches):
-            inputs, targets = next(self.val_loader)
+            inputs, targets, doc_ids = model_batch(next(self.val_loader), self.env.device, self.cfg.model.doc_mask)
             with self._autocast():
-                logits = self.model(inputs.to(self.env.device))
-            total += chunked_cross_entropy(logits, targets.to(self.env.device))
+                logits = self.model(inputs, doc_ids=doc_ids)
+            total += chunked_cross_entropy(logits, targets)
         if self.env.distributed:
             dist.all_reduce(total)
             total /= self.env.world_size
@@ -287,7 +296,9 @@ class Trainer:
         cfg, env = self.cfg, self.env
         last_step = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         logger = MetricsLogger(self.dump_dir, env.is_main, cfg.name,
-                               OmegaConf.to_container(OmegaConf.structured(cfg)), cfg.logging.wandb)
+                               OmegaConf.to_container(OmegaConf.structured(cfg)), cfg.logging.wandb,
+                               cfg.logging.tensorboard)
+        profiler = StepProfiler(cfg.profile.steps, self.dump_dir, env.device, env.rank)
         flops_per_token = 3 * self._unwrapped().flops_per_token(cfg.data.seq_len)
         peak = device_peak_flops(env.device)
         counts = self._unwrapped().num_params()
@@ -308,7 +319,9 @@ class Trainer:
                 # Device values reach the host only at logging steps (and in
                 # saves, evaluations and validation): the other steps never wait.
                 logging_step = (self.step + 1) % cfg.logging.every == 0 or self.step + 1 == last_step
+                profiler.before_step(self.step + 1)
                 last = self.train_step(read=logging_step) or last
+                profiler.after_step(self.step)
                 if logging_step:
                     now = time.perf_counter()
                     tps = (self.tokens - window_tokens) / max(now - window_start, 1e-9)
@@ -346,6 +359,7 @@ class Trainer:
                 eval_results = self._evaluate(final, logger)
         finally:
             preemption.uninstall()
+            profiler.close()
             self.checkpointer.finalize()  # a background save must land before the process exits
             logger.close()
         return self._finish(start, last, val_loss, eval_results)
