@@ -149,6 +149,24 @@ def test_run_from_the_command_line_path_starts_at_the_hf_loss(tmp_path, llamas):
     assert first["loss"] == pytest.approx(hf_loss, abs=1e-5)
 
 
+def test_the_run_stays_loadable_without_the_hf_folder(tmp_path, llamas):
+    """config.yaml keeps init_from=hf:<dir>; reading it back (load_model,
+    export) must not need that folder any more."""
+    from memlm.train.load import load_model
+
+    directory = tmp_path / "llama"
+    shutil.copytree(llamas["untied"][0], directory)
+    cfg = compose([*ARCH, *RUN, *LLAMAS["untied"][2], f"init_from=hf:{directory}", f"dump_dir={tmp_path / 'run'}",
+                   "steps=1", "checkpoint.at_end=true", "val_batches=0"])
+    t = Trainer(cfg, train_loader=iter(_batches(1)[1]))
+    t.fit()
+    trained = {k: v.clone() for k, v in t.model.state_dict().items()}
+    shutil.rmtree(directory)
+    loaded = load_model(tmp_path / "run")
+    assert loaded.config.init_from == f"hf:{directory}" and loaded.step == 1
+    assert all(torch.equal(v, trained[k]) for k, v in loaded.model.state_dict().items())
+
+
 def test_mismatched_config_names_every_difference_and_the_fix(llamas):
     directory, _ = llamas["untied"]
     with pytest.raises(ConfigError) as err:
@@ -248,15 +266,16 @@ def test_model_args_round_trip_of_the_checked_fields():
 @pytest.mark.slow
 @pytest.mark.parametrize("init,memory", [("full", True), ("sharded", False)])
 def test_two_fsdp_ranks_load_the_same_weights_and_loss(tmp_path, llamas, init, memory):
-    """FSDP2 shards the weights over 2 gloo ranks (parallel.init=sharded: built
-    on meta); the import distributes the full tensors to the shards."""
+    """2 gloo ranks: FSDP2 shards the dense weights (parallel.init=sharded: built
+    on meta), or the value table is split over memory_parallel=2; the import
+    distributes the full tensors to the shards."""
     from distributed_workers import run_ranks
     from hf_import_workers import import_and_step
 
     directory, hf = llamas["untied"]
     tokens = torch.randint(0, VOCAB, (1, 4, SEQ + 1), generator=torch.Generator().manual_seed(3))
     torch.save([(t[:, :-1], t[:, 1:]) for t in tokens], tmp_path / "batches.pt")
-    extra = [*LLAMAS["untied"][2], *(MEMORY if memory else [])]
+    extra = [*LLAMAS["untied"][2], *([*MEMORY, "parallel.memory_parallel=2"] if memory else [])]
     overrides = [*ARCH, *RUN, *extra, f"parallel.init={init}", f"init_from=hf:{directory}",
                  f"dump_dir={tmp_path / 'run'}"]
     run_ranks(import_and_step, 2, overrides, str(tmp_path / "batches.pt"), str(tmp_path / "out.pt"))
@@ -267,7 +286,7 @@ def test_two_fsdp_ranks_load_the_same_weights_and_loss(tmp_path, llamas, init, m
     for key, hf_key in names.items():
         assert torch.equal(out["state"][key], theirs[hf_key]), key
     if memory:  # fresh memory weights: the reference is one process from the same seed
-        single = _trainer(tmp_path / "one", directory, [*extra, "data.micro_batch=4"],
+        single = _trainer(tmp_path / "one", directory, [*extra, "parallel.memory_parallel=1", "data.micro_batch=4"],
                           [(tokens[0][:, :-1], tokens[0][:, 1:])])
         ref = single.train_step()["loss"]
         single.close()
