@@ -25,9 +25,11 @@ VOCAB, SEQ = 128, 16
 LLAMAS = {
     "untied": (dict(num_key_value_heads=2, tie_word_embeddings=False), {},
                ["model.n_kv_heads=2", "model.tie_embeddings=false"]),
+    # saved in bf16, as released Llamas are: the fp32 run holds the same values
     "tied_sharded": (dict(num_key_value_heads=4, tie_word_embeddings=True), dict(max_shard_size="20KB"),
                      ["model.n_kv_heads=4", "model.tie_embeddings=true"]),
 }
+BF16 = {"tied_sharded"}
 ARCH = ["model.vocab_size=128", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.ffn_hidden_dim=96",
         "model.rope_theta=20000.0", "model.norm_eps=1e-6"]
 RUN = ["data.seq_len=16", "data.micro_batch=2", "optim.warmup=0", "optim.lr=1e-3",
@@ -52,9 +54,16 @@ def llamas(tmp_path_factory):
                 if key.endswith("norm.weight"):
                     p.uniform_(0.5, 1.5)
         directory = tmp_path_factory.mktemp(name)
+        if name in BF16:
+            model = model.to(torch.bfloat16)
         model.save_pretrained(directory, **save)
-        out[name] = (directory, model)
+        out[name] = (directory, model.float())  # the reference: the saved values, computed in fp32
     assert len(list(out["tied_sharded"][0].glob("model-*.safetensors"))) > 1  # really sharded
+    from safetensors import safe_open
+
+    for shard in out["tied_sharded"][0].glob("model-*.safetensors"):
+        with safe_open(str(shard), "pt") as fh:
+            assert all(fh.get_tensor(k).dtype == torch.bfloat16 for k in fh.keys())
     return out
 
 
@@ -215,8 +224,8 @@ def test_missing_shard_names_the_file(tmp_path, llamas):
     shutil.copytree(directory, copy)
     shard = sorted(copy.glob("model-*.safetensors"))[0]
     shard.unlink()
-    with pytest.raises(FileNotFoundError, match=shard.name):
-        _trainer(tmp_path / "run", copy, LLAMAS["tied_sharded"][2], _batches(1)[1])
+    with pytest.raises(ConfigError, match=rf"weight file .*{shard.name} is missing"):
+        compose([*ARCH, *RUN, *LLAMAS["tied_sharded"][2], f"init_from=hf:{copy}"])
 
 
 def test_config_json_of_transformers_4_and_5_read_alike():

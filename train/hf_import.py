@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -42,8 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from memlm.errors import ConfigError
 from memlm.model.args import ModelArgs
-from memlm.model.hf import from_hf_json, from_hf_state_dict, hf_names
-from memlm.model.pretrained import INDEX_NAME, WEIGHTS_NAME, load_weights
+from memlm.model.hf import from_hf_json, from_hf_state_dict
+from memlm.model.pretrained import INDEX_NAME, WEIGHTS_NAME, weight_files
 
 HF_PREFIX = "hf:"
 HF_CONFIG = "config.json"
@@ -96,6 +97,10 @@ def read_hf_args(init_from: str) -> ModelArgs:
         raise _fail(init_from, f"{directory} has neither {WEIGHTS_NAME} nor {INDEX_NAME} (weight files there: "
                     f"{present or 'none'}; memlm reads safetensors only: re-save with save_pretrained)")
     try:
+        weight_files(directory)
+    except FileNotFoundError as err:
+        raise _fail(init_from, str(err)) from None
+    try:
         return from_hf_json(values)
     except (KeyError, ValueError) as err:
         raise _fail(init_from, f"{config_path}: {err.args[0] if err.args else err}") from None
@@ -143,36 +148,55 @@ def check_hf_tokenizer(init_from: str, tokenizer: Any) -> str:
     return f"tokenizer {tokenizer.path} is the checkpoint's {HF_TOKENIZER}"
 
 
-@torch.no_grad()
-def load_hf_weights(directory: Path, model: torch.nn.Module, args: ModelArgs) -> dict[str, list[str]]:
-    """Copy the checkpoint's tensors into `model` (plain, FSDP-sharded or
-    memory-parallel: DCP's full-state-dict load distributes them).
-
-    Returns {"kept": memlm names, "new": memlm names left as initialized,
-    "dropped": HF names with no place in this model}."""
-    hf_state = load_weights(directory)
-    try:
-        dense = from_hf_state_dict(hf_state, args)
+def _plan(directory: Path, args: ModelArgs, target: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
+    """HF name -> memlm name of every tensor to load, and the HF names dropped.
+    Reads only the safetensors headers."""
+    hf_keys: set[str] = set()
+    for path in weight_files(directory):
+        with safe_open(str(path), framework="pt") as fh:
+            hf_keys.update(fh.keys())
+    try:  # the mapping checks the names alone: values are not needed
+        ours = from_hf_state_dict({k: k for k in hf_keys}, args)  # memlm name -> HF name
     except KeyError as err:
         raise ConfigError("init_from", f"{HF_PREFIX}{directory}", f"a Llama checkpoint matching its config.json; "
                           f"{err.args[0]}") from None
-    names = hf_names(args)
-    target = get_model_state_dict(model)  # references, no copies; DTensors keep the global shape
-    plan: dict[str, torch.Tensor] = {}
-    dropped = []
-    for key, value in dense.items():
+    plan, dropped = {}, []
+    for key, hf_key in ours.items():
         dest = key if key in target else _MLP_KEY.sub(r"\1.dense.\2", key)  # placement=parallel
-        if dest not in target:
-            dropped.append(names[key])
-            continue
-        if tuple(target[dest].shape) != tuple(value.shape):
-            raise ConfigError("init_from", f"{HF_PREFIX}{directory}", f"tensors shaped as in its config.json; "
-                              f"{names[key]} is {tuple(value.shape)}, memlm's {dest} is {tuple(target[dest].shape)}")
-        plan[dest] = value
-    summary = {"kept": sorted(plan), "new": [k for k in target if k not in plan], "dropped": sorted(dropped)}
-    # A copy: DCP fills the dict it is given with the model's other tensors.
-    set_model_state_dict(model, dict(plan), options=StateDictOptions(full_state_dict=True, strict=False))
-    return summary
+        if dest in target:
+            plan[hf_key] = dest
+        else:
+            dropped.append(hf_key)
+    return plan, sorted(dropped)
+
+
+@torch.no_grad()
+def load_hf_weights(directory: Path, model: torch.nn.Module, args: ModelArgs) -> dict[str, list[str]]:
+    """Copy the checkpoint's tensors into `model` (plain, FSDP-sharded or
+    memory-parallel: DCP's full-state-dict load distributes them), one
+    safetensors file at a time: a rank holds at most one file's tensors.
+
+    Returns {"kept": memlm names, "new": memlm names left as initialized,
+    "dropped": HF names with no place in this model (never read)}."""
+    target = get_model_state_dict(model)  # references, no copies; DTensors keep the global shape
+    plan, dropped = _plan(directory, args, target)
+    for path in weight_files(directory):
+        part: dict[str, torch.Tensor] = {}
+        with safe_open(str(path), framework="pt") as fh:
+            for hf_key in fh.keys():
+                dest = plan.get(hf_key)
+                if dest is None:
+                    continue  # dropped, a tied lm_head alias, or rotary inv_freq
+                value = fh.get_tensor(hf_key)
+                if tuple(value.shape) != tuple(target[dest].shape):
+                    raise ConfigError(
+                        "init_from", f"{HF_PREFIX}{directory}", f"tensors shaped as in its config.json; {hf_key} "
+                        f"in {path.name} is {tuple(value.shape)}, memlm's {dest} is {tuple(target[dest].shape)}")
+                part[dest] = value
+        if part:
+            set_model_state_dict(model, part, options=StateDictOptions(full_state_dict=True, strict=False))
+    kept = set(plan.values())
+    return {"kept": sorted(kept), "new": [k for k in target if k not in kept], "dropped": dropped}
 
 
 def import_hf(cfg: Any, model: torch.nn.Module, tokenizer: Any, log: Callable[[str], None]) -> dict[str, list[str]]:
