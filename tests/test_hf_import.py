@@ -180,14 +180,17 @@ def test_mismatched_config_names_every_difference_and_the_fix(llamas):
     directory, _ = llamas["untied"]
     with pytest.raises(ConfigError) as err:
         compose([*ARCH, *RUN, "model.dim=32", "model.n_layers=3", "model.n_kv_heads=1",
-                 "model.rope_theta=10000.0",
+                 "model.rope_theta=10000.0", "model.tie_embeddings=true",
                  f"init_from=hf:{directory}"])
     msg = str(err.value)
     assert "model.dim=32 but hidden_size=64" in msg
     assert "model.n_layers=3 but num_hidden_layers=2" in msg
     assert "model.n_kv_heads=1 but num_key_value_heads=2" in msg
     assert "model.rope_theta=10000.0 but rope_theta=20000.0" in msg
-    assert "model.dim=64 model.n_layers=2 model.n_kv_heads=2 model.rope_theta=20000.0" in msg
+    assert "model.tie_embeddings=true but tie_word_embeddings=false" in msg
+    fix = "model.dim=64 model.n_layers=2 model.n_kv_heads=2 model.rope_theta=20000.0 model.tie_embeddings=false"
+    assert msg.endswith(fix)
+    compose([*ARCH, *RUN, *fix.split(), f"init_from=hf:{directory}"])  # the printed fix is a valid config
     assert "ffn_hidden_dim" not in msg  # only what differs
 
 
@@ -208,6 +211,10 @@ def test_bad_sources_fail_before_the_run_with_the_reason(tmp_path, llamas):
     with pytest.raises(ConfigError, match=r"hidden_act='gelu' is not supported"):
         compose([*run, f"init_from=hf:{other}"])
     (other / "config.json").write_text(json.dumps(config))
+    (other / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"model.safetensors.index.json is not a safetensors index"):
+        compose([*run, f"init_from=hf:{other}"])
+    (other / "model.safetensors.index.json").unlink()
     (other / "model.safetensors").rename(other / "pytorch_model.bin")
     with pytest.raises(ConfigError, match=r"neither model.safetensors nor .*pytorch_model.bin.*safetensors only"):
         compose([*run, f"init_from=hf:{other}"])

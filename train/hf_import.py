@@ -100,10 +100,17 @@ def read_hf_args(init_from: str) -> ModelArgs:
         weight_files(directory)
     except FileNotFoundError as err:
         raise _fail(init_from, str(err)) from None
+    except (ValueError, KeyError, TypeError) as err:  # a malformed index
+        raise _fail(init_from, f"{directory / INDEX_NAME} is not a safetensors index with a weight_map ({err})") from None
     try:
         return from_hf_json(values)
     except (KeyError, ValueError) as err:
         raise _fail(init_from, f"{config_path}: {err.args[0] if err.args else err}") from None
+
+
+def _show(value: Any) -> str:
+    """A value as a Hydra override spells it."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def check_hf_source(cfg: Any) -> ModelArgs:
@@ -115,8 +122,8 @@ def check_hf_source(cfg: Any) -> ModelArgs:
                           "fill the dense blocks; other kinds go into the memory.layers blocks via memory.kind)")
     diffs = [(key, get(cfg.model), get(hf), hf_key) for key, get, hf_key in _ARCH if get(cfg.model) != get(hf)]
     if diffs:
-        listed = "; ".join(f"model.{key}={ours} but {hf_key}={theirs}" for key, ours, theirs, hf_key in diffs)
-        fix = " ".join(f"model.{key}={theirs}" for key, _, theirs, _ in diffs)
+        listed = "; ".join(f"model.{key}={_show(ours)} but {hf_key}={_show(theirs)}" for key, ours, theirs, hf_key in diffs)
+        fix = " ".join(f"model.{key}={_show(theirs)}" for key, _, theirs, _ in diffs)
         raise ConfigError(
             "init_from", cfg.init_from,
             f"a Llama with the run's architecture; {hf_source(cfg.init_from) / HF_CONFIG} differs in "
