@@ -195,7 +195,7 @@ class Config:
         self.checkpoint.validate()
         if self.resume != "none" and self.init_from:
             raise ConfigError("init_from", self.init_from, "empty when resume is set (resume restores weights too)")
-        if self.init_from.strip() in ("hf:", "hf"):
+        if self.init_from.startswith("hf:") and not self.init_from[3:].strip():
             raise ConfigError("init_from", self.init_from, "hf:<dir>, the folder of a Hugging Face Llama checkpoint")
         if self.steps < 0:
             raise ConfigError("steps", self.steps, "an integer >= 0")
