@@ -2,11 +2,14 @@
 
 memlm's decoder uses the same RoPE layout as `transformers`' Llama ("rotate
 half"), so weights map one to one by name; no q/k permutation is needed.
-`transformers` is imported lazily: it is only needed to build a HF config.
+`transformers` is imported lazily: it is only needed to build a HF config;
+`from_hf_json` reads a checkpoint's `config.json` without it (the import of
+`init_from=hf:<dir>`, memlm.train.hf_import).
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -30,6 +33,11 @@ _GLOBAL_KEYS = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+
+
+def hf_names(args: ModelArgs) -> dict[str, str]:
+    """memlm name -> HF name of every tensor of the dense model `args` describes."""
+    return _key_map(args)
 
 
 def _key_map(args: ModelArgs) -> dict[str, str]:
@@ -119,6 +127,9 @@ def from_hf_config(config: Any) -> ModelArgs:
         raise ValueError(f"RoPE scaling {rope_type!r} is not supported; memlm implements plain RoPE")
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
     theta = theta or getattr(config, "rope_theta", 10000.0)
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported; memlm's SwiGLU uses silu")
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
         raise ValueError("Llama variants with attention or MLP biases are not supported")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -137,3 +148,23 @@ def from_hf_config(config: Any) -> ModelArgs:
         max_seq_len=config.max_position_embeddings,
         tie_embeddings=bool(config.tie_word_embeddings),
     )
+
+
+# LlamaConfig's defaults for the keys an older or hand-written config.json may omit.
+_LLAMA_DEFAULTS = {
+    "num_key_value_heads": None, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None,
+    "rope_parameters": None, "max_position_embeddings": 2048, "tie_word_embeddings": False,
+    "attention_bias": False, "mlp_bias": False, "head_dim": None, "hidden_act": "silu",
+}
+# Keys without a default: a config.json lacking one is not a Llama config.
+HF_REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+
+
+def from_hf_json(values: dict[str, Any]) -> ModelArgs:
+    """ModelArgs for a Llama `config.json` read as plain JSON (no transformers needed).
+
+    Raises KeyError naming a missing required key, ValueError for an unsupported variant."""
+    missing = [k for k in HF_REQUIRED_KEYS if k not in values]
+    if missing:
+        raise KeyError(f"config.json lacks {missing}")
+    return from_hf_config(SimpleNamespace(**{**_LLAMA_DEFAULTS, **values}))

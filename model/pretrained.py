@@ -44,18 +44,24 @@ def read_config(directory: str | Path) -> tuple[ModelArgs, MemoryConfig, dict[st
     return _dataclass_from(ModelArgs, meta["model"]), _dataclass_from(MemoryConfig, meta["memory"]), meta
 
 
-def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+def weight_files(directory: str | Path) -> list[Path]:
+    """The safetensors files of a directory: the shards its index lists, or the single file."""
     directory = Path(directory)
     index = directory / INDEX_NAME
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
-        files = [WEIGHTS_NAME]
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
+        names = [WEIGHTS_NAME]
+    for name in names:
         if not (directory / name).is_file():
             raise FileNotFoundError(f"weight file {directory / name} is missing")
-        state.update(load_file(str(directory / name)))
+    return [directory / name for name in names]
+
+
+def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for path in weight_files(directory):
+        state.update(load_file(str(path)))
     return state
 
 

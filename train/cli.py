@@ -18,6 +18,7 @@ USAGE = """usage: python -m memlm.train [key=value ...]
 Train a memlm model. Arguments are Hydra overrides of configs/:
   model=373m memory=memplus data=synthetic steps=1000 optim.lr=1e-3 name=myrun
 Under torchrun every rank runs the same command.
+Start from a Hugging Face Llama: init_from=hf:<dir> (docs/checkpoints.md).
 
 Config groups and their presets:
 {groups}

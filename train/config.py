@@ -172,7 +172,9 @@ class Config:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     # none | auto (newest complete checkpoint in dump_dir, if any) | a checkpoint directory
     resume: str = "none"
-    init_from: str = ""  # a checkpoint directory: load its weights only, fresh optimizer
+    # A checkpoint directory: load its weights only, fresh optimizer. `hf:<dir>`: a
+    # Hugging Face Llama checkpoint (train/hf_import.py; docs/checkpoints.md).
+    init_from: str = ""
     name: str = "run"
     dump_dir: str = "runs/${name}"
     steps: int = 100
@@ -216,6 +218,8 @@ class Config:
         self.profile.validate(self.steps)
         if self.resume != "none" and self.init_from:
             raise ConfigError("init_from", self.init_from, "empty when resume is set (resume restores weights too)")
+        if self.init_from.startswith("hf:") and not self.init_from[3:].strip():
+            raise ConfigError("init_from", self.init_from, "hf:<dir>, the folder of a Hugging Face Llama checkpoint")
         if self.steps < 0:
             raise ConfigError("steps", self.steps, "an integer >= 0")
         for key in ("global_batch_tokens", "val_every", "val_batches"):
@@ -265,6 +269,12 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> Confi
     config = OmegaConf.to_object(cfg)
     assert isinstance(config, Config)
     config.validate()
+    if config.init_from.startswith("hf:"):
+        # Reads the checkpoint's config.json; not in validate(): a saved run must
+        # stay loadable after the Hugging Face folder is gone.
+        from memlm.train.hf_import import check_hf_source
+
+        check_hf_source(config)
     return config
 
 

@@ -29,6 +29,7 @@ from memlm.train.clip import clip_group_
 from memlm.train.config import Config, to_yaml
 from memlm.train.data_source import build_train_loader, has_validation, model_batch
 from memlm.train.distributed import DistEnv, Meshes, build_meshes, init_distributed, seed_everything
+from memlm.train.hf_import import HF_PREFIX, import_hf
 from memlm.train.load import keep_tokenizer
 from memlm.train.loss import chunked_cross_entropy
 from memlm.train.metrics import (
@@ -133,8 +134,11 @@ class Trainer:
 
     def _restore(self):
         """resume: everything (model, optimizer, schedule, counters, data, RNG);
-        init_from: weights only."""
+        init_from: weights only (hf:<dir>: a Hugging Face Llama, train/hf_import.py)."""
         cfg = self.cfg
+        if cfg.init_from.startswith(HF_PREFIX):
+            import_hf(cfg, self.model, getattr(self.train_loader, "tokenizer", None), self._print_main)
+            return None
         if cfg.init_from:
             self.checkpointer.load_weights(cfg.init_from, self.model, cfg.checkpoint.verify == "checksum")
             if self.env.is_main:
