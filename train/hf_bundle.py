@@ -47,6 +47,7 @@ SPACE = "\u2581"  # sentencepiece's visible space "▁"
 # sentencepiece ModelProto.SentencePiece.Type and TrainerSpec.ModelType values
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 BPE = 2
+SPECIAL_TYPES = (CONTROL, UNKNOWN)  # never produced from text by sentencepiece: added tokens for tokenizers
 
 
 def _load_proto(path: str | Path):
@@ -129,7 +130,7 @@ def tokenizer_json(path: str | Path) -> dict:
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": [_added(p.piece, i) for i, p in enumerate(proto.pieces) if p.type in (CONTROL, UNKNOWN)],
+        "added_tokens": [_added(p.piece, i) for i, p in enumerate(proto.pieces) if p.type in SPECIAL_TYPES],
         "normalizer": {"type": "Sequence", "normalizers": normalizers},
         "pre_tokenizer": None,
         "post_processor": {
@@ -170,8 +171,8 @@ def tokenizer_config(path: str | Path, model_max_length: int) -> dict:
         # 4.x's PreTrainedTokenizerFast also returns token_type_ids, which generate(**enc) refuses.
         "model_input_names": ["input_ids", "attention_mask"],
         "model_max_length": model_max_length,
-        "added_tokens_decoder": {str(t["id"]): {k: v for k, v in t.items() if k != "id"}
-                                 for t in tokenizer_json(path)["added_tokens"]},
+        "added_tokens_decoder": {str(i): {k: v for k, v in _added(p.piece, i).items() if k != "id"}
+                                 for i, p in enumerate(proto.pieces) if p.type in SPECIAL_TYPES},
     }
 
 
