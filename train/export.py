@@ -4,8 +4,10 @@
     python -m memlm.train.export runs/demo/checkpoints/latest exports/demo --max-shard-size 2GB
 
 Writes `model.safetensors` (or shards + `model.safetensors.index.json` above
---max-shard-size), `memlm_config.json`, and the tokenizer when the run used
-one. Dense models are written with Hugging Face Llama tensor names and a HF
+--max-shard-size), `memlm_config.json`, `generation_config.json`, and the
+tokenizer when the run used one: the sentencepiece `tokenizer.model` plus
+the Hugging Face `tokenizer.json` / `tokenizer_config.json` converted from it
+(train/hf_bundle.py: `AutoTokenizer` gives memlm's ids, eos first). Dense models are written with Hugging Face Llama tensor names and a HF
 `config.json`, so `transformers.LlamaForCausalLM.from_pretrained(out_dir)`
 loads the same directory; every export loads with
 `memlm.model.from_pretrained(out_dir)`.
@@ -34,6 +36,7 @@ from memlm.model.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
 from memlm.train.checkpoint import Checkpointer, CheckpointError, verify
 from memlm.train.config import from_yaml
 from memlm.train.finite import check_finite
+from memlm.train.hf_bundle import hf_token_ids, portable_config_json, write_hf_side_files
 from memlm.train.load import resolve_checkpoint_dir, run_tokenizer_path
 
 UNITS = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
@@ -99,11 +102,15 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9) -> 
     }
     (out_dir / CONFIG_NAME).write_text(json.dumps(memlm_config, indent=2))
     write_data_config(cfg, out_dir)
-    if dense:
-        to_hf_config(cfg.model, torch_dtype="float32").save_pretrained(str(out_dir))
     tokenizer = run_tokenizer_path(cfg, checkpoint)
-    if tokenizer and Path(tokenizer).is_file():
+    tokenizer = tokenizer if tokenizer and Path(tokenizer).is_file() else None
+    if dense:
+        to_hf_config(cfg.model, torch_dtype="float32", architectures=["LlamaForCausalLM"],
+                     **hf_token_ids(tokenizer)).save_pretrained(str(out_dir))
+        portable_config_json(out_dir / "config.json", cfg.model.rope_theta)
+    if tokenizer:
         shutil.copy(tokenizer, out_dir / "tokenizer.model")
+    write_hf_side_files(out_dir, tokenizer, cfg.model.max_seq_len)
     return out_dir
 
 
