@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.memlm-installed
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup demo test test-fast test-tf4 lint clean
 
 setup: $(STAMP)
 
@@ -27,8 +27,18 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" $(ARGS)
 
+# Exports read by transformers 4.x: a second environment with the newest 4.x
+# (the main one has transformers 5), used only by the marked test
+# (tests/test_hf_bundle.py; docs/checkpoints.md).
+TF4_VENV ?= .venv-tf4
+TORCH_PIN := $(shell grep '^torch==' $(CONSTRAINTS) 2>/dev/null)
+test-tf4: $(STAMP)
+	test -x $(TF4_VENV)/bin/python || $(PYTHON) -m venv $(TF4_VENV)
+	$(TF4_VENV)/bin/python -m pip install --quiet "transformers==4.57.*" $(or $(TORCH_PIN),torch) safetensors sentencepiece protobuf numpy
+	MEMLM_TF4_PYTHON=$(abspath $(TF4_VENV))/bin/python $(BIN)/python -m pytest -m slow tests/test_hf_bundle.py -k transformers4 $(ARGS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TF4_VENV) build *.egg-info .pytest_cache .ruff_cache
