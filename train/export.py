@@ -7,7 +7,10 @@ Writes `model.safetensors` (or shards + `model.safetensors.index.json` above
 --max-shard-size), `memlm_config.json`, and the tokenizer when the run used
 one. Dense models are written with Hugging Face Llama tensor names and a HF
 `config.json`, so `transformers.LlamaForCausalLM.from_pretrained(out_dir)`
-loads the same directory; every export loads with
+loads the same directory. Other models (memory, MoE, PEER layers) get a
+`config.json` with `auto_map` and the modeling files of memlm/model/hf_remote/,
+so `AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True)`
+loads them without memlm installed; every export loads with
 `memlm.model.from_pretrained(out_dir)`.
 
 A checkpoint holding a NaN or inf tensor is refused before anything is
@@ -30,6 +33,7 @@ import memlm
 from memlm.errors import ConfigError
 from memlm.model import build_model
 from memlm.model.hf import to_hf_config, to_hf_state_dict
+from memlm.model.hf_remote import write_remote_code
 from memlm.model.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
 from memlm.train.checkpoint import Checkpointer, CheckpointError, verify
 from memlm.train.config import from_yaml
@@ -100,6 +104,8 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9) -> 
     (out_dir / CONFIG_NAME).write_text(json.dumps(memlm_config, indent=2))
     if dense:
         to_hf_config(cfg.model, torch_dtype="float32").save_pretrained(str(out_dir))
+    else:  # config.json + trust_remote_code modeling files (memlm-named weights as they are)
+        write_remote_code(out_dir, cfg.model, memory)
     tokenizer = run_tokenizer_path(cfg, checkpoint)
     if tokenizer and Path(tokenizer).is_file():
         shutil.copy(tokenizer, out_dir / "tokenizer.model")
