@@ -90,8 +90,12 @@ def test_remote_model_logits_match_memlm(tmp_path, case):
     assert set(hf.state_dict()) == set(ours.state_dict())
     tokens = _tokens(2, 24)
     with torch.no_grad():
-        diff = (ours(tokens) - hf(tokens).logits).abs().max().item()
+        logits, out = ours(tokens), hf(tokens, labels=tokens)
+    diff = (logits - out.logits).abs().max().item()
     assert diff <= TOL, f"{case}: max |logit difference| {diff}"
+    # Hugging Face's convention: labels are the inputs, the model shifts them.
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    assert abs(out.loss.item() - expected.item()) <= TOL
 
 
 def test_generate_with_kv_cache_matches_memlm_greedy(tmp_path):

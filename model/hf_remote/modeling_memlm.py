@@ -37,7 +37,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .configuration_memlm import MemlmConfig
+from .configuration_memlm import MEMORY_KEYS, MemlmConfig
 
 # transformers renamed the cache field of model outputs (past_key_values -> cache).
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -312,8 +312,6 @@ class Block(nn.Module):
 
 
 def _memory_settings(config: MemlmConfig) -> dict:
-    from .configuration_memlm import MEMORY_KEYS
-
     missing = [k for k in MEMORY_KEYS if k not in config.memory]
     if missing and any(kind != "dense" for kind in config.layer_ffn_kinds):
         raise ValueError(f"config.json `memory` lacks {missing}: re-export the model with memlm")
@@ -422,4 +420,5 @@ class MemlmForCausalLM(PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache if use_cache else None})
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache if use_cache else None})
+        return out if return_dict is not False else out.to_tuple()
