@@ -96,6 +96,10 @@ def test_remote_model_logits_match_memlm(tmp_path, case):
     # Hugging Face's convention: labels are the inputs, the model shifts them.
     expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
     assert abs(out.loss.item() - expected.item()) <= TOL
+    # `.float()` (a habit with HF models) must not change the math: a bf16
+    # value table goes back to its storage dtype (memory.value_dtype) at the next read.
+    with torch.no_grad():
+        assert (logits - hf.float()(tokens).logits).abs().max().item() <= TOL
 
 
 def test_generate_with_kv_cache_matches_memlm_greedy(tmp_path):
@@ -232,6 +236,19 @@ def test_export_loads_with_auto_model_where_memlm_cannot_be_imported(memplus_exp
     export_dir, ours, tmp = memplus_export
     assert {"config.json", "configuration_memlm.py", "modeling_memlm.py"} <= {p.name for p in export_dir.iterdir()}
     _run_child(sys.executable, True, export_dir, ours, tmp)
+
+
+def test_sharded_export_loads_in_transformers(memplus_export):
+    from memlm.train.export import main
+
+    export_dir, ours, tmp = memplus_export
+    sharded = tmp / "sharded"
+    assert main([str(tmp / "run"), str(sharded), "--max-shard-size", "20KB"]) == 0
+    assert len(list(sharded.glob("model-*-of-*.safetensors"))) > 1
+    hf = MemlmForCausalLM.from_pretrained(str(sharded)).eval()
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (hf(tokens).logits - ours(tokens)).abs().max().item() <= TOL
 
 
 def test_export_loads_in_a_fresh_venv_without_memlm(memplus_export):
