@@ -149,7 +149,7 @@ class ValuePool(nn.Module):
     def read(self, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """slots, weights (T, K) -> (T, v_dim): sum_k weights * table[slots], in the table's dtype."""
         if self.weight.dtype != self.dtype:
-            # from_pretrained(dtype=...) casts every tensor; the table's storage
+            # model.float() / .to(dtype) cast every tensor; the table's storage
             # dtype (memory.value_dtype) is part of the math, so it is restored once.
             with torch.no_grad():
                 self.weight.data = self.weight.data.to(self.dtype)
@@ -409,7 +409,8 @@ class MemlmForCausalLM(PreTrainedModel, GenerationMixin):
             kv_len = attention_mask.shape[1]
             q_pos = torch.arange(kv_len - seq, kv_len, device=h.device)[:, None]
             k_pos = torch.arange(kv_len, device=h.device)[None, :]
-            # Causal and not padding; every query sees itself, so a padded row gives no NaN.
+            # Causal and not padding. Every query also sees itself: a padding row
+            # then has one key, whatever an SDPA backend does with empty rows.
             mask = ((k_pos <= q_pos) & attention_mask.bool()[:, None, None, :]) | (k_pos == q_pos)
         for block in self.layers:
             h = block(h, cos, sin, cache, mask)
