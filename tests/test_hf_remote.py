@@ -75,7 +75,7 @@ def _bundle(tmp_path: Path, model, args, memory) -> Path:
     out.mkdir()
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
-    hf_remote.write_remote_code(out, args, memory)
+    hf_remote.write_remote_code(out, args, memory, extra={"bos_token_id": 7})
     return out
 
 
@@ -88,6 +88,7 @@ def test_remote_model_logits_match_memlm(tmp_path, case):
     ours, args, memory = _memlm_model(*CASES[case])
     hf = MemlmForCausalLM.from_pretrained(str(_bundle(tmp_path, ours, args, memory))).eval()
     assert set(hf.state_dict()) == set(ours.state_dict())
+    assert hf.config.bos_token_id == 7  # extra config.json keys reach the config
     tokens = _tokens(2, 24)
     with torch.no_grad():
         logits, out = ours(tokens), hf(tokens, labels=tokens)

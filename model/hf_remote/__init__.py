@@ -96,10 +96,13 @@ def remote_config(args: ModelArgs, memory: MemoryConfig | None) -> dict[str, Any
     }
 
 
-def write_remote_code(out_dir: str | Path, args: ModelArgs, memory: MemoryConfig | None) -> Path:
-    """Write config.json (with auto_map) and the two modeling files into `out_dir`."""
+def write_remote_code(
+    out_dir: str | Path, args: ModelArgs, memory: MemoryConfig | None, extra: dict[str, Any] | None = None
+) -> Path:
+    """Write config.json (with auto_map) and the two modeling files into `out_dir`.
+    `extra`: more config.json keys, e.g. bos/eos/pad token ids."""
     out_dir = Path(out_dir)
-    config = remote_config(args, memory)
+    config = {**remote_config(args, memory), **(extra or {})}
     for name in REMOTE_FILES:
         shutil.copyfile(SOURCE_DIR / name, out_dir / name)
     path = out_dir / "config.json"
