@@ -13,7 +13,9 @@ The config maps memlm's ModelArgs and MemoryConfig onto the file's config:
 every field of both is either written (`*_TO_CONFIG`, `MEMORY_INFERENCE`) or
 listed as training-only (`*_TRAINING_ONLY`); tests/test_hf_remote.py fails
 when a new field is in neither, so a setting that changes the math cannot be
-added to memlm without the remote model learning it.
+added to memlm without the remote model learning it. (A training-only name
+may precede its field: the lists are checked for coverage, the mapped names
+also for existence.)
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ MODEL_TO_CONFIG = {
     "ffn_hidden_dim": "intermediate_size", "multiple_of": "intermediate_size",
     "ffn_dim_multiplier": "intermediate_size", "ffn": "layer_ffn_kinds",
 }
-MODEL_TRAINING_ONLY = ("name", "init_std", "depth_init")
+# doc_mask, rope_restart, doc_mask_backend: packed training rows (memlm.model.doc_mask);
+# generation and evaluation run one document per row, where they change nothing.
+MODEL_TRAINING_ONLY = ("name", "init_std", "depth_init", "doc_mask", "rope_restart", "doc_mask_backend")
 # MemoryConfig fields the remote model reads (resolved: v_dim, expert_hidden_dim),
 # or that only decide which blocks hold which kind (-> layer_ffn_kinds).
 MEMORY_INFERENCE = (
