@@ -96,6 +96,8 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9) -> 
             weight_map.update(dict.fromkeys(shard, name))
         total = sum(t.numel() * t.element_size() for t in state.values())
         (out_dir / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    if not dense:  # config.json + trust_remote_code modeling files for the memlm-named weights above
+        write_remote_code(out_dir, cfg.model, memory)
     memlm_config = {
         "memlm_version": memlm.__version__, "step": meta["step"],
         "weights_layout": "hf_llama" if dense else "memlm",
@@ -104,8 +106,6 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9) -> 
     (out_dir / CONFIG_NAME).write_text(json.dumps(memlm_config, indent=2))
     if dense:
         to_hf_config(cfg.model, torch_dtype="float32").save_pretrained(str(out_dir))
-    else:  # config.json + trust_remote_code modeling files (memlm-named weights as they are)
-        write_remote_code(out_dir, cfg.model, memory)
     tokenizer = run_tokenizer_path(cfg, checkpoint)
     if tokenizer and Path(tokenizer).is_file():
         shutil.copy(tokenizer, out_dir / "tokenizer.model")
