@@ -4,7 +4,9 @@ An export directory (written by `python -m memlm.train.export`) holds
 `memlm_config.json` (model + memory config and the weight layout),
 `model.safetensors` or shards listed in `model.safetensors.index.json`, and
 for dense models a Hugging Face `config.json` (their weights use the HF Llama
-names, so `transformers` loads the same directory).
+names, so `transformers` loads the same directory); other models get a
+`config.json` with `auto_map` and the modeling files of model/hf_remote/
+(`AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`).
 """
 
 from __future__ import annotations

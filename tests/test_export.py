@@ -50,7 +50,8 @@ def test_memplus_export_round_trips(tmp_path):
     out = export(tmp_path / "run", tmp_path / "export")
     config = json.loads((out / "memlm_config.json").read_text())
     assert config["weights_layout"] == "memlm" and config["memory"]["kind"] == "memplus"
-    assert not (out / "config.json").exists()  # no HF equivalent for memory models
+    hf_config = json.loads((out / "config.json").read_text())  # the trust_remote_code bundle (test_hf_remote.py)
+    assert hf_config["model_type"] == "memlm" and (out / "modeling_memlm.py").is_file()
     loaded = from_pretrained(out)
     assert "shared.memory_values.weight" in loaded.state_dict()
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))

@@ -9,7 +9,10 @@ tokenizer when the run used one: the sentencepiece `tokenizer.model` plus
 the Hugging Face `tokenizer.json` / `tokenizer_config.json` converted from it
 (train/hf_bundle.py: `AutoTokenizer` gives memlm's ids, eos first). Dense models are written with Hugging Face Llama tensor names and a HF
 `config.json`, so `transformers.LlamaForCausalLM.from_pretrained(out_dir)`
-loads the same directory; every export loads with
+loads the same directory. Other models (memory, MoE, PEER layers) get a
+`config.json` with `auto_map` and the modeling files of memlm/model/hf_remote/,
+so `AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True)`
+loads them without memlm installed; every export loads with
 `memlm.model.from_pretrained(out_dir)`.
 
 A checkpoint holding a NaN or inf tensor is refused before anything is
@@ -32,6 +35,7 @@ import memlm
 from memlm.errors import ConfigError
 from memlm.model import build_model
 from memlm.model.hf import to_hf_config, to_hf_state_dict
+from memlm.model.hf_remote import write_remote_code
 from memlm.model.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
 from memlm.train.checkpoint import Checkpointer, CheckpointError, verify
 from memlm.train.config import from_yaml
@@ -104,6 +108,8 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9) -> 
     write_data_config(cfg, out_dir)
     tokenizer = run_tokenizer_path(cfg, checkpoint)
     tokenizer = tokenizer if tokenizer and Path(tokenizer).is_file() else None
+    if not dense:  # config.json + trust_remote_code modeling files for the memlm-named weights above
+        write_remote_code(out_dir, cfg.model, memory, extra=hf_token_ids(tokenizer))
     if dense:
         to_hf_config(cfg.model, torch_dtype="float32", architectures=["LlamaForCausalLM"],
                      **hf_token_ids(tokenizer)).save_pretrained(str(out_dir))

@@ -1,0 +1,122 @@
+"""Hugging Face `trust_remote_code` bundle for memlm models with memory, MoE or PEER layers.
+
+Dense models export as a plain Llama (model/hf.py). Every other model gets,
+beside its memlm-named safetensors, the two source files of this folder
+(configuration_memlm.py, modeling_memlm.py: torch + transformers only) and a
+`config.json` whose `auto_map` points at them:
+
+    write_remote_code(out_dir, cfg.model, memory)   # called by train/export.py
+    # then, anywhere (memlm not needed):
+    AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True)
+
+The config maps memlm's ModelArgs and MemoryConfig onto the file's config:
+every field of both is either written (`*_TO_CONFIG`, `MEMORY_INFERENCE`) or
+listed as training-only (`*_TRAINING_ONLY`); tests/test_hf_remote.py fails
+when a new field is in neither, so a setting that changes the math cannot be
+added to memlm without the remote model learning it. (A training-only name
+may precede its field: the lists are checked for coverage, the mapped names
+also for existence.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from memlm.memory.config import MemoryConfig
+from memlm.model.args import ModelArgs
+from memlm.model.moe import default_expert_hidden_dim
+from memlm.model.transformer import layer_ffn_kinds
+
+SOURCE_DIR = Path(__file__).parent
+REMOTE_FILES = ("configuration_memlm.py", "modeling_memlm.py")
+AUTO_MAP = {
+    "AutoConfig": "configuration_memlm.MemlmConfig",
+    "AutoModelForCausalLM": "modeling_memlm.MemlmForCausalLM",
+}
+
+# ModelArgs fields -> what the remote config holds for them.
+MODEL_TO_CONFIG = {
+    "dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta", "max_seq_len": "max_position_embeddings",
+    "tie_embeddings": "tie_word_embeddings",
+    # resolved by memlm into intermediate_size / layer_ffn_kinds:
+    "ffn_hidden_dim": "intermediate_size", "multiple_of": "intermediate_size",
+    "ffn_dim_multiplier": "intermediate_size", "ffn": "layer_ffn_kinds",
+}
+# doc_mask, rope_restart, doc_mask_backend: packed training rows (memlm.model.doc_mask);
+# generation and evaluation run one document per row, where they change nothing.
+MODEL_TRAINING_ONLY = ("name", "init_std", "depth_init", "doc_mask", "rope_restart", "doc_mask_backend")
+# MemoryConfig fields the remote model reads (resolved: v_dim, expert_hidden_dim),
+# or that only decide which blocks hold which kind (-> layer_ffn_kinds).
+MEMORY_INFERENCE = (
+    "n_keys", "heads", "knn", "eval_knn", "k_dim", "v_dim", "share_values", "qk_norm", "gate",
+    "placement", "value_dtype", "n_experts", "top_k", "expert_hidden_dim",
+)
+MEMORY_LAYER_CHOICE = ("kind", "layers", "spread")
+MEMORY_TRAINING_ONLY = (
+    "value_lr", "value_weight_decay", "value_init_scale", "value_grad_clip", "value_grad_reduce_dtype",
+    "balance_loss_coef", "sparse_updates", "kernel", "knn_schedule_start", "knn_schedule_steps",
+)
+# FFN kinds the modeling file implements (tests check this against memlm's registry).
+REMOTE_KINDS = ("dense", "memory", "memplus", "moe", "peer")
+
+
+def remote_config(args: ModelArgs, memory: MemoryConfig | None) -> dict[str, Any]:
+    """The config.json of a remote-code bundle (a plain dict, no transformers needed)."""
+    kinds = layer_ffn_kinds(args, memory)
+    unknown = sorted(set(kinds) - set(REMOTE_KINDS))
+    if unknown:
+        raise ValueError(f"FFN kinds {unknown} have no Hugging Face modeling code; known: {list(REMOTE_KINDS)}")
+    # The builders' own default when there is no memory section (model.ffn=moe, peer, ...).
+    mem = memory if memory is not None else MemoryConfig(kind=args.ffn)
+    settings = {key: getattr(mem, key) for key in MEMORY_INFERENCE}
+    settings["v_dim"] = mem.v_dim or args.dim
+    settings["expert_hidden_dim"] = mem.expert_hidden_dim or default_expert_hidden_dim(args.hidden_dim, max(mem.top_k, 1))
+    settings["peer_activation"] = "gelu"  # model/peer.py builds PEER with its default activation
+    return {
+        "architectures": ["MemlmForCausalLM"],
+        "model_type": "memlm",
+        "auto_map": dict(AUTO_MAP),
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "tie_word_embeddings": args.tie_embeddings,
+        "layer_ffn_kinds": kinds,
+        "memory": settings,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+
+
+def write_remote_code(
+    out_dir: str | Path, args: ModelArgs, memory: MemoryConfig | None, extra: dict[str, Any] | None = None
+) -> Path:
+    """Write config.json (with auto_map) and the two modeling files into `out_dir`.
+    `extra`: more config.json keys, e.g. bos/eos/pad token ids."""
+    out_dir = Path(out_dir)
+    config = {**remote_config(args, memory), **(extra or {})}
+    for name in REMOTE_FILES:
+        shutil.copyfile(SOURCE_DIR / name, out_dir / name)
+    path = out_dir / "config.json"
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def config_fields() -> tuple[set[str], set[str]]:
+    """(ModelArgs fields, MemoryConfig fields): what the mapping above must cover."""
+    return ({f.name for f in dataclasses.fields(ModelArgs)}, {f.name for f in dataclasses.fields(MemoryConfig)})
+
+
+__all__ = ["AUTO_MAP", "REMOTE_FILES", "REMOTE_KINDS", "config_fields", "remote_config", "write_remote_code"]

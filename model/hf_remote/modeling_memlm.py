@@ -1,0 +1,425 @@
+"""memlm decoders in Hugging Face transformers (trust_remote_code), every FFN kind.
+
+This file is copied verbatim into every non-dense memlm export (with
+configuration_memlm.py and a config.json whose `auto_map` names both), so
+
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(export_dir, trust_remote_code=True)
+    out = model.generate(input_ids, max_new_tokens=20)
+
+loads and runs a Memory, Memory+, MoE or PEER model where memlm is not
+installed: it imports torch and transformers only. Module and parameter
+names are memlm's own (tok_embeddings, layers.{i}.attention.wq, ...,
+shared.memory_values.weight), so the export's safetensors load unchanged.
+
+The math is memlm's (model/, memory/) written in plain PyTorch: the exact
+product-key top-k over all knn x knn candidate sums, the memory read as
+F.embedding_bag, MoE as a loop over experts, PEER's down projection as a
+gather. No custom kernels, no memory parallelism, no training-only parts
+(balance losses, usage statistics, sparse updates). memlm's tests
+(tests/test_hf_remote.py) compare this file's logits with memlm's for every
+kind, so the two cannot drift apart silently.
+
+KV cache: transformers' Cache (DynamicCache by default in generate), named
+`cache` in transformers >= 5.2x and `past_key_values` before; both are accepted.
+A 2-D attention_mask with padding is honoured (padded keys are masked, positions
+count real tokens only), as generate needs for batches of unequal prompts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_memlm import MEMORY_KEYS, MemlmConfig
+
+# transformers renamed the cache field of model outputs (past_key_values -> cache).
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+VALUE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
+
+
+def _full_precision(device: torch.device):
+    """Autocast off: product-key scores, top-k and softmax run in float32 (as in memlm)."""
+    if not torch.amp.is_autocast_available(device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
+
+
+# ------------------------------------------------------------ decoder parts
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (batch, seq) -> cos, sin (batch, 1, seq, head_dim) in float32 ("rotate half" layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # (batch, seq, head_dim/2)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: MemlmConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        dim = config.hidden_size
+        self.wq = nn.Linear(dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x, cos, sin, cache, layer_id, mask):
+        # x: (batch, seq, dim); mask: None (causal) or bool (batch, 1, seq, kv_len)
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, layer_id)
+        kv_len = k.shape[2]
+        causal = False
+        if mask is None and kv_len == seq:
+            causal = seq > 1
+        elif mask is None and seq > 1:
+            # New queries sit at the end of the cached sequence: query i sees keys <= offset + i.
+            mask = torch.ones(seq, kv_len, dtype=torch.bool, device=x.device).tril(kv_len - seq)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+# ---------------------------------------------------- product-key memories
+def product_key_topk(sub_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """sub_scores (T, H, 2, n_keys) -> the exact top-knn of s1[i] + s2[j] over
+    all n_keys**2 pairs: scores (T, H, knn), slots i * n_keys + j (T, H, knn).
+    A pair in the overall top-knn has each half in its half's top-knn, so
+    the knn x knn candidate sums suffice."""
+    n_keys = sub_scores.shape[-1]
+    half_scores, half_idx = sub_scores.topk(knn, dim=-1)  # (T, H, 2, knn)
+    cand = half_scores[:, :, 0, :, None] + half_scores[:, :, 1, None, :]  # (T, H, knn, knn)
+    scores, best = cand.flatten(-2).topk(knn, dim=-1)  # (T, H, knn)
+    i = half_idx[:, :, 0].gather(-1, torch.div(best, knn, rounding_mode="floor"))
+    j = half_idx[:, :, 1].gather(-1, best % knn)
+    return scores, i * n_keys + j
+
+
+class ValuePool(nn.Module):
+    """The (n_slots, v_dim) value table, owned by a layer or shared by all of them."""
+
+    def __init__(self, n_slots: int, v_dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+        self.weight = nn.Parameter(torch.zeros(n_slots, v_dim, dtype=dtype))
+
+    def read(self, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """slots, weights (T, K) -> (T, v_dim): sum_k weights * table[slots], in the table's dtype."""
+        if self.weight.dtype != self.dtype:
+            # model.float() / .to(dtype) cast every tensor; the table's storage
+            # dtype (memory.value_dtype) is part of the math, so it is restored once.
+            with torch.no_grad():
+                self.weight.data = self.weight.data.to(self.dtype)
+        with _full_precision(slots.device):
+            return F.embedding_bag(slots, self.weight, per_sample_weights=weights.to(self.weight.dtype), mode="sum")
+
+
+class ProductKeys(nn.Module):
+    def __init__(self, dim: int, m: dict):
+        super().__init__()
+        self.n_keys, self.heads, self.half = m["n_keys"], m["heads"], m["k_dim"] // 2
+        self.knn, self.eval_knn, self.qk_norm = m["knn"], m["eval_knn"], m["qk_norm"]
+        self.query = nn.Linear(dim, self.heads * m["k_dim"], bias=True)
+        self.keys = nn.Parameter(torch.zeros(self.heads, 2, self.n_keys, self.half))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, dim) -> softmax weights (T, H*knn) float32, slots (T, H*knn)."""
+        q = self.query(x)
+        with _full_precision(x.device):
+            compute = torch.promote_types(q.dtype, torch.float32)
+            q = q.view(-1, self.heads, 2, self.half).to(compute)
+            keys = self.keys.to(compute)
+            if self.qk_norm:
+                q = F.rms_norm(q, (self.half,)) * self.half**-0.5
+                keys = F.rms_norm(keys, (self.half,))
+            sub = torch.einsum("thcd,hcnd->thcn", q, keys)  # (T, H, 2, n_keys)
+            scores, slots = product_key_topk(sub, self.knn if self.training else self.eval_knn)
+            weights = scores.softmax(dim=-1)
+        return weights.flatten(1), slots.flatten(1)
+
+
+class ProductKeyMemory(nn.Module):
+    """Memory (out = y, or W_o y) and Memory+ (out = W2(y * gate(W1 x)))."""
+
+    def __init__(self, dim: int, m: dict, plus: bool, pool: ValuePool | None):
+        super().__init__()
+        self.dim, self.v_dim = dim, m["v_dim"]
+        self.lookup = ProductKeys(dim, m)
+        if pool is None:
+            self.values = ValuePool(m["n_keys"] ** 2, self.v_dim, VALUE_DTYPES[m["value_dtype"]])
+        else:
+            self.__dict__["values"] = pool  # registered once, on the model (`shared`)
+        self.plus = plus
+        self.gate = m["gate"] if plus else "none"
+        if plus:
+            self.w1 = nn.Linear(dim, self.v_dim, bias=False) if self.gate != "none" else None
+            self.w2 = nn.Linear(self.v_dim, dim, bias=False)
+        else:
+            self.out = nn.Linear(self.v_dim, dim, bias=False) if self.v_dim != dim else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (batch, seq, dim) -> (batch, seq, dim)
+        shape = x.shape
+        x = x.reshape(-1, self.dim)  # (T, dim)
+        weights, slots = self.lookup(x)
+        y = self.values.read(slots, weights).to(x.dtype)  # (T, v_dim)
+        if not self.plus:
+            return (self.out(y) if self.out is not None else y).reshape(shape)
+        if self.gate == "swilu":
+            y = y * F.silu(self.w1(x))
+        elif self.gate == "sigmoid":
+            y = y * torch.sigmoid(self.w1(x))
+        return self.w2(y).reshape(shape)
+
+
+class MemoryFFN(nn.Module):
+    """A memory layer in the FFN slot, plus the dense FFN with placement=parallel."""
+
+    def __init__(self, memory: ProductKeyMemory, dense: nn.Module | None):
+        super().__init__()
+        self.memory, self.dense = memory, dense
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.memory(x)
+        return out + self.dense(x) if self.dense is not None else out
+
+
+# ------------------------------------------------------------- MoE and PEER
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts, gates renormalized over the top_k (memlm model/moe.py)."""
+
+    def __init__(self, dim: int, m: dict):
+        super().__init__()
+        n, hidden = m["n_experts"], m["expert_hidden_dim"]
+        self.dim, self.n_experts, self.top_k = dim, n, m["top_k"]
+        self.router = nn.Linear(dim, n, bias=False)
+        self.w1 = nn.Parameter(torch.zeros(n, dim, hidden))
+        self.w3 = nn.Parameter(torch.zeros(n, dim, hidden))
+        self.w2 = nn.Parameter(torch.zeros(n, hidden, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.dim)  # (T, dim)
+        compute = torch.promote_types(x.dtype, torch.float32)
+        with _full_precision(x.device):
+            probs = F.linear(x.to(compute), self.router.weight.to(compute)).softmax(dim=-1)  # (T, E)
+            top_p, experts = probs.topk(self.top_k, dim=-1)  # (T, k)
+        gates = top_p / top_p.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in range(self.n_experts):  # experts in order: each token's outputs are summed as memlm sums them
+            tok, k = (experts == e).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            h = F.silu(x[tok] @ self.w1[e]) * (x[tok] @ self.w3[e])  # (n_e, hidden)
+            out.index_add_(0, tok, (h @ self.w2[e]) * gates[tok, k].unsqueeze(-1).to(x.dtype))
+        return out.reshape(shape)
+
+
+class ExpertTable(nn.Module):
+    def __init__(self, n_experts: int, dim: int):
+        super().__init__()
+        self.down = nn.Parameter(torch.zeros(n_experts, dim))  # u: (N, dim)
+        self.up = nn.Parameter(torch.zeros(n_experts, dim))  # v: (N, dim)
+
+
+class PEER(nn.Module):
+    """Product-key retrieval of single-neuron experts (memlm model/peer.py)."""
+
+    def __init__(self, dim: int, m: dict):
+        super().__init__()
+        self.dim, self.n_keys, self.heads, self.knn, self.k_dim = dim, m["n_keys"], m["heads"], m["knn"], m["k_dim"]
+        self.query_norm, self.activation = m["qk_norm"], m["peer_activation"]
+        self.query = nn.Linear(dim, self.heads * self.k_dim, bias=False)
+        self.keys = nn.Parameter(torch.zeros(2, self.n_keys, self.k_dim // 2))  # shared by the heads
+        self.experts = ExpertTable(self.n_keys**2, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.dim)  # (T, dim)
+        compute = torch.promote_types(x.dtype, torch.float32)
+        q = self.query(x).view(-1, self.heads, 2, self.k_dim // 2)
+        if self.query_norm:
+            q = F.rms_norm(q, (self.k_dim // 2,))
+        with _full_precision(x.device):
+            sub = torch.einsum("thcd,cnd->thcn", q.to(compute), self.keys.to(compute))  # (T, H, 2, n_keys)
+            scores, idx = product_key_topk(sub, self.knn)
+            weights = scores.softmax(dim=-1)
+        idx = idx.flatten(1)  # (T, H*knn)
+        # u_i . x of each retrieved expert; the (T, H*knn, dim) gather is fine at inference.
+        down = self.experts.down[idx]
+        hidden = ACTIVATIONS[self.activation](torch.einsum("tkd,td->tk", down, x.to(down.dtype)))
+        coef = weights.flatten(1).to(x.dtype) * hidden.to(x.dtype)  # (T, H*knn)
+        out = F.embedding_bag(idx, self.experts.up, per_sample_weights=coef, mode="sum")
+        return out.reshape(shape)
+
+
+# ------------------------------------------------------------------ model
+class Block(nn.Module):
+    def __init__(self, config: MemlmConfig, layer_id: int, feed_forward: nn.Module):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.feed_forward = feed_forward
+
+    def forward(self, x, cos, sin, cache, mask):
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache, self.layer_id, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def _memory_settings(config: MemlmConfig) -> dict:
+    missing = [k for k in MEMORY_KEYS if k not in config.memory]
+    if missing and any(kind != "dense" for kind in config.layer_ffn_kinds):
+        raise ValueError(f"config.json `memory` lacks {missing}: re-export the model with memlm")
+    return config.memory
+
+
+class MemlmForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = MemlmConfig
+    base_model_prefix = ""
+    _no_split_modules = ["Block"]
+    _supports_sdpa = True
+
+    def __init__(self, config: MemlmConfig):
+        super().__init__(config)
+        dim = config.hidden_size
+        m = _memory_settings(config)
+        self.tok_embeddings = nn.Embedding(config.vocab_size, dim)
+        pool = None
+        if m.get("share_values") and any(k in ("memory", "memplus") for k in config.layer_ffn_kinds):
+            pool = ValuePool(m["n_keys"] ** 2, m["v_dim"], VALUE_DTYPES[m["value_dtype"]])
+        self.layers = nn.ModuleList(
+            Block(config, i, self._ffn(kind, config, m, pool)) for i, kind in enumerate(config.layer_ffn_kinds)
+        )
+        # The shared value pool, registered once (memlm's state-dict name: shared.memory_values.weight).
+        self.shared = nn.ModuleDict({"memory_values": pool} if pool is not None else {})
+        self.norm = RMSNorm(dim, config.rms_norm_eps)
+        self.output = None if config.tie_word_embeddings else nn.Linear(dim, config.vocab_size, bias=False)
+        self.post_init()
+
+    @staticmethod
+    def _ffn(kind: str, config: MemlmConfig, m: dict, pool: ValuePool | None) -> nn.Module:
+        dim = config.hidden_size
+        if kind == "dense":
+            return SwiGLU(dim, config.intermediate_size)
+        if kind == "moe":
+            return MoE(dim, m)
+        if kind == "peer":
+            return PEER(dim, m)
+        dense = SwiGLU(dim, config.intermediate_size) if m["placement"] == "parallel" else None
+        return MemoryFFN(ProductKeyMemory(dim, m, kind == "memplus", pool), dense)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # Only for weights a checkpoint lacks (a fresh model): memlm's exports hold every weight.
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.tok_embeddings
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.tok_embeddings = value
+
+    def output_weight(self) -> torch.Tensor:
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        past_key_values=None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """input_ids (batch, seq) -> logits (batch, seq, vocab), with the cache filled when use_cache."""
+        cache = cache if cache is not None else past_key_values
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        h = self.tok_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        bsz, seq = h.shape[:2]
+        start = cache.get_seq_length() if cache is not None else 0
+        padded = attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all())
+        if position_ids is None:
+            if padded:  # positions count real tokens (left padding), as in Hugging Face's Llama
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq:]
+            else:
+                position_ids = torch.arange(start, start + seq, device=h.device).unsqueeze(0)
+        if int(position_ids.max()) >= self.config.max_position_embeddings:
+            raise ValueError(
+                f"position {int(position_ids.max())} exceeds max_position_embeddings={self.config.max_position_embeddings}"
+            )
+        cos, sin = rope_cos_sin(position_ids.expand(bsz, -1), self.config.head_dim, self.config.rope_theta)
+        mask = None
+        if padded:
+            kv_len = attention_mask.shape[1]
+            q_pos = torch.arange(kv_len - seq, kv_len, device=h.device)[:, None]
+            k_pos = torch.arange(kv_len, device=h.device)[None, :]
+            # Causal and not padding. Every query also sees itself: a padding row
+            # then has one key, whatever an SDPA backend does with empty rows.
+            mask = ((k_pos <= q_pos) & attention_mask.bool()[:, None, None, :]) | (k_pos == q_pos)
+        for block in self.layers:
+            h = block(h, cos, sin, cache, mask)
+        h = self.norm(h)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = h @ self.output_weight().t()
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache if use_cache else None})
+        return out if return_dict is not False else out.to_tuple()

@@ -1,0 +1,264 @@
+"""Non-dense exports in transformers: the trust_remote_code modeling file against memlm.
+
+The modeling file (model/hf_remote/modeling_memlm.py) re-implements memlm's
+decoder and every FFN kind in plain PyTorch; these tests keep the two equal:
+- logits within 1e-5 of memlm's for each kind and its variants (gates, shared
+  or own value tables, qk-norm, parallel placement, bf16 tables, v_dim != dim,
+  MoE, PEER, mixed kinds), greedy generate() equal to memlm's greedy decoding,
+  left-padded batches equal to unpadded rows;
+- every ModelArgs / MemoryConfig field and every registered FFN kind is mapped
+  or declared training-only (a new field or kind fails here first);
+- a real export loads through AutoModelForCausalLM + auto_map in a
+  subprocess where `import memlm` is blocked (the CI check), and, when
+  MEMLM_REMOTE_PYTHON names the python of a fresh venv without memlm
+  (docs/checkpoints.md shows how to make one), in that venv too.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="install the dev extra: pip install -e '.[dev]'")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from memlm.memory.config import MemoryConfig  # noqa: E402
+from memlm.model import ModelArgs, build_model, ffn_kinds, hf_remote  # noqa: E402
+from memlm.model.hf_remote.modeling_memlm import MemlmForCausalLM  # noqa: E402
+
+TOL = 1e-5
+ARGS = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=101, multiple_of=16, max_seq_len=64,
+            rope_theta=5000.0)
+PKM = dict(n_keys=8, knn=4, eval_knn=3, heads=2, k_dim=16)
+CASES = {
+    "memplus_shared_swilu": ({}, dict(kind="memplus", layers=[1], **PKM)),
+    "memplus_own_values_sigmoid_qknorm": (
+        {}, dict(kind="memplus", layers=[0, 2], share_values=False, gate="sigmoid", qk_norm=True, **PKM)),
+    "memplus_nogate_parallel_bf16_tied": (
+        dict(tie_embeddings=True, n_kv_heads=0),
+        dict(kind="memplus", layers=[1], gate="none", placement="parallel", value_dtype="bf16", **PKM)),
+    "memory_shared": ({}, dict(kind="memory", layers=[0, 1], **PKM)),
+    "memory_vdim_outproj": ({}, dict(kind="memory", layers=[1], v_dim=32, **PKM)),
+    "moe_layer": ({}, dict(kind="moe", layers=[1], n_experts=4, top_k=2)),
+    "moe_everywhere": (dict(ffn="moe"), None),
+    "peer_qknorm": ({}, dict(kind="peer", layers=[1], n_keys=8, knn=4, heads=2, k_dim=16, qk_norm=True)),
+    "memplus_and_peer": (dict(ffn="memplus"), dict(kind="peer", layers=[1], **PKM)),
+}
+
+
+def _memlm_model(args_kw: dict, mem_kw: dict | None, seed: int = 0):
+    args = ModelArgs(**{**ARGS, **args_kw})
+    memory = MemoryConfig(**mem_kw) if mem_kw is not None else None
+    model = build_model(args, memory, seed=seed).eval()
+    # Norms and biases away from their init (ones, zeros), so a weight the
+    # modeling file dropped or swapped cannot go unnoticed.
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            elif name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model, args, memory
+
+
+def _bundle(tmp_path: Path, model, args, memory) -> Path:
+    """What train/export.py writes for a non-dense model, minus the checkpoint round trip."""
+    out = tmp_path / "bundle"
+    out.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    hf_remote.write_remote_code(out, args, memory, extra={"bos_token_id": 7})
+    return out
+
+
+def _tokens(batch: int, seq: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, ARGS["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_remote_model_logits_match_memlm(tmp_path, case):
+    ours, args, memory = _memlm_model(*CASES[case])
+    hf = MemlmForCausalLM.from_pretrained(str(_bundle(tmp_path, ours, args, memory))).eval()
+    assert set(hf.state_dict()) == set(ours.state_dict())
+    assert hf.config.bos_token_id == 7  # extra config.json keys reach the config
+    tokens = _tokens(2, 24)
+    with torch.no_grad():
+        logits, out = ours(tokens), hf(tokens, labels=tokens)
+    diff = (logits - out.logits).abs().max().item()
+    assert diff <= TOL, f"{case}: max |logit difference| {diff}"
+    # Hugging Face's convention: labels are the inputs, the model shifts them.
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    assert abs(out.loss.item() - expected.item()) <= TOL
+    # `.float()` (a habit with HF models) must not change the math: a bf16
+    # value table goes back to its storage dtype (memory.value_dtype) at the next read.
+    with torch.no_grad():
+        assert (logits - hf.float()(tokens).logits).abs().max().item() <= TOL
+
+
+def test_generate_with_kv_cache_matches_memlm_greedy(tmp_path):
+    ours, args, memory = _memlm_model(*CASES["memplus_shared_swilu"])
+    hf = MemlmForCausalLM.from_pretrained(str(_bundle(tmp_path, ours, args, memory))).eval()
+    prompt = _tokens(2, 5, seed=3)
+    with torch.no_grad():  # the cache generate() carries: filled by the prompt, then one position per step
+        first = hf(prompt, use_cache=True)
+        cache = first.cache if hasattr(first, "cache") else first.past_key_values  # transformers 5 / 4
+        assert cache.get_seq_length() == 5
+        step = hf(prompt[:, :1], cache=cache).logits[:, -1]
+        assert (step - ours(torch.cat([prompt, prompt[:, :1]], 1))[:, -1]).abs().max().item() <= TOL
+    generated = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
+                            pad_token_id=0)
+    expected = prompt  # memlm's greedy decoding, full recompute each step
+    with torch.no_grad():
+        for _ in range(12):
+            expected = torch.cat([expected, ours(expected)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generated, expected)
+
+
+def test_left_padded_batch_equals_unpadded_rows(tmp_path):
+    ours, args, memory = _memlm_model(*CASES["memplus_shared_swilu"])
+    hf = MemlmForCausalLM.from_pretrained(str(_bundle(tmp_path, ours, args, memory))).eval()
+    short, long = _tokens(1, 6, seed=4), _tokens(1, 10, seed=5)
+    batch = torch.cat([torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1), long])
+    mask = torch.ones_like(batch)
+    mask[0, :4] = 0
+    with torch.no_grad():
+        padded = hf(batch, attention_mask=mask).logits
+        assert torch.isfinite(padded).all()  # padding rows too (they see only themselves)
+        assert (padded[0, 4:] - ours(short)[0]).abs().max().item() <= TOL
+        assert (padded[1] - ours(long)[0]).abs().max().item() <= TOL
+
+
+def test_every_config_field_and_ffn_kind_is_covered():
+    model_fields, memory_fields = hf_remote.config_fields()
+    model_known = set(hf_remote.MODEL_TO_CONFIG) | set(hf_remote.MODEL_TRAINING_ONLY)
+    memory_mapped = set(hf_remote.MEMORY_INFERENCE) | set(hf_remote.MEMORY_LAYER_CHOICE)
+    memory_known = memory_mapped | set(hf_remote.MEMORY_TRAINING_ONLY)
+    assert model_fields <= model_known, (
+        f"ModelArgs fields neither mapped nor training-only in model/hf_remote: {sorted(model_fields - model_known)}")
+    assert memory_fields <= memory_known, (
+        f"MemoryConfig fields neither mapped nor training-only in model/hf_remote: "
+        f"{sorted(memory_fields - memory_known)}")
+    # What the remote config is built from must exist.
+    assert set(hf_remote.MODEL_TO_CONFIG) <= model_fields
+    assert memory_mapped <= memory_fields
+    assert set(hf_remote.REMOTE_KINDS) == set(ffn_kinds()), "an FFN kind without Hugging Face modeling code"
+    from memlm.model.hf_remote.configuration_memlm import FFN_KINDS, MEMORY_KEYS
+
+    assert set(FFN_KINDS) == set(hf_remote.REMOTE_KINDS)
+    written = hf_remote.remote_config(ModelArgs(**ARGS), MemoryConfig(**CASES["memplus_shared_swilu"][1]))
+    assert set(written["memory"]) == set(MEMORY_KEYS)
+
+
+def test_modeling_files_import_only_torch_and_transformers():
+    allowed = {"__future__", "contextlib", "torch", "transformers"}
+    for name in hf_remote.REMOTE_FILES:
+        tree = ast.parse((hf_remote.SOURCE_DIR / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                roots = {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                roots = {node.module.split(".")[0]}
+            else:
+                continue  # relative imports stay inside the bundle
+            assert roots <= allowed, f"{name} imports {sorted(roots - allowed)}"
+
+
+# ------------------------------------------------ a real export, memlm absent
+CHILD = r"""
+import importlib.abc, importlib.util, sys
+memlm_installed = importlib.util.find_spec("memlm") is not None
+
+class BlockMemlm(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "memlm":
+            raise ModuleNotFoundError(f"memlm is blocked in this check ({name})")
+
+sys.meta_path.insert(0, BlockMemlm())
+import torch, transformers
+from safetensors.torch import load_file, save_file
+bundle, io = sys.argv[1], sys.argv[2]
+tokens = load_file(io + "/in.safetensors")["tokens"]
+model = transformers.AutoModelForCausalLM.from_pretrained(bundle, trust_remote_code=True)
+with torch.no_grad():
+    logits = model(tokens).logits
+generated = model.generate(tokens[:, :4], attention_mask=torch.ones_like(tokens[:, :4]), max_new_tokens=6,
+                           do_sample=False, pad_token_id=0)
+assert not [m for m in sys.modules if m.split(".")[0] == "memlm"], "memlm was imported"
+save_file({"logits": logits.contiguous(), "generated": generated}, io + "/out.safetensors")
+print("memlm installed:", memlm_installed, "| transformers", transformers.__version__, "| torch", torch.__version__)
+"""
+
+
+@pytest.fixture(scope="module")
+def memplus_export(tmp_path_factory):
+    """A trained tiny Memory+ run exported by train/export.py, and the trained model."""
+    from memlm.train.config import compose
+    from memlm.train.export import export
+    from memlm.train.trainer import Trainer
+
+    tmp = tmp_path_factory.mktemp("remote_export")
+    overrides = ["model.vocab_size=128", "data.seq_len=16", "data.micro_batch=2", "logging.wandb.mode=disabled",
+                 "steps=3", "optim.lr=3e-3", "model.n_layers=3", "memory=memplus", "memory.layers=[1]",
+                 "memory.n_keys=8", "memory.knn=4", "memory.eval_knn=4", "memory.heads=2", "memory.k_dim=16",
+                 f"dump_dir={tmp / 'run'}"]
+    trainer = Trainer(compose(overrides))
+    trainer.fit()
+    return export(tmp / "run", tmp / "export"), trainer.model.eval(), tmp
+
+
+def _run_child(python: str, isolated: bool, export_dir: Path, ours, tmp: Path) -> str:
+    io = tmp / f"io_{'isolated' if isolated else 'venv'}"
+    io.mkdir(exist_ok=True)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    save_file({"tokens": tokens}, str(io / "in.safetensors"))
+    # No PYTHONPATH (it points at memlm), remote modules cached in the test's folder.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp / "hf_modules")
+    cmd = [python, *(["-I"] if isolated else []), "-c", CHILD, str(export_dir), str(io)]
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = load_file(str(io / "out.safetensors"))
+    with torch.no_grad():
+        assert (out["logits"] - ours(tokens)).abs().max().item() <= TOL
+        expected = tokens[:, :4]
+        for _ in range(6):
+            expected = torch.cat([expected, ours(expected)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out["generated"], expected)
+    return proc.stdout
+
+
+def test_export_loads_with_auto_model_where_memlm_cannot_be_imported(memplus_export):
+    export_dir, ours, tmp = memplus_export
+    assert {"config.json", "configuration_memlm.py", "modeling_memlm.py"} <= {p.name for p in export_dir.iterdir()}
+    _run_child(sys.executable, True, export_dir, ours, tmp)
+
+
+def test_sharded_export_loads_in_transformers(memplus_export):
+    from memlm.train.export import main
+
+    export_dir, ours, tmp = memplus_export
+    sharded = tmp / "sharded"
+    assert main([str(tmp / "run"), str(sharded), "--max-shard-size", "20KB"]) == 0
+    assert len(list(sharded.glob("model-*-of-*.safetensors"))) > 1
+    hf = MemlmForCausalLM.from_pretrained(str(sharded)).eval()
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (hf(tokens).logits - ours(tokens)).abs().max().item() <= TOL
+
+
+def test_export_loads_in_a_fresh_venv_without_memlm(memplus_export):
+    python = os.environ.get("MEMLM_REMOTE_PYTHON")
+    if not python:
+        pytest.skip("set MEMLM_REMOTE_PYTHON to the python of a venv with torch + transformers and no memlm "
+                    "(docs/checkpoints.md, 'Memory, MoE and PEER exports in transformers')")
+    export_dir, ours, tmp = memplus_export
+    stdout = _run_child(python, False, export_dir, ours, tmp)
+    assert "memlm installed: False" in stdout, stdout
