@@ -28,14 +28,18 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" $(ARGS)
 
 # Exports read by transformers 4.x: a second environment with the newest 4.x
-# (the main one has transformers 5), used only by the marked test
-# (tests/test_hf_bundle.py; docs/checkpoints.md).
+# (the main one has transformers 5) and no memlm, used only by two tests:
+# dense bundles (ids, logits, greedy answers) and trust_remote_code exports
+# loaded without memlm (tests/test_hf_bundle.py, tests/test_hf_remote.py;
+# docs/checkpoints.md).
 TF4_VENV ?= .venv-tf4
 TORCH_PIN := $(shell grep '^torch==' $(CONSTRAINTS) 2>/dev/null)
 test-tf4: $(STAMP)
 	test -x $(TF4_VENV)/bin/python || $(PYTHON) -m venv $(TF4_VENV)
 	$(TF4_VENV)/bin/python -m pip install --quiet "transformers==4.57.*" $(or $(TORCH_PIN),torch) safetensors sentencepiece protobuf numpy
-	MEMLM_TF4_PYTHON=$(abspath $(TF4_VENV))/bin/python $(BIN)/python -m pytest -m slow tests/test_hf_bundle.py -k transformers4 $(ARGS)
+	MEMLM_TF4_PYTHON=$(abspath $(TF4_VENV))/bin/python MEMLM_REMOTE_PYTHON=$(abspath $(TF4_VENV))/bin/python \
+	  $(BIN)/python -m pytest -m "slow or not slow" tests/test_hf_bundle.py tests/test_hf_remote.py \
+	  -k "transformers4 or fresh_venv" $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
