@@ -132,12 +132,12 @@ def section_nosync(dry: bool, tmp: str) -> dict:
                                    f"dump_dir={tmp}/nosync-{name}"]))
         step, failure = trainer.train_step, []
 
-        def guarded(step=step, trainer=trainer, failure=failure, every=every):
+        def guarded(*args, step=step, trainer=trainer, failure=failure, every=every, **kwargs):
             logging_step = (trainer.step + 1) % every == 0 or trainer.step + 1 == trainer.cfg.steps
             if cuda:
                 torch.cuda.set_sync_debug_mode("default" if logging_step or trainer.step < 2 else "error")
             try:
-                return step()
+                return step(*args, **kwargs)
             except RuntimeError as err:
                 failure.append(f"step {trainer.step + 1}: {str(err).splitlines()[0]}")
                 raise

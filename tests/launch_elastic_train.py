@@ -18,8 +18,8 @@ from memlm.train.trainer import Trainer
 def _install_crash(step: int) -> None:
     original = Trainer.train_step
 
-    def train_step(self):
-        out = original(self)
+    def train_step(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
         if self.step == step and self.env.rank == 1:
             print(f"[test] rank 1 exits at step {step} (first attempt)", flush=True)
             os._exit(1)

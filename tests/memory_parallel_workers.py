@@ -30,6 +30,7 @@ def sharded_init(rank: int, overrides: list[str], out_path: str) -> None:
     shards = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
     dist.all_gather(shards, shard.contiguous())
     table_sharded = full_state(sharded.model).get(TABLE)  # rank 0 only (cpu_offload)
+    sharded.close()  # its run lock: the next Trainer uses the same dump_dir
     full = Trainer(compose([*overrides, "parallel.init=full"]), train_loader=iter([]))
     table_full = full_state(full.model).get(TABLE)
     if rank == 0:

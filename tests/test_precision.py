@@ -243,6 +243,7 @@ def _two_rank_dtypes(rank: int, overrides: list[str], out_path: str) -> None:
             "params": sorted({str(p.dtype) for p in local}), "state": sorted({str(v.dtype) for v in state}),
             "table": str(t.model.shared.memory_values.weight.dtype),
         }
+        t.close()  # its run lock: the next Trainer uses the same dump_dir
     if rank == 0:
         torch.save(results, out_path)
 

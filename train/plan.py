@@ -111,7 +111,7 @@ def _fsdp_units(model: torch.nn.Module, gather_dtype: torch.dtype, skip: set[int
     for module in reversed(modules):  # innermost first
         own = [p for p in module.parameters() if id(p) not in nested and id(p) not in skip]
         nested.update(id(p) for p in own)
-        # FSDP2 pads dim 0 of every parameter to a multiple of the shard group.
+        # FSDP2 pads the sharded dim of every parameter to a multiple of the shard group.
         numel = sum(_padded_numel(p) for p in own)
         # apply_fsdp keeps the root unsharded after forward; blocks reshard.
         units.append((numel * gather_dtype.itemsize, numel * 4, module is not model))
@@ -123,8 +123,11 @@ def _padded_numel(p: torch.Tensor) -> int:
         return p.numel()
     mesh = p.device_mesh
     shards = mesh.size(mesh.ndim - 1)  # the "shard" dimension (hybrid: the last)
-    rows = -(-p.shape[0] // shards) * shards
-    return rows * (p.numel() // p.shape[0]) if p.shape[0] else 0
+    placement = p.placements[-1]
+    dim = placement.dim if placement.is_shard() else 0  # apply_fsdp may shard another dim than 0
+    size = p.shape[dim]
+    padded = -(-size // shards) * shards
+    return padded * (p.numel() // size) if size else 0
 
 
 def _spans_nodes(ranks: list[int], gpus_per_node: int) -> bool:
