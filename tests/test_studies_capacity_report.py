@@ -1,0 +1,73 @@
+"""The knowledge-capacity report (memlm.studies.capacity_report) on small fabricated run folders."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memlm.studies import capacity_report as report
+from memlm.train.config import compose, to_yaml
+
+
+def _run(root, name, experiment, entities, stored, tokens=40_000, extra=()):
+    """A finished run folder: its saved config and a summary with a facts_bits result."""
+    cfg = compose([f"experiment={experiment}", f"data.facts.entities={entities}", "data.facts.values=16",
+                   f"data.cache_dir={root / 'cache'}", *extra])
+    dump = root / name
+    dump.mkdir(parents=True)
+    (dump / "config.yaml").write_text(to_yaml(cfg))
+    corpus = entities * cfg.data.facts.attributes * 4.0
+    result = {"stored_bits": stored, "corpus_bits": corpus, "exact_match": stored / corpus,
+              "bits_per_param": stored / 1e6, "bits_per_active_param": stored / 2e5}
+    (dump / "summary.json").write_text(json.dumps({"steps": 100, "tokens": tokens, "seconds": 60,
+                                                   "evals": {"facts_bits": result}}))
+    return cfg
+
+
+def test_rows_come_from_the_runs_own_configs_and_exposures_from_the_loader(tmp_path):
+    from memlm.data.corpus import open_corpus
+
+    cfg = _run(tmp_path, "d20", "capacity_dense", 20, 100.0)
+    _run(tmp_path, "m20", "capacity_memplus", 20, 300.0, extra=["memory.n_keys=16", "memory.knn=8", "memory.eval_knn=8"])
+    (tmp_path / "other").mkdir()  # a run of another kind: no facts_bits result
+    (tmp_path / "other" / "summary.json").write_text(json.dumps({"steps": 1, "tokens": 1, "evals": {}}))
+    rows = report.load_runs([tmp_path])
+    assert [(r["run"], r["variant"], r["slots"]) for r in rows] == [("d20", "Dense", None),
+                                                                    ("m20", "Memory+", 256)]
+    # One epoch as the loader packs it: tokens per epoch of the corpus' only source.
+    per_epoch = open_corpus(cfg.data).sources[0].tokens_per_epoch
+    assert rows[0]["exposures"] == pytest.approx(40_000 / per_epoch)
+    assert rows[0]["facts"] == 80 and rows[0]["total"] == 229_696 and rows[1]["active"] == 213_440  # 16 keys, not the experiment's 128
+
+
+def test_findings_state_the_precondition_and_goals_whatever_they_come_out_as(tmp_path):
+    _run(tmp_path, "d20", "capacity_dense", 20, 100.0)
+    _run(tmp_path, "d40", "capacity_dense", 40, 105.0)   # plateau: 1.05x while the corpus doubled
+    _run(tmp_path, "m40", "capacity_memplus", 40, 400.0)
+    text = "\n".join(report.findings(report.load_runs([tmp_path])))
+    assert "(1.05x; at most 1.10x wanted) while the corpus grew 2.0x" in text and ": met." in text
+    assert "Memory+ stores 3.81x the bits of Dense at N = 40" in text
+    assert "Memory+ (400) > Dense (105)" in text
+
+    _run(tmp_path / "b", "d20", "capacity_dense", 20, 100.0)
+    _run(tmp_path / "b", "d40", "capacity_dense", 40, 150.0)  # still growing: not capacity-limited
+    _run(tmp_path / "b", "m40", "capacity_memplus", 40, 200.0)
+    text = "\n".join(report.findings(report.load_runs([tmp_path / "b"])))
+    assert "(1.50x; at most 1.10x wanted)" in text and "NOT met" in text
+    assert "Memory+ stores 1.33x" in text and "goal at least 3x): NOT met" in text
+
+
+def test_report_fills_only_its_own_markers(tmp_path):
+    _run(tmp_path / "runs", "d20", "capacity_dense", 20, 100.0)
+    doc = tmp_path / "results.md"
+    doc.write_text(f"# Results\n\nintro\n\n{report.BEGIN}\nold\n{report.END}\n\nafter\n")
+    assert report.main([str(tmp_path / "runs"), "--out", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith("# Results\n\nintro\n\n") and text.endswith("\n\nafter\n") and "old" not in text
+    assert "| d20 | Dense | - | 229,696 |" in text and "needs Dense at two corpus sizes" in text
+
+
+def test_no_capacity_runs_is_a_clear_error(tmp_path, capsys):
+    assert report.main([str(tmp_path)]) == 1
+    assert "no finished run with a facts_bits result" in capsys.readouterr().err
