@@ -118,6 +118,11 @@ def findings(rows: list[dict]) -> list[str]:
                    f"{sizes[-1]:,} against {small['stored_bits']:,.0f} at N = {sizes[-2]:,} ({ratio:.2f}x; "
                    f"at most 1.10x wanted) while the corpus grew {grown:.1f}x (at least 2x wanted): "
                    f"{'met' if met else 'NOT met'}.")
+        if ratio < 0.9:
+            out.append(f"  Dense stores fewer bits at the larger N, so it is not at its capacity there: it held "
+                       f"{small['stored_bits']:,.0f} bits at N = {sizes[-2]:,}. At {large['exposures']:.0f} "
+                       f"exposures per fact it is limited by how fast it stores facts, not by how many it can "
+                       f"hold; the comparison below is at equal exposures and FLOPs.")
     else:
         out.append("- Capacity-limited precondition: needs Dense at two corpus sizes; not measured yet.")
     if sizes:

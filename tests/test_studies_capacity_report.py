@@ -56,6 +56,13 @@ def test_findings_state_the_precondition_and_goals_whatever_they_come_out_as(tmp
     text = "\n".join(report.findings(report.load_runs([tmp_path / "b"])))
     assert "(1.50x; at most 1.10x wanted)" in text and "NOT met" in text
     assert "Memory+ stores 1.33x" in text and "goal at least 3x): NOT met" in text
+    assert "not at its capacity" not in text
+
+    _run(tmp_path / "c", "d20", "capacity_dense", 20, 100.0)
+    _run(tmp_path / "c", "d40", "capacity_dense", 40, 40.0)  # fewer bits at the larger N: a decline
+    text = "\n".join(report.findings(report.load_runs([tmp_path / "c"])))
+    assert "(0.40x; at most 1.10x wanted)" in text and ": met." in text
+    assert "so it is not at its capacity there: it held 100 bits at N = 20" in text
 
 
 def test_report_fills_only_its_own_markers(tmp_path):
