@@ -252,11 +252,13 @@ def render(ablation: list[dict], sweep: list[dict], levers: list[dict] | None = 
     return "\n".join(parts)
 
 
-def write_doc(doc: Path, text: str) -> None:
-    old = doc.read_text() if doc.exists() else f"# Results\n\n{BEGIN}\n{END}\n"
-    if BEGIN not in old or END not in old:
-        raise ReportError(f"{doc} lacks the markers {BEGIN!r} ... {END!r} around the generated part")
-    doc.write_text(old[:old.index(BEGIN)] + text + old[old.index(END) + len(END):])
+def write_doc(doc: Path, text: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the part of `doc` between the markers `begin` and `end` (text
+    carries them) and keep the rest as written; a missing file is created."""
+    old = doc.read_text() if doc.exists() else f"# Results\n\n{begin}\n{end}\n"
+    if begin not in old or end not in old:
+        raise ReportError(f"{doc} lacks the markers {begin!r} ... {end!r} around the generated part")
+    doc.write_text(old[:old.index(begin)] + text + old[old.index(end) + len(end):])
 
 
 def plot(ablation: list[dict], sweep: list[dict], path: Path) -> None:
