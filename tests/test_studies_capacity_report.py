@@ -78,3 +78,25 @@ def test_report_fills_only_its_own_markers(tmp_path):
 def test_no_capacity_runs_is_a_clear_error(tmp_path, capsys):
     assert report.main([str(tmp_path)]) == 1
     assert "no finished run with a facts_bits result" in capsys.readouterr().err
+
+
+def test_memplus_is_compared_at_its_study_size_and_the_sweep_is_its_own_goal(tmp_path):
+    small = ["memory.n_keys=16", "memory.knn=8", "memory.eval_knn=8"]
+    _run(tmp_path, "d20", "capacity_dense", 20, 100.0)
+    _run(tmp_path, "d40", "capacity_dense", 40, 100.0)
+    _run(tmp_path, "m20", "capacity_memplus", 20, 200.0, extra=small)
+    _run(tmp_path, "m40", "capacity_memplus", 40, 250.0, extra=small)
+    _run(tmp_path, "m40_k32", "capacity_memplus", 40, 500.0,  # a larger sweep point: not the study row
+         extra=["memory.n_keys=32", "memory.knn=8", "memory.eval_knn=8"])
+    _run(tmp_path, "m40_k8", "capacity_memplus", 40, 150.0, extra=["memory.n_keys=8", "memory.knn=8", "memory.eval_knn=8"])
+    text = "\n".join(report.findings(report.load_runs([tmp_path])))
+    assert "Memory+ stores 2.50x the bits of Dense at N = 40 (250 vs 100;" in text
+    assert "sweep at N = 40: 64 slots 150 bits, 256 slots 250 bits, 1,024 slots 500 bits" in text
+    assert "memory size): met." in text and "Memory+ (250) > Dense (100)" in text
+
+    _run(tmp_path / "b", "d40", "capacity_dense", 40, 100.0)
+    _run(tmp_path / "b", "m40", "capacity_memplus", 40, 250.0, extra=small)
+    _run(tmp_path / "b", "m40_k32", "capacity_memplus", 40, 240.0,
+         extra=["memory.n_keys=32", "memory.knn=8", "memory.eval_knn=8"])
+    text = "\n".join(report.findings(report.load_runs([tmp_path / "b"])))
+    assert "256 slots 250 bits, 1,024 slots 240 bits (goal: bits rise with memory size): NOT met." in text
