@@ -88,12 +88,12 @@ def hydra_value(text: str) -> str:
 def attempt_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
     """The resume overrides of the first attempt and of requeued attempts.
 
-    First: resume=auto (a fresh dump_dir starts at step 0, an existing one
-    continues; torchrun restarts inside the job continue too), unless the user
-    chose resume or init_from (they exclude each other). Requeued: always the
-    newest checkpoint of this run, so init_from is cleared.
+    First: resume=auto (a fresh dump_dir starts at step 0, or from init_from
+    when given; an existing one continues; torchrun restarts inside the job
+    continue too), unless the user chose resume. Requeued: always the newest
+    checkpoint of this run, so init_from is cleared.
     """
-    first = [] if has_key(overrides, "resume") or has_key(overrides, "init_from") else ["resume=auto"]
+    first = [] if has_key(overrides, "resume") else ["resume=auto"]
     return first, ["resume=auto", "init_from="]
 
 

@@ -73,6 +73,32 @@ def test_init_from_loads_weights_only(tmp_path):
     assert all(torch.equal(src_w[k], v) for k, v in full_state(t.model).items())
 
 
+def test_init_from_with_resume_auto_starts_fresh_runs_and_continues_started_ones(tmp_path, capsys):
+    """A requeued or restarted fine-tune runs the same command line: its own
+    newest checkpoint wins over init_from, which only starts a run without one."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    Trainer(compose([*BASE, "steps=3", f"dump_dir={src}"])).fit()
+    ckpt = src / "checkpoints" / "step_00000003"
+    run = [*BASE, "steps=4", "checkpoint.every=2", f"dump_dir={dst}", f"init_from={ckpt}", "resume=auto"]
+    first = Trainer(compose(run))
+    assert first.step == 0 and "no checkpoint in" in capsys.readouterr().out
+    src_w = _final_weights(src, BASE)
+    assert all(torch.equal(src_w[k], v) for k, v in full_state(first.model).items())
+    first.fit(stop_after=2)  # preempted after its step-2 checkpoint
+    del first
+    again = Trainer(compose(run))
+    out = capsys.readouterr().out
+    assert again.step == 2 and again.optimizer.state and f"init_from={ckpt} is not loaded" in out
+    assert not list((dst / "checkpoints").glob("abandoned_*"))  # the run's own history is kept
+
+
+def test_init_from_with_a_named_checkpoint_is_refused(tmp_path):
+    from memlm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"resume='/some/step_2'.*none or auto with init_from=/a/step_1"):
+        compose([*BASE, f"dump_dir={tmp_path}", "init_from=/a/step_1", "resume=/some/step_2"])
+
+
 def _corrupt(path: Path) -> None:
     shard = next(path.glob("__0_*.distcp"))
     data = bytearray(shard.read_bytes())

@@ -50,12 +50,13 @@ def test_dry_run_script(tmp_path, capsys, nodes, gpus):
     assert syntax.returncode == 0, syntax.stderr
 
 
-def test_explicit_init_from_keeps_first_attempt_fresh(capsys, tmp_path):
+def test_init_from_starts_the_run_and_restarts_continue_it(capsys, tmp_path):
     rc = main(["slurm", "--gpus-per-node", "1", "--max-restarts", "2", "--dry-run", "--", *TINY,
                f"dump_dir={tmp_path}", "init_from=/ckpt/step_100"])
     script = capsys.readouterr().out
     assert rc == 0
-    assert "RESUME=()" in script  # init_from and resume exclude each other on the first attempt
+    # First attempt: init_from starts the run, a torchrun restart continues from its own checkpoint.
+    assert "RESUME=(resume=auto)" in script
     assert "RESUME=(resume=auto init_from=)" in script
     assert "--max-restarts 2" in script
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in script  # elastic restarts need it

@@ -216,8 +216,11 @@ class Config:
         self.logging.validate()
         self.checkpoint.validate()
         self.profile.validate(self.steps)
-        if self.resume != "none" and self.init_from:
-            raise ConfigError("init_from", self.init_from, "empty when resume is set (resume restores weights too)")
+        if self.init_from and self.resume not in ("none", "auto"):
+            # resume=auto + init_from: a checkpoint in dump_dir wins, init_from starts a run that has
+            # none (a requeued or restarted fine-tune continues instead of starting over).
+            raise ConfigError("resume", self.resume, f"none or auto with init_from={self.init_from} (a checkpoint "
+                              "named by resume restores the weights itself; leave init_from empty for it)")
         if self.init_from.startswith("hf:") and not self.init_from[3:].strip():
             raise ConfigError("init_from", self.init_from, "hf:<dir>, the folder of a Hugging Face Llama checkpoint")
         if self.steps < 0:

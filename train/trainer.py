@@ -134,21 +134,28 @@ class Trainer:
 
     def _restore(self):
         """resume: everything (model, optimizer, schedule, counters, data, RNG);
-        init_from: weights only (hf:<dir>: a Hugging Face Llama, train/hf_import.py)."""
+        init_from: weights only (hf:<dir>: a Hugging Face Llama, train/hf_import.py),
+        for a run with no checkpoint of its own (with resume=auto, one in dump_dir wins)."""
         cfg = self.cfg
-        if cfg.init_from.startswith(HF_PREFIX):
-            import_hf(cfg, self.model, getattr(self.train_loader, "tokenizer", None), self._print_main)
-            return None
-        if cfg.init_from:
-            self.checkpointer.load_weights(cfg.init_from, self.model, cfg.checkpoint.verify == "checksum")
-            if self.env.is_main:
-                print(f"[train] initialized weights from {cfg.init_from}", flush=True)
-            return None
         path = self.checkpointer.resolve(cfg.resume)
+        if path is None and cfg.init_from:
+            if cfg.resume == "auto" and self.env.is_main:
+                print(f"[train] resume=auto: no checkpoint in {self.checkpointer.root}, starting from "
+                      f"init_from={cfg.init_from}", flush=True)
+            if cfg.init_from.startswith(HF_PREFIX):
+                import_hf(cfg, self.model, getattr(self.train_loader, "tokenizer", None), self._print_main)
+            else:
+                self.checkpointer.load_weights(cfg.init_from, self.model, cfg.checkpoint.verify == "checksum")
+                if self.env.is_main:
+                    print(f"[train] initialized weights from {cfg.init_from}", flush=True)
+            return None
         if path is None:
             if cfg.resume == "auto" and self.env.is_main:
                 print(f"[train] resume=auto: no checkpoint in {self.checkpointer.root}, starting fresh", flush=True)
             return None
+        if cfg.init_from and self.env.is_main:
+            print(f"[train] resume=auto: {path} found, so init_from={cfg.init_from} is not loaded "
+                  "(it starts runs without a checkpoint)", flush=True)
         meta = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.train_loader)
         self.step, self.tokens = meta["step"], meta["tokens"]
         self.nonfinite_total = meta.get("nonfinite_total", 0)
