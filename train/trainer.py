@@ -10,8 +10,6 @@ or meta for sharded init) -> memory parallelism -> activation checkpointing
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,6 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from memlm.errors import ConfigError
-from memlm.files import atomic_write_json
 from memlm.launch.preemption import install_preemption_handler
 from memlm.model import Transformer
 from memlm.train import memory_hooks
@@ -32,13 +29,7 @@ from memlm.train.distributed import DistEnv, Meshes, build_meshes, init_distribu
 from memlm.train.hf_import import HF_PREFIX, import_hf
 from memlm.train.load import keep_tokenizer
 from memlm.train.loss import chunked_cross_entropy
-from memlm.train.metrics import (
-    MetricsLogger,
-    check_tensorboard,
-    device_peak_flops,
-    format_eta,
-    peak_memory_gib,
-)
+from memlm.train.metrics import MetricsLogger, check_tensorboard
 from memlm.train.optim import build_optimizer, build_scheduler, memory_value_params
 from memlm.train.parallelize import (
     apply_activation_checkpointing,
@@ -48,8 +39,10 @@ from memlm.train.parallelize import (
 )
 from memlm.train.precision import autocast, enable_tf32
 from memlm.train.profiling import StepProfiler
+from memlm.train.progress import Progress
 from memlm.train.run_lock import RunLock, lock_run_dir
 from memlm.train.step_guard import NonFiniteLossError, StepGuard, step_if_finite, step_ok
+from memlm.train.summary import run_summary, write_summary
 
 __all__ = ["NonFiniteLossError", "Trainer", "accumulation_steps"]
 
@@ -310,17 +303,15 @@ class Trainer:
                                OmegaConf.to_container(OmegaConf.structured(cfg)), cfg.logging.wandb,
                                cfg.logging.tensorboard)
         profiler = StepProfiler(cfg.profile.steps, self.dump_dir, env.device, env.rank)
-        flops_per_token = 3 * self._unwrapped().flops_per_token(cfg.data.seq_len)
-        peak = device_peak_flops(env.device)
         counts = self._unwrapped().num_params()
         if env.is_main:
             print(f"[train] {cfg.name}: {counts['total']:,} params ({counts['active']:,} active), "
                   f"{env.world_size} rank(s) on {env.device.type}, accumulation {self.accum}, "
                   f"{cfg.steps} steps -> {self.dump_dir}", flush=True)
-        start = window_start = time.perf_counter()
+        progress = Progress(cfg, env, self._unwrapped(), self.step, self.tokens)
         first_step = self.step
         eval_results: dict[str, Any] = {}
-        window_tokens, last, val_loss = self.tokens, {}, None
+        last, val_loss = {}, None
         preempted = False
         # SIGUSR1 (Slurm, before the time limit) -> checkpoint after the current step and stop.
         preemption = install_preemption_handler(
@@ -334,17 +325,7 @@ class Trainer:
                 last = self.train_step(read=logging_step) or last
                 profiler.after_step(self.step)
                 if logging_step:
-                    now = time.perf_counter()
-                    tps = (self.tokens - window_tokens) / max(now - window_start, 1e-9)
-                    window_start, window_tokens = now, self.tokens
-                    record = {"step": self.step, "tokens": self.tokens, **last, "tokens_per_s": tps,
-                              "peak_mem_gib": peak_memory_gib(env.device),
-                              "nonfinite_skipped": self.nonfinite_total}
-                    if peak:
-                        record["mfu"] = tps * flops_per_token / (peak * env.world_size)
-                    record.update(memory_hooks.health_metrics(self.model))
-                    eta = (now - start) / (self.step - first_step) * (cfg.steps - self.step)
-                    logger.log(record, self._console_line(record, eta))
+                    logger.log(*progress.report(self.step, self.tokens, last, self.nonfinite_total, self.model))
                 if cfg.val_every and self.step % cfg.val_every == 0 and self.step < cfg.steps:
                     val_loss = self._log_validation(logger)
                 saved = None
@@ -360,7 +341,7 @@ class Trainer:
                     break
             if preempted:
                 last = self.guard.read() or last  # steps since the last logging step (one process)
-                return self._finish(start, last, None, eval_results, preempted=True)
+                return self._finish(progress.elapsed(), last, None, eval_results, preempted=True)
             val_loss = self._log_validation(logger) if self.val_loader is not None else val_loss
             just_saved = cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0
             final = None
@@ -373,37 +354,22 @@ class Trainer:
             profiler.close()
             self.checkpointer.finalize()  # a background save must land before the process exits
             logger.close()
-        return self._finish(start, last, val_loss, eval_results)
+        return self._finish(progress.elapsed(), last, val_loss, eval_results)
 
     def close(self) -> None:
         """Give the dump_dir back (the run lock); fit() does it when it ends."""
         if self.run_lock is not None:
             self.run_lock.release()
 
-    def _finish(self, start: float, last: dict, val_loss, eval_results: dict, preempted: bool = False) -> dict:
-        summary = {"name": self.cfg.name, "steps": self.step, "tokens": self.tokens,
-                   "final_loss": last.get("loss"), "val_loss": val_loss, "evals": eval_results,
-                   "nonfinite_skipped": self.nonfinite_total, "preempted": preempted,
-                   "seconds": round(time.perf_counter() - start, 2), "dump_dir": str(self.dump_dir)}
+    def _finish(self, seconds: float, last: dict, val_loss, eval_results: dict, preempted: bool = False) -> dict:
+        summary = run_summary(self.cfg.name, self.step, self.tokens, last, val_loss, eval_results,
+                              self.nonfinite_total, preempted, seconds, self.dump_dir)
         if self.env.is_main:
-            if not last:  # nothing trained (a requeue of a finished run): keep the results reported
-                summary = self._with_previous_results(summary)
-            atomic_write_json(self.dump_dir / "summary.json", summary, indent=2)
+            # nothing trained (a requeue of a finished run): keep the results already reported
+            summary = write_summary(self.dump_dir, summary, trained=bool(last))
             word = "preempted: checkpointed and stopped" if preempted else "done"
             print(f"[train] {word}: {summary}", flush=True)
         return summary
-
-    def _with_previous_results(self, summary: dict) -> dict:
-        """The results summary.json already holds for this same step fill the
-        ones this invocation could not measure (no step, so no final loss)."""
-        try:
-            previous = json.loads((self.dump_dir / "summary.json").read_text())
-        except (OSError, ValueError):
-            return summary
-        if not isinstance(previous, dict) or previous.get("steps") != self.step:
-            return summary
-        return {**summary, **{k: previous[k] for k in ("final_loss", "val_loss", "evals")
-                              if summary.get(k) in (None, {}) and k in previous}}
 
     def _evaluate(self, checkpoint: Path, logger: MetricsLogger) -> dict[str, Any]:
         """Run the eval suite on a saved checkpoint: every rank loads the full
@@ -429,17 +395,6 @@ class Trainer:
         if val is not None:
             logger.log({"step": self.step, "val_loss": val}, f"[train] step {self.step}  val_loss {val:.4f}")
         return val
-
-    def _console_line(self, r: dict, eta: float) -> str:
-        parts = [f"step {r['step']}/{self.cfg.steps}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}",
-                 f"gnorm {r['grad_norm']:.3f}", f"tok/s {r['tokens_per_s']:,.0f}"]
-        if "mfu" in r:
-            parts.append(f"mfu {r['mfu']:.1%}")
-        parts += [f"mem {r['peak_mem_gib']:.2f}GiB", f"eta {format_eta(eta)}"]
-        usage = {k: v for k, v in r.items() if k.startswith("memory/") and k.endswith("usage")}
-        if usage:
-            parts.append("usage " + " ".join(f"{v:.1%}" for v in usage.values()))
-        return "[train] " + "  ".join(parts)
 
     def _unwrapped(self) -> Transformer:
         return self.model

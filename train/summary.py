@@ -1,0 +1,47 @@
+"""summary.json: what a finished (or preempted) run reports.
+
+    summary = run_summary(cfg, step, tokens, metrics, val_loss, evals, nonfinite, preempted, seconds, dump_dir)
+    write_summary(dump_dir, summary, trained=bool(metrics))
+
+A requeue of a run that had already finished trains no step, so it cannot
+measure a final loss or rerun the evaluations: it keeps the results the
+summary.json of that same step already holds instead of overwriting them
+with nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from memlm.files import atomic_write_json
+
+
+def run_summary(name: str, step: int, tokens: int, metrics: dict, val_loss: float | None,
+                evals: dict[str, Any], nonfinite_skipped: int, preempted: bool, seconds: float,
+                dump_dir: Path) -> dict[str, Any]:
+    return {"name": name, "steps": step, "tokens": tokens, "final_loss": metrics.get("loss"),
+            "val_loss": val_loss, "evals": evals, "nonfinite_skipped": nonfinite_skipped,
+            "preempted": preempted, "seconds": round(seconds, 2), "dump_dir": str(dump_dir)}
+
+
+def write_summary(dump_dir: Path, summary: dict[str, Any], trained: bool) -> dict[str, Any]:
+    """Write summary.json atomically; returns what was written."""
+    if not trained:
+        summary = _with_previous_results(dump_dir, summary)
+    atomic_write_json(dump_dir / "summary.json", summary, indent=2)
+    return summary
+
+
+def _with_previous_results(dump_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """The results summary.json already holds for this same step fill the
+    ones this invocation could not measure (no step, so no final loss)."""
+    try:
+        previous = json.loads((dump_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return summary
+    if not isinstance(previous, dict) or previous.get("steps") != summary["steps"]:
+        return summary
+    return {**summary, **{k: previous[k] for k in ("final_loss", "val_loss", "evals")
+                          if summary.get(k) in (None, {}) and k in previous}}
