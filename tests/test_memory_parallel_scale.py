@@ -52,6 +52,22 @@ def test_sharded_init_replicas_are_bitwise_equal_and_equal_full_init(tmp_path):
     assert torch.equal(one.model.shared.memory_values.weight.detach(), got["full"])
 
 
+@pytest.mark.slow  # 4 gloo ranks
+def test_hybrid_sharded_init_gives_every_replica_the_same_dense_weights(tmp_path):
+    """Two "nodes" of 2 ranks, parallel.fsdp=hybrid, init=sharded: ranks 0 and
+    2 (and 1 and 3) hold the same shard of every dense weight. (Before: seeded
+    seed + rank on CPU, so the two replicas trained different models.)"""
+    from train_workers import hybrid_init_shards
+
+    overrides = [*TINY, "parallel.fsdp=hybrid", "parallel.init=sharded", "data.micro_batch=1",
+                 f"dump_dir={tmp_path / 'd'}"]
+    run_ranks(hybrid_init_shards, 4, overrides, str(tmp_path))
+    local = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    for name, shard in local[0].items():
+        assert torch.equal(shard, local[2][name]) and torch.equal(local[1][name], local[3][name]), name
+    assert not torch.equal(local[0]["tok_embeddings.weight"], local[1]["tok_embeddings.weight"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_sparse_updates_on_several_ranks_equal_one_process(tmp_path, world):

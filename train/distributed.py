@@ -81,6 +81,14 @@ class Meshes:
     memory: DeviceMesh | None
 
 
+def shard_index(meshes: Meshes, env: DistEnv) -> int:
+    """This rank's position along the FSDP shard dimension: equal for the
+    replicas of one shard under hybrid sharding, the rank otherwise."""
+    if meshes.fsdp is not None and meshes.fsdp.ndim == 2:
+        return meshes.fsdp.get_local_rank("shard")
+    return env.rank
+
+
 def build_meshes(env: DistEnv, memory_parallel: int, fsdp_mode: str) -> Meshes:
     if env.world_size % memory_parallel:
         raise ConfigError(

@@ -25,7 +25,7 @@ from memlm.train.checkpoint import Checkpointer
 from memlm.train.clip import clip_group_
 from memlm.train.config import Config, to_yaml
 from memlm.train.data_source import build_train_loader, has_validation, model_batch
-from memlm.train.distributed import DistEnv, Meshes, build_meshes, init_distributed, seed_everything
+from memlm.train.distributed import build_meshes, init_distributed, seed_everything, shard_index
 from memlm.train.hf_import import HF_PREFIX, import_hf
 from memlm.train.load import keep_tokenizer
 from memlm.train.loss import chunked_cross_entropy
@@ -73,9 +73,9 @@ class Trainer:
     def _init(self, cfg: Config, train_loader: Any, val_loader: Any, nonfinite_at: frozenset[int],
               nan_grad_at: dict[int, str] | None) -> None:
         self.cfg = cfg
-        self.env: DistEnv = init_distributed(cfg.device)
+        self.env = init_distributed(cfg.device)
         enable_tf32(self.env.device)
-        self.meshes: Meshes = build_meshes(self.env, cfg.parallel.memory_parallel, cfg.parallel.fsdp)
+        self.meshes = build_meshes(self.env, cfg.parallel.memory_parallel, cfg.parallel.fsdp)
         self.accum = accumulation_steps(cfg, self.env.world_size)
         check_tensorboard(cfg.logging.tensorboard and self.env.is_main)  # before any file or model
         self.dump_dir = Path(cfg.dump_dir)
@@ -196,7 +196,9 @@ class Trainer:
             model.to(env.device)
         else:
             model.to_empty(device=env.device)
-            seed_everything(cfg.seed + env.rank)
+            # One stream per shard, shared by its replicas (hybrid: across nodes); on
+            # CUDA, DTensor's RNG tracker does the same from rank 0's state.
+            seed_everything(cfg.seed + shard_index(self.meshes, env))
             model.init_weights()
         # Value tables from the seed alone: replicas agree, init=full == init=sharded.
         memory_hooks.init_value_tables(model, cfg.seed)
