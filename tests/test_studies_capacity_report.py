@@ -30,15 +30,19 @@ def test_rows_come_from_the_runs_own_configs_and_exposures_from_the_loader(tmp_p
 
     cfg = _run(tmp_path, "d20", "capacity_dense", 20, 100.0)
     _run(tmp_path, "m20", "capacity_memplus", 20, 300.0, extra=["memory.n_keys=16", "memory.knn=8", "memory.eval_knn=8"])
+    _run(tmp_path, "p20", "capacity_memory", 20, 200.0, extra=["memory.n_keys=16", "memory.knn=8", "memory.eval_knn=8"])
+    _run(tmp_path, "e20", "capacity_peer", 20, 150.0, extra=["memory.n_keys=16", "memory.knn=8", "memory.eval_knn=8"])
+    _run(tmp_path, "x20", "capacity_moe", 20, 120.0)
     (tmp_path / "other").mkdir()  # a run of another kind: no facts_bits result
     (tmp_path / "other" / "summary.json").write_text(json.dumps({"steps": 1, "tokens": 1, "evals": {}}))
     rows = report.load_runs([tmp_path])
-    assert [(r["run"], r["variant"], r["slots"]) for r in rows] == [("d20", "Dense", None),
-                                                                    ("m20", "Memory+", 256)]
+    assert [(r["run"], r["variant"], r["slots"]) for r in rows] == [
+        ("d20", "Dense", None), ("x20", "MoE", None), ("e20", "PEER", 256), ("p20", "Memory", 256),
+        ("m20", "Memory+", 256)]
     # One epoch as the loader packs it: tokens per epoch of the corpus' only source.
     per_epoch = open_corpus(cfg.data).sources[0].tokens_per_epoch
     assert rows[0]["exposures"] == pytest.approx(40_000 / per_epoch)
-    assert rows[0]["facts"] == 80 and rows[0]["total"] == 229_696 and rows[1]["active"] == 213_440  # 16 keys, not the experiment's 128
+    assert rows[0]["facts"] == 80 and rows[0]["total"] == 229_696 and rows[4]["active"] == 213_440  # 16 keys, not the experiment's 128
 
 
 def test_findings_state_the_precondition_and_goals_whatever_they_come_out_as(tmp_path):
@@ -100,3 +104,10 @@ def test_memplus_is_compared_at_its_study_size_and_the_sweep_is_its_own_goal(tmp
          extra=["memory.n_keys=32", "memory.knn=8", "memory.eval_knn=8"])
     text = "\n".join(report.findings(report.load_runs([tmp_path / "b"])))
     assert "256 slots 250 bits, 1,024 slots 240 bits (goal: bits rise with memory size): NOT met." in text
+
+
+def test_a_run_of_an_unknown_memory_kind_is_named(tmp_path, monkeypatch):
+    _run(tmp_path, "d20", "capacity_dense", 20, 100.0)
+    monkeypatch.setattr(report, "VARIANTS", {"moe": "MoE"})
+    with pytest.raises(report.ReportError, match=r"d20/config.yaml: memory.kind='none', the report knows moe"):
+        report.load_runs([tmp_path])
