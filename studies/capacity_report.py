@@ -70,7 +70,7 @@ def load_run(dump: Path) -> dict | None:
     slots = cfg.memory.n_keys ** 2 if cfg.memory.kind in ("memory", "memplus", "peer") else None
     return {
         "run": dump.name, "variant": VARIANTS[cfg.memory.kind], "slots": slots,
-        "entities": cfg.data.facts.entities, "facts": cfg.data.facts.entities * cfg.data.facts.attributes,
+        "seed": cfg.seed, "entities": cfg.data.facts.entities, "facts": cfg.data.facts.entities * cfg.data.facts.attributes,
         "values": cfg.data.facts.values, "corpus_bits": result["corpus_bits"], "steps": summary["steps"],
         "exposures": summary["tokens"] / _corpus_tokens(cfg), "total": counts["total"],
         "active": counts["active"], "flops": model.flops_per_token(cfg.data.seq_len),
@@ -91,12 +91,12 @@ def load_runs(roots: list[Path]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> list[str]:
-    out = ["| run | variant | memory slots (PEER: experts) | params total | params active | fwd FLOPs/token | entities (facts) "
+    out = ["| run | variant | seed | memory slots (PEER: experts) | params total | params active | fwd FLOPs/token | entities (facts) "
            "| corpus bits | steps | exposures/fact | bits stored | bits/param | bits/active param | EM % | minutes |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         slots = f"{r['slots']:,}" if r["slots"] else "-"
-        out.append(f"| {r['run']} | {r['variant']} | {slots} | {r['total']:,} | {r['active']:,} "
+        out.append(f"| {r['run']} | {r['variant']} | {r['seed']} | {slots} | {r['total']:,} | {r['active']:,} "
                    f"| {r['flops']:,} | {r['entities']:,} ({r['facts']:,}) | {r['corpus_bits']:,.0f} "
                    f"| {r['steps']:,} | {r['exposures']:.0f} | {r['stored_bits']:,.0f} "
                    f"| {r['bits_per_param']:.3f} | {r['bits_per_active_param']:.3f} "
@@ -114,66 +114,85 @@ def _reference_slots(rows: list[dict]) -> int | None:
     return max(seen, key=lambda s: (len(seen[s]), s)) if seen else None
 
 
-def _best(rows: list[dict], variant: str, entities: int) -> dict | None:
-    """The run of a variant at N storing the most bits; for Memory+ among the runs of
-    its study size only, so a sweep's larger memory never stands in for it."""
-    found = [r for r in rows if r["variant"] == variant and r["entities"] == entities]
+def _runs(rows: list[dict], variant: str, entities: int, slots: int | None = None) -> list[dict]:
+    """The study's runs of a variant at N, one per seed: at the fewest steps run at N
+    (a longer run is an extra, not a seed) and, for Memory+, at `slots` (default:
+    its study size, so a sweep's larger memory never stands in for it)."""
+    at_n = [r for r in rows if r["entities"] == entities]
+    if not at_n:
+        return []
+    steps = min(r["steps"] for r in at_n)
+    found = [r for r in at_n if r["variant"] == variant and r["steps"] == steps]
     if variant == "Memory+":
-        found = [r for r in found if r["slots"] == _reference_slots(rows)]
-    return max(found, key=lambda r: r["stored_bits"]) if found else None
+        found = [r for r in found if r["slots"] == (slots or _reference_slots(rows))]
+    return sorted(found, key=lambda r: r["seed"])
 
 
-def _sweep(rows: list[dict], entities: int) -> list[tuple[int, float]]:
-    """(slots, bits stored) of the Memory+ runs at N, by memory size (the best run per size)."""
-    best: dict[int, float] = {}
-    for r in rows:
-        if r["variant"] == "Memory+" and r["entities"] == entities:
-            best[r["slots"]] = max(best.get(r["slots"], 0.0), r["stored_bits"])
-    return sorted(best.items())
+def _bits(runs: list[dict]) -> float:
+    return sum(r["stored_bits"] for r in runs) / len(runs)
+
+
+def _said(runs: list[dict]) -> str:
+    """Bits stored by one run, or the mean of several seeds with each seed's value."""
+    if len(runs) == 1:
+        return f"{runs[0]['stored_bits']:,.0f}"
+    each = ", ".join(f"{r['stored_bits']:,.0f}" for r in runs)
+    return f"{_bits(runs):,.0f} (mean of {len(runs)} seeds: {each})"
+
+
+def _sweep(rows: list[dict], entities: int) -> list[tuple[int, list[dict]]]:
+    """(slots, runs) of Memory+ at N, by memory size."""
+    sizes = sorted({r["slots"] for r in rows if r["variant"] == "Memory+" and r["entities"] == entities})
+    return [(size, runs) for size in sizes if (runs := _runs(rows, "Memory+", entities, size))]
 
 
 def findings(rows: list[dict]) -> list[str]:
-    """The precondition and the goals, each stated whatever it comes out as."""
+    """The precondition and the goals, each stated whatever it comes out as
+    (bits stored: the mean over a config's seeds, each seed's value shown)."""
     sizes = sorted({r["entities"] for r in rows if r["variant"] == "Dense"})
     out = []
     if len(sizes) >= 2:
-        small, large = _best(rows, "Dense", sizes[-2]), _best(rows, "Dense", sizes[-1])
-        ratio = large["stored_bits"] / max(small["stored_bits"], 1e-9)
-        grown = large["corpus_bits"] / small["corpus_bits"]
+        small, large = _runs(rows, "Dense", sizes[-2]), _runs(rows, "Dense", sizes[-1])
+        ratio = _bits(large) / max(_bits(small), 1e-9)
+        grown = large[0]["corpus_bits"] / small[0]["corpus_bits"]
         met = ratio <= 1.10 and grown >= 2
-        out.append(f"- Capacity-limited precondition: Dense stores {large['stored_bits']:,.0f} bits at N = "
-                   f"{sizes[-1]:,} against {small['stored_bits']:,.0f} at N = {sizes[-2]:,} ({ratio:.2f}x; "
+        out.append(f"- Capacity-limited precondition: Dense stores {_said(large)} bits at N = "
+                   f"{sizes[-1]:,} against {_said(small)} at N = {sizes[-2]:,} ({ratio:.2f}x; "
                    f"at most 1.10x wanted) while the corpus grew {grown:.1f}x (at least 2x wanted): "
                    f"{'met' if met else 'NOT met'}.")
         if ratio < 0.9:
             out.append(f"  Dense stores fewer bits at the larger N, so it is not at its capacity there: it held "
-                       f"{small['stored_bits']:,.0f} bits at N = {sizes[-2]:,}. At {large['exposures']:.0f} "
+                       f"{_bits(small):,.0f} bits at N = {sizes[-2]:,}. At {large[0]['exposures']:.0f} "
                        f"exposures per fact it is limited by how fast it stores facts, not by how many it can "
                        f"hold; the comparison below is at equal exposures and FLOPs.")
     else:
         out.append("- Capacity-limited precondition: needs Dense at two corpus sizes; not measured yet.")
     if sizes:
-        dense = _best(rows, "Dense", sizes[-1])
-        mem = _best(rows, "Memory+", sizes[-1])
-        if mem is not None:
-            ratio = mem["stored_bits"] / max(dense["stored_bits"], 1e-9)
-            out.append(f"- Memory+ stores {ratio:.2f}x the bits of Dense at N = {sizes[-1]:,} "
-                       f"({mem['stored_bits']:,.0f} vs {dense['stored_bits']:,.0f}; active FLOPs/token "
-                       f"{mem['flops'] / dense['flops']:.3f}x; goal at least 3x): "
+        largest = sizes[-1]
+        dense = _runs(rows, "Dense", largest)
+        mem = _runs(rows, "Memory+", largest)
+        if mem:
+            ratio = _bits(mem) / max(_bits(dense), 1e-9)
+            out.append(f"- Memory+ stores {ratio:.2f}x the bits of Dense at N = {largest:,} "
+                       f"({_said(mem)} vs {_said(dense)}; active FLOPs/token "
+                       f"{mem[0]['flops'] / dense[0]['flops']:.3f}x; goal at least 3x): "
                        f"{'met' if ratio >= 3 else 'NOT met'}.")
-        sweep = _sweep(rows, sizes[-1])
+            if len(mem) > 1 and len(dense) > 1:
+                low = min(r["stored_bits"] for r in mem) / max(r["stored_bits"] for r in dense)
+                out.append(f"  Across seeds: the lowest Memory+ run stores {low:.2f}x the highest Dense run.")
+        sweep = _sweep(rows, largest)
         if len(sweep) >= 2:
-            rises = all(b2 > b1 for (_, b1), (_, b2) in zip(sweep, sweep[1:]))
-            out.append(f"- Memory+ memory-size sweep at N = {sizes[-1]:,}: "
-                       + ", ".join(f"{s:,} slots {b:,.0f} bits" for s, b in sweep)
+            rises = all(_bits(b) > _bits(a) for (_, a), (_, b) in zip(sweep, sweep[1:]))
+            out.append(f"- Memory+ memory-size sweep at N = {largest:,}: "
+                       + ", ".join(f"{size:,} slots {_said(runs)} bits" for size, runs in sweep)
                        + f" (goal: bits rise with memory size): {'met' if rises else 'NOT met'}.")
         else:
-            out.append(f"- Memory+ memory-size sweep at N = {sizes[-1]:,}: needs Memory+ at two memory sizes; "
+            out.append(f"- Memory+ memory-size sweep at N = {largest:,}: needs Memory+ at two memory sizes; "
                        "not measured yet.")
-        ranked = sorted((r for r in (_best(rows, v, sizes[-1]) for v in ORDER) if r is not None),
-                        key=lambda r: -r["stored_bits"])
-        out.append(f"- Order by bits stored at N = {sizes[-1]:,}: "
-                   + " > ".join(f"{r['variant']} ({r['stored_bits']:,.0f})" for r in ranked)
+        ranked = sorted(((v, runs) for v in ORDER if (runs := _runs(rows, v, largest))),
+                        key=lambda item: -_bits(item[1]))
+        out.append(f"- Order by bits stored at N = {largest:,}: "
+                   + " > ".join(f"{v} ({_bits(runs):,.0f})" for v, runs in ranked)
                    + "; the paper's order on NQ: Memory+ > PEER > Memory > MoE > Dense.")
     return out
 
@@ -192,7 +211,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     sizes = sorted({r["entities"] for r in rows})
     for variant in ORDER:
-        points = [(n, b["stored_bits"]) for n in sizes if (b := _best(rows, variant, n)) is not None]
+        points = [(n, _bits(runs)) for n in sizes if (runs := _runs(rows, variant, n))]
         if points:
             left.plot(*zip(*points), marker="o", label=variant)
     left.plot(sizes, [max(r["corpus_bits"] for r in rows if r["entities"] == n) for n in sizes], "k--",
@@ -202,7 +221,7 @@ def plot(rows: list[dict], path: Path) -> None:
     largest = sizes[-1]
     sweep = _sweep(rows, largest)
     if sweep:
-        right.plot(*zip(*sweep), marker="o")
+        right.plot([size for size, _ in sweep], [_bits(runs) for _, runs in sweep], marker="o")
     right.set(xlabel="memory slots", ylabel="bits stored", xscale="log",
               title=f"Memory+ at N = {largest:,}")
     fig.tight_layout()

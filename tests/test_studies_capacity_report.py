@@ -10,7 +10,7 @@ from memlm.studies import capacity_report as report
 from memlm.train.config import compose, to_yaml
 
 
-def _run(root, name, experiment, entities, stored, tokens=40_000, extra=()):
+def _run(root, name, experiment, entities, stored, tokens=40_000, extra=(), steps=100):
     """A finished run folder: its saved config and a summary with a facts_bits result."""
     cfg = compose([f"experiment={experiment}", f"data.facts.entities={entities}", "data.facts.values=16",
                    f"data.cache_dir={root / 'cache'}", *extra])
@@ -20,7 +20,7 @@ def _run(root, name, experiment, entities, stored, tokens=40_000, extra=()):
     corpus = entities * cfg.data.facts.attributes * 4.0
     result = {"stored_bits": stored, "corpus_bits": corpus, "exact_match": stored / corpus,
               "bits_per_param": stored / 1e6, "bits_per_active_param": stored / 2e5}
-    (dump / "summary.json").write_text(json.dumps({"steps": 100, "tokens": tokens, "seconds": 60,
+    (dump / "summary.json").write_text(json.dumps({"steps": steps, "tokens": tokens, "seconds": 60,
                                                    "evals": {"facts_bits": result}}))
     return cfg
 
@@ -76,7 +76,7 @@ def test_report_fills_only_its_own_markers(tmp_path):
     assert report.main([str(tmp_path / "runs"), "--out", str(doc)]) == 0
     text = doc.read_text()
     assert text.startswith("# Results\n\nintro\n\n") and text.endswith("\n\nafter\n") and "old" not in text
-    assert "| d20 | Dense | - | 229,696 |" in text and "needs Dense at two corpus sizes" in text
+    assert "| d20 | Dense | 0 | - | 229,696 |" in text and "needs Dense at two corpus sizes" in text
 
 
 def test_no_capacity_runs_is_a_clear_error(tmp_path, capsys):
@@ -111,3 +111,18 @@ def test_a_run_of_an_unknown_memory_kind_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "VARIANTS", {"moe": "MoE"})
     with pytest.raises(report.ReportError, match=r"d20/config.yaml: memory.kind='none', the report knows moe"):
         report.load_runs([tmp_path])
+
+
+def test_seeds_are_averaged_and_a_longer_run_is_not_a_seed(tmp_path):
+    _run(tmp_path, "d20", "capacity_dense", 20, 100.0)
+    _run(tmp_path, "d40", "capacity_dense", 40, 100.0)
+    _run(tmp_path, "d40_s1", "capacity_dense", 40, 120.0, extra=["seed=1"])
+    _run(tmp_path, "d40_long", "capacity_dense", 40, 900.0, steps=200)  # more exposures: an extra
+    _run(tmp_path, "m40", "capacity_memplus", 40, 400.0)
+    _run(tmp_path, "m40_s1", "capacity_memplus", 40, 500.0, extra=["seed=1"])
+    text = "\n".join(report.findings(report.load_runs([tmp_path])))
+    assert "Dense stores 110 (mean of 2 seeds: 100, 120) bits at N = 40 against 100 at N = 20 (1.10x;" in text
+    assert ("Memory+ stores 4.09x the bits of Dense at N = 40 (450 (mean of 2 seeds: 400, 500) vs "
+            "110 (mean of 2 seeds: 100, 120);") in text
+    assert "the lowest Memory+ run stores 3.33x the highest Dense run" in text
+    assert "Memory+ (450) > Dense (110)" in text
