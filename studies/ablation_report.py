@@ -209,30 +209,30 @@ def render(ablation: list[dict], sweep: list[dict], levers: list[dict] | None = 
     if pooled:
         parts += ["", "Figures are means over the independent runs of each config (column `runs`; "
                   "every run is listed under \"Runs\"); the goals compare those means."]
-    parts += ["", "### Ablation (matched active FLOPs)", ""]
+    parts += ["", "#### Ablation (matched active FLOPs)", ""]
     order = list(VARIANTS.values())
     ablation = sorted(ablation, key=lambda r: order.index(variant_name(r)) if variant_name(r) in order else len(order))
     sweep = sorted(sweep, key=lambda r: r["memory_params"])
     parts += table(ablation, variant_name)
     if sweep:
-        parts += ["", "### Memory+ size sweep", "", *table(sweep, _size_label)]
-    parts += ["", "### Goals", "", *goals(ablation, sweep)]
+        parts += ["", "#### Memory+ size sweep", "", *table(sweep, _size_label)]
+    parts += ["", "#### Goals", "", *goals(ablation, sweep)]
     if pooled:
         ab_keys = {r["key"] for r in ablation}
-        parts += ["", "### Runs", "", *runs_table(ablation, variant_name),
+        parts += ["", "#### Runs", "", *runs_table(ablation, variant_name),
                   *runs_table([r for r in sweep if r["key"] not in ab_keys], _size_label)[2:]]
     if levers:
         # Grouped by variant in the ablation table's order, then by change.
         rank = {name: i for i, name in enumerate(order)}
         levers = sorted(levers, key=lambda row: (rank.get(variant_name(row["base"]), len(order)),
                                                  row["base"].get("slots") or 0, row["change"]))
-        parts += ["", "### Levers", "", "Each lever run changes one study config (column \"of\") and is paired "
+        parts += ["", "#### Levers", "", "Each lever run changes one study config (column \"of\") and is paired "
                   "with that config's runs at the same seeds (in brackets); \"mean change\" averages the "
                   "paired differences in points.", "",
                   *levers_table(levers, _study_label, EM_SEEN, EM_TRAINED, PHRASINGS_SEEN, _pct, _num)]
         tuned = tuned_rows(ablation, levers, EM_SEEN)
         if any(row["tries"] for row in tuned):
-            parts += ["", "### Each variant at its best tried config", "",
+            parts += ["", "#### Each variant at its best tried config", "",
                       "The issue asks for the same tuning budget for every variant: column \"levers tried\" is "
                       "each variant's budget so far (levers at the study's tokens and no more FLOPs/token). "
                       "Estimated mean = study mean + the best lever's mean paired change of held-out EM "
@@ -242,7 +242,7 @@ def render(ablation: list[dict], sweep: list[dict], levers: list[dict] | None = 
                       "", "Goals on the estimated means:", "", *goals(tuned, [])]
             rates, grid = lr_grid(ablation, levers, EM_SEEN)
             if len(rates) > 1:
-                parts += ["", "### Learning rate, the lever every variant has", "",
+                parts += ["", "#### Learning rate, the lever every variant has", "",
                           "Held-out EM estimated as above for the best config tried at each learning rate "
                           "(the study's or a lever's, same tokens and no more FLOPs/token); in brackets the "
                           "number of configs tried at that rate. A column where every variant has a figure "

@@ -81,7 +81,15 @@ def load_run(dump: Path) -> dict | None:
 
 
 def load_runs(roots: list[Path]) -> list[dict]:
-    dumps = [d for root in roots for d in sorted(root.iterdir()) if (d / "summary.json").is_file()]
+    """Every finished capacity run under the roots; a run folder name found under
+    several roots (a rerun beside the committed records) counts once, from the
+    first root given."""
+    dumps, seen = [], set()
+    for root in roots:
+        for d in sorted(root.iterdir()):
+            if (d / "summary.json").is_file() and d.name not in seen:
+                seen.add(d.name)
+                dumps.append(d)
     rows = [row for row in (load_run(d) for d in dumps) if row is not None]
     if not rows:
         raise ReportError(f"no finished run with a facts_bits result under {', '.join(map(str, roots))}: "

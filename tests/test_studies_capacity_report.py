@@ -126,3 +126,11 @@ def test_seeds_are_averaged_and_a_longer_run_is_not_a_seed(tmp_path):
             "110 (mean of 2 seeds: 100, 120);") in text
     assert "the lowest Memory+ run stores 3.33x the highest Dense run" in text
     assert "Memory+ (450) > Dense (110)" in text
+
+
+def test_a_run_under_two_roots_counts_once_from_the_first(tmp_path):
+    _run(tmp_path / "fresh", "d20", "capacity_dense", 20, 90.0)
+    _run(tmp_path / "records", "d20", "capacity_dense", 20, 100.0)
+    _run(tmp_path / "records", "d40", "capacity_dense", 40, 100.0)
+    rows = report.load_runs([tmp_path / "fresh", tmp_path / "records"])
+    assert [(r["run"], r["stored_bits"]) for r in rows] == [("d20", 90.0), ("d40", 100.0)]
