@@ -225,13 +225,20 @@ def plot(rows: list[dict], path: Path) -> None:
     left.plot(sizes, [max(r["corpus_bits"] for r in rows if r["entities"] == n) for n in sizes], "k--",
               label="corpus")
     left.set(xlabel="entities N", ylabel="bits stored", xscale="log", yscale="log", title="Bits stored vs N")
+    left.set_xticks(sizes, [f"{n:,}" for n in sizes], minor=False)
+    left.set_xticks([], minor=True)
     left.legend()
     largest = sizes[-1]
     sweep = _sweep(rows, largest)
     if sweep:
-        right.plot([size for size, _ in sweep], [_bits(runs) for _, runs in sweep], marker="o")
-    right.set(xlabel="memory slots", ylabel="bits stored", xscale="log",
-              title=f"Memory+ at N = {largest:,}")
+        slots = [size for size, _ in sweep]
+        right.plot(slots, [_bits(runs) for _, runs in sweep], marker="o")
+        right.set_xscale("log")
+        right.set_xticks(slots, [f"{size // 1024}K" if size >= 1024 else str(size) for size in slots])
+        right.set_xticks([], minor=True)
+        right.axhline(sweep[0][1][0]["corpus_bits"], color="k", linestyle="--", label="corpus")
+        right.legend()
+    right.set(xlabel="memory slots", ylabel="bits stored", title=f"Memory+ at N = {largest:,}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
