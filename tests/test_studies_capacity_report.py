@@ -134,3 +134,16 @@ def test_a_run_under_two_roots_counts_once_from_the_first(tmp_path):
     _run(tmp_path / "records", "d40", "capacity_dense", 40, 100.0)
     rows = report.load_runs([tmp_path / "fresh", tmp_path / "records"])
     assert [(r["run"], r["stored_bits"]) for r in rows] == [("d20", 90.0), ("d40", 100.0)]
+
+
+def test_plot_draws_both_panels(tmp_path):
+    pytest.importorskip("matplotlib")  # the dev install has it (pyproject's dev and plot extras)
+    small = ["memory.n_keys=16", "memory.knn=8", "memory.eval_knn=8"]
+    _run(tmp_path / "runs", "d20", "capacity_dense", 20, 100.0)
+    _run(tmp_path / "runs", "d40", "capacity_dense", 40, 100.0)
+    _run(tmp_path / "runs", "m40", "capacity_memplus", 40, 250.0, extra=small)
+    _run(tmp_path / "runs", "m40_k32", "capacity_memplus", 40, 500.0,
+         extra=["memory.n_keys=32", "memory.knn=8", "memory.eval_knn=8"])
+    out = tmp_path / "capacity.png"
+    assert report.main([str(tmp_path / "runs"), "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
