@@ -137,7 +137,6 @@ def test_a_run_under_two_roots_counts_once_from_the_first(tmp_path):
 
 
 def test_plot_draws_both_panels(tmp_path):
-    pytest.importorskip("matplotlib")  # the dev install has it (pyproject's dev and plot extras)
     small = ["memory.n_keys=16", "memory.knn=8", "memory.eval_knn=8"]
     _run(tmp_path / "runs", "d20", "capacity_dense", 20, 100.0)
     _run(tmp_path / "runs", "d40", "capacity_dense", 40, 100.0)
