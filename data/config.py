@@ -23,6 +23,10 @@ from memlm.errors import ConfigError
 KINDS = ("random", "synthetic", "facts", "raw", "shards")
 FORMATS = ("auto", "jsonl", "parquet", "text", "text_file")
 ON_ERROR = ("raise", "skip")
+# Fields only some kinds read (the rest are shared): setting one for another kind is refused.
+READ_BY = (("sources", ("raw", "shards")), ("shards_dir", ("shards",)),
+           ("tokenizer", ("raw", "shards", "synthetic", "facts")), ("synthetic", ("synthetic",)),
+           ("facts", ("facts",)))
 # The smallest byte-fallback vocabulary: 256 byte pieces + unk/bos/eos/pad + a few merges.
 MIN_SPM_VOCAB = 300
 
@@ -94,6 +98,7 @@ class DataConfig:
         if not 0 < self.vocab_size <= 2**31 - 1:
             raise ConfigError(f"{prefix}.vocab_size", self.vocab_size, "a positive integer below 2**31")
         self._validate_sources(prefix)
+        self._check_read_by_kind(prefix)
         if self.kind == "raw" and not self.tokenizer:
             raise ConfigError(f"{prefix}.tokenizer", self.tokenizer, "the path of a sentencepiece .model (kind=raw)")
         if self.kind == "shards" and not self.shards_dir:
@@ -117,6 +122,17 @@ class DataConfig:
                 f"{prefix}.vocab_size", self.vocab_size,
                 f"at least {MIN_SPM_VOCAB} to train a byte-fallback tokenizer (256 byte pieces + merges)",
             )
+
+    def _check_read_by_kind(self, prefix: str) -> None:
+        """A field set away from its default that this kind never reads is a
+        mistake (a preset chosen over the override, a typo in data=...): refuse
+        it rather than train on something else than the user asked for."""
+        default = DataConfig()
+        for key, kinds in READ_BY:
+            if self.kind not in kinds and getattr(self, key) != getattr(default, key):
+                raise ConfigError(f"{prefix}.{key}", getattr(self, key),
+                                  f"left unset with {prefix}.kind={self.kind}, which does not read it "
+                                  f"(read with {prefix}.kind={' or '.join(kinds)})")
 
     def _validate_sources(self, prefix: str) -> None:
         if self.kind == "raw" and not self.sources:

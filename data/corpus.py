@@ -101,6 +101,35 @@ def _open_raw(cfg: DataConfig, sources: list[SourceConfig], tokenizer_path: str,
     return Corpus(token_sources, [s.weight for s in sources], tok.vocab_size, tok, stats)
 
 
+def check_inputs(cfg: DataConfig) -> None:
+    """The files a loader of `cfg` will open exist and parse, checked without
+    tokenizing or generating anything (shards: the manifest and its tokenizer;
+    raw: every source path and the tokenizer; synthetic/facts: a given tokenizer)."""
+    if cfg.kind == "shards":
+        manifest = read_manifest(cfg.shards_dir)
+        check_tokenizer(manifest, _tokenizer(cfg.tokenizer or manifest["tokenizer"]["path"]), cfg.shards_dir)
+    elif cfg.kind == "raw":
+        _tokenizer(cfg.tokenizer)
+        for i, src in enumerate(cfg.sources):
+            expand_paths(src.path, f"data.sources[{i}].path")
+    elif cfg.kind in ("synthetic", "facts"):
+        _check_given_tokenizer(cfg)
+
+
+def _tokenizer(path: str) -> Tokenizer:
+    try:
+        return Tokenizer(path)
+    except ConfigError as err:  # named as the key a user sets
+        raise ConfigError("data.tokenizer", path, err.valid) from None
+
+
+def _check_given_tokenizer(cfg: DataConfig) -> None:
+    """synthetic/facts use data.tokenizer when it is set (else they train their own)."""
+    if cfg.tokenizer and not os.path.isfile(cfg.tokenizer):
+        raise ConfigError("data.tokenizer", cfg.tokenizer, f"an existing sentencepiece .model, or empty: data.kind="
+                          f"{cfg.kind} then trains the corpus' own tokenizer into data.cache_dir")
+
+
 def synthetic_dir(cfg: DataConfig) -> str:
     from memlm.data.synthetic import generator_digest
 
@@ -148,6 +177,7 @@ def _materialize(cfg: DataConfig, folder: str, names: tuple[str, ...], required:
     Deterministic content and an exclusive file lock make it safe for every rank
     of a job to call this at the same time: one writes, the others reuse.
     """
+    _check_given_tokenizer(cfg)
     os.makedirs(folder, exist_ok=True)
     paths = {name: os.path.join(folder, f"{name}.jsonl") for name in names}
     paths["tokenizer"] = cfg.tokenizer or os.path.join(folder, f"tokenizer-v{cfg.vocab_size}.model")

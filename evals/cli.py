@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import time
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from memlm.errors import ConfigError
 
-TOP_LEVEL = ("checkpoint", "out", "device", "tokenizer", "eval")
+TOP_LEVEL = ("checkpoint", "out", "replace", "device", "tokenizer", "eval")
 
 USAGE = """usage: python -m memlm.evals checkpoint=<path> [key=value ...]
        torchrun --nproc_per_node N -m memlm.evals checkpoint=<path> [key=value ...]
@@ -19,9 +20,12 @@ checkpoint, or an export folder) on a suite of tasks.
 
 Top-level keys:
   checkpoint=<path>    required
-  out=<file.json>      results file; default <run dump_dir>/evals/<step>.json
-                       (required for an export folder). The markdown table is
-                       written next to it (.md).
+  out=<file.json>      results file; default <run dump_dir>/evals/cli/<step>_<UTC time>.json,
+                       a new file each time: the results the run wrote itself
+                       (evals/<step>.json, read by sweep tables and reports) are
+                       never replaced. Required for an export folder. The
+                       markdown table is written next to it (.md).
+  replace=true         let out= overwrite an existing file (refused otherwise)
   device=auto|cpu|cuda default auto (cuda when available)
   tokenizer=<path>     sentencepiece model, when the checkpoint names none
   eval=<preset>        a preset of configs/eval/ ({presets}); default none.
@@ -91,12 +95,17 @@ def check_paths(top: dict[str, str]) -> None:
     if not checkpoint.exists():
         raise ConfigError("checkpoint", top["checkpoint"], "an existing checkpoint folder, run dump_dir or export folder")
     export = is_export_dir(checkpoint)
+    if top.get("replace", "false").lower() not in ("true", "false"):
+        raise ConfigError("replace", top["replace"], "true or false")
     if top.get("out"):
         out = Path(top["out"])
         if out.suffix != ".json":
             raise ConfigError("out", top["out"], "a path ending in .json")
         if out.is_dir() or any(p.exists() and not p.is_dir() for p in out.parents):
             raise ConfigError("out", top["out"], "a .json file path whose folders are folders (or do not exist yet)")
+        if out.exists() and top.get("replace", "false").lower() != "true":
+            raise ConfigError("out", top["out"], "a file that does not exist yet (it holds earlier results); "
+                                                 "add replace=true to overwrite it")
     elif export:
         raise ConfigError("out", "", f"a .json path for the results ({checkpoint} is an export folder, not a run)")
     if top.get("tokenizer") and not Path(top["tokenizer"]).is_file():
@@ -114,7 +123,13 @@ def _json_path(top: dict[str, str], loaded, step: int) -> tuple[Path, str]:
     source = Path(loaded.source)
     # <dump_dir>/checkpoints/step_N: the run folder as it is now, even if it moved since training.
     dump_dir = source.parent.parent if source.parent.name == "checkpoints" else Path(loaded.config.dump_dir)
-    return dump_dir / "evals", f"{step}.json"
+    # Beside, never over, the run's own evals/<step>.json: a file per invocation.
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out_dir, name, n = dump_dir / "evals" / "cli", f"{step}_{stamp}.json", 1
+    while (out_dir / name).exists():
+        n += 1
+        name = f"{step}_{stamp}_{n}.json"
+    return out_dir, name
 
 
 def run_eval_config(checkpoint: str, overrides: list[str]):
@@ -166,6 +181,7 @@ def _run(argv: list[str]) -> int:
     from memlm.evals.suite import run_suite
     from memlm.evals.tasks import load_task
     from memlm.train.config import compose
+    from memlm.train.distributed import die_with_launcher
     from memlm.train.load import data_config, load_model
 
     start = time.perf_counter()
@@ -190,6 +206,7 @@ def _run(argv: list[str]) -> int:
         load_task(name, eval_cfg, data_cfg)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     own_group = world_size > 1 and not dist.is_initialized()
+    die_with_launcher()  # under torchrun: this rank ends when the launcher does
     if own_group:
         # gloo even on GPUs: only per-example results (Python objects) are exchanged.
         dist.init_process_group("gloo")

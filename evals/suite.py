@@ -65,14 +65,16 @@ def run_suite(
     finally:
         model.train(was_training)
     if rank == 0:
+        # The console gets the per-task table; the file also has exact match per phrasing.
+        print(markdown_table(results, tasks, step), flush=True)
         table = markdown_table(results, tasks, step, by_phrasing)
-        print(table, flush=True)
         if out_dir is not None:
             payload = {"step": step, "results": results, "tasks": tasks, "world_size": world_size,
                        "seconds": round(time.perf_counter() - start, 2), "config": dataclasses.asdict(eval_cfg),
                        **({"by_phrasing": by_phrasing} if by_phrasing else {}), **(meta or {})}
             json_path = Path(out_dir) / (json_name or f"{step}.json")
             paths = write_report(json_path, payload, table, samples if eval_cfg.log_samples else None)
-            print("[eval] wrote " + ", ".join(str(p) for p in paths.values()), flush=True)
+            detail = " (with exact match per question phrasing)" if by_phrasing else ""
+            print("[eval] wrote " + ", ".join(str(p) for p in paths.values()) + detail, flush=True)
         log_wandb(results, step, eval_cfg.wandb_mode, eval_cfg.wandb_project)
     return results

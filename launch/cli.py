@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    from memlm.data.stats import DataError
+    from memlm.evals.formats import TaskDataError
+
     try:
         if args.command == "local":
             from memlm.launch.local import run_local
@@ -113,3 +116,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, LaunchError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except (DataError, TaskDataError) as err:  # a data or eval file the run would read (train/preflight.py)
+        print(f"error: {err}", file=sys.stderr)
+        return 1

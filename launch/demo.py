@@ -6,11 +6,17 @@ checkpoint -> factual QA and perplexity -> export, on CPU in a few minutes.
 Composes `experiment=demo` (configs/experiment/demo.yaml) plus your
 overrides, prints a progress line at every stage, and ends with a results
 table and where everything was written.
+
+Each demo is a fresh run, so a second `demo` replaces the first: but only
+folders the demo itself made. It marks its run folder with `.memlm-demo`
+(which also names the export it wrote); a run folder or an export without
+that mark is refused with one line, and nothing is touched.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import shutil
 import sys
@@ -19,17 +25,22 @@ from pathlib import Path
 
 import torch
 
-from memlm.data.config import SourceConfig
+from memlm.data.config import SourceConfig, SyntheticConfig
 from memlm.data.corpus import materialize_synthetic
 from memlm.data.prepare import prepare
 from memlm.errors import ConfigError
 from memlm.train.config import compose
 from memlm.train.export import export
+from memlm.train.run_lock import RunLock, RunLockedError
 from memlm.train.trainer import Trainer
 
 
 def stage(i: int, text: str) -> None:
     print(f"\n[demo {i}/4] {text}", flush=True)
+
+
+# The demo's QA tasks as the README names them.
+TASK_LABELS = {"synthetic_qa_trained": "facts, trained phrasing", "synthetic_qa_seen": "facts, held-out phrasings"}
 
 
 def results_table(summary: dict, counts: dict, paths: dict[str, Path], seconds: float) -> str:
@@ -40,14 +51,49 @@ def results_table(summary: dict, counts: dict, paths: dict[str, Path], seconds: 
     if summary.get("val_loss") is not None:
         rows.append(("validation perplexity", f"{math.exp(summary['val_loss']):.2f}"))
     for task, metrics in summary.get("evals", {}).items():
+        what = TASK_LABELS.get(task, task)
         for key in ("exact_match", "f1"):
             if key in metrics:
-                rows.append((f"{task} {key} (n={metrics.get('n', '?')})", f"{100 * metrics[key]:.1f}%"))
+                rows.append((f"{what}: {key} (n={metrics.get('n', '?')})", f"{100 * metrics[key]:.1f}%"))
     rows.append(("wall time", f"{seconds / 60:.1f} min"))
     rows += [(name, str(path)) for name, path in paths.items()]
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 3 + max(len(v) for _, v in rows))
     return "\n".join([line, *(f"{k.ljust(width)} | {v}" for k, v in rows), line])
+
+
+MARK = ".memlm-demo"
+
+
+class DemoFolderError(Exception):
+    """A folder the demo would replace holds something the demo did not make."""
+
+
+def claim_folders(dump: Path, export_dir: Path) -> None:
+    """Make room for a fresh demo in `dump` and `export_dir`: remove them only
+    when the demo made them (its mark), refuse anything else untouched."""
+    mark = dump / MARK
+    made = json.loads(mark.read_text()) if mark.is_file() else None
+    if dump.exists() and made is None and any(dump.iterdir()):
+        raise DemoFolderError(
+            f"{dump} exists and was not made by the demo (no {MARK} in it), so it is left alone: "
+            f"choose another demo name (name=...) or move that folder away")
+    ours = made is not None and Path(made.get("export", "")).resolve() == export_dir.resolve()
+    if export_dir.exists() and not ours and any(export_dir.iterdir()):
+        raise DemoFolderError(
+            f"{export_dir} exists and was not written by the demo run {dump}, so it is left alone: "
+            f"choose another demo name (name=...) or move that folder away")
+    if made is not None:
+        try:  # a demo still running there keeps its folder
+            RunLock.acquire(dump).release()
+        except RunLockedError as err:
+            raise DemoFolderError(str(err)) from None
+        print(f"[demo] replacing the previous demo run {dump}" + (f" and its export {export_dir}" if ours else ""))
+        shutil.rmtree(dump)
+        if ours:
+            shutil.rmtree(export_dir, ignore_errors=True)
+    dump.mkdir(parents=True, exist_ok=True)
+    mark.write_text(json.dumps({"export": str(export_dir)}) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,10 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)  # a tiny model: more threads only add synchronization
-    dump = Path(cfg.dump_dir)
-    if dump.exists():  # each demo is a fresh run (the corpus cache is kept)
-        print(f"[demo] removing the previous demo run {dump}")
-        shutil.rmtree(dump)
+    dump, export_dir = Path(cfg.dump_dir), Path("exports") / cfg.name
+    try:
+        claim_folders(dump, export_dir)  # each demo is a fresh run (the corpus cache is kept)
+    except DemoFolderError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
 
     syn = cfg.data.synthetic
     qa_text = (f", Q/A text in {syn.qa_docs_per_person} phrasings for {syn.qa_fraction:.0%} of them"
@@ -82,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
 
     stage(3, f"pretraining a Memory+ model for {cfg.steps} steps (checkpoints every {cfg.checkpoint.every}), "
              f"then factual QA ({', '.join(cfg.eval.tasks)}) and validation perplexity")
-    data = dataclasses.replace(cfg.data, kind="shards", shards_dir=str(shards), tokenizer=corpus["tokenizer"])
+    # The run reads the shards (their manifest names the corpus the QA tasks ask about).
+    data = dataclasses.replace(cfg.data, kind="shards", shards_dir=str(shards), tokenizer=corpus["tokenizer"],
+                               synthetic=SyntheticConfig())
     cfg = dataclasses.replace(cfg, data=data)
     cfg.validate()
     trainer = Trainer(cfg)
@@ -90,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = trainer.fit()
 
     stage(4, "exporting the final checkpoint to safetensors")
-    out = export(dump, Path("exports") / cfg.name)
+    out = export(dump, export_dir)
     paths = {"run directory": dump, "checkpoints": dump / "checkpoints", "metrics": dump / "metrics.jsonl",
              "eval results": dump / "evals", "export": out}
     print("\n" + results_table(summary, counts, paths, time.perf_counter() - start))

@@ -1,5 +1,6 @@
 """`python -m memlm.launch local`: torchrun on this machine (or one node of a
-multi-node torchrun job), validated before any process starts."""
+multi-node torchrun job), validated before any process starts: the config,
+and the data, tokenizer and eval files it names (memlm.train.preflight)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from memlm.launch.validate import LaunchError, check_positive, compose_for_launch, has_key
+from memlm.launch.validate import LaunchError, check_positive, compose_for_launch
+from memlm.train.preflight import check_run_inputs
 
 TRAIN_MODULE = "memlm.train"
 
@@ -57,7 +59,9 @@ def check_local(overrides: Sequence[str], nproc: int, max_restarts: int = 0, nno
     if rdzv_endpoint and ":" not in rdzv_endpoint:
         raise LaunchError(f"--rdzv-endpoint {rdzv_endpoint!r}: must be HOST:PORT, e.g. node0:29500")
     world_desc = f"--nproc {nproc}" if nnodes == 1 else f"--nnodes {nnodes} x --nproc {nproc}"
-    return compose_for_launch(overrides, nproc * nnodes, world_desc)
+    cfg = compose_for_launch(overrides, nproc * nnodes, world_desc)
+    check_run_inputs(cfg)  # data, tokenizer and eval files: one line here, not one per rank under torchrun
+    return cfg
 
 
 def run_local(overrides: Sequence[str], nproc: int, max_restarts: int = 0, nnodes: int = 1,
@@ -65,11 +69,11 @@ def run_local(overrides: Sequence[str], nproc: int, max_restarts: int = 0, nnode
     """Validate, run torchrun with its output streamed to this terminal, and
     print a summary. Returns torchrun's exit code."""
     cfg = check_local(overrides, nproc, max_restarts, nnodes, rdzv_endpoint)
-    if max_restarts and not has_key(overrides, "resume"):
-        # Without resume=auto a restarted group would start again from step 0.
-        print(f"[launch] note: --max-restarts {max_restarts} without resume=auto: restarted ranks begin at "
-              "step 0; add resume=auto (and checkpoint.every=N) to continue from the newest checkpoint",
-              flush=True)
+    if max_restarts and cfg.resume == "none":
+        # With resume=none a restarted group would start again from step 0.
+        print(f"[launch] note: --max-restarts {max_restarts} with resume=none: restarted ranks begin at "
+              "step 0; leave resume at its default (auto, with checkpoint.every=N) to continue from the "
+              "newest checkpoint", flush=True)
     cmd = torchrun_command(overrides, nproc, max_restarts, nnodes, rdzv_endpoint, rdzv_id)
     print(f"[launch] {nproc * nnodes} rank(s) ({nnodes} node(s) x {nproc}), dump_dir {cfg.dump_dir}", flush=True)
     print(f"[launch] {shlex.join(cmd)}", flush=True)

@@ -23,8 +23,9 @@ def test_demo_runs_every_stage_and_prints_the_results_table(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     for stage in range(1, 5):
         assert f"[demo {stage}/4]" in out.stdout
-    for task in ("synthetic_qa_trained", "synthetic_qa_seen"):
-        assert f"{task} exact_match (n=20)" in out.stdout
+    for label in ("facts, trained phrasing", "facts, held-out phrasings"):
+        assert f"{label}: exact_match (n=20)" in out.stdout
+    assert "wandb" not in out.stdout + out.stderr and "{'name'" not in out.stdout  # progress and the table only
     assert "validation perplexity" in out.stdout
     run = tmp_path / "runs" / "demo"
     results = json.loads((run / "evals" / "40.json").read_text())["results"]

@@ -139,8 +139,11 @@ def check_shapes(directory: Path, model_state: dict[str, Any]) -> None:
     extra = sorted(k[len("model."):] for k in saved if k.startswith("model.") and k[len("model."):] not in model_state)
     problems += [f"{k}: in the checkpoint but not in the model" for k in extra]
     if problems:
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
         raise CheckpointError(
-            f"checkpoint {directory} does not match the model ({len(problems)} tensors):\n  " + "\n  ".join(problems)
+            f"checkpoint {directory} does not match this run's model ({len(problems)} tensor(s): {shown}): it was "
+            f"saved with another model or memory config; resume it with that config (the run's config.yaml), "
+            f"start over with resume=none, or choose another dump_dir"
         )
 
 

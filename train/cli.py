@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from memlm.errors import ConfigError
@@ -50,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cfg = compose(overrides)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        _error(err)
         return 2
+    from memlm.data.stats import DataError
+    from memlm.evals.formats import TaskDataError
     from memlm.train.checkpoint import CheckpointError
     from memlm.train.distributed import shutdown
     from memlm.train.run_lock import RunLockedError
@@ -60,11 +63,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         Trainer(cfg).fit()
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        _error(err)
         return 2
-    except (RunLockedError, CheckpointError) as err:  # a busy dump_dir, a bad checkpoint: one clear line
-        print(f"error: {err}", file=sys.stderr)
+    # A busy dump_dir, a bad checkpoint, a bad data record or eval file: one clear line.
+    except (RunLockedError, CheckpointError, DataError, TaskDataError) as err:
+        _error(err)
         return 1
     finally:
         shutdown()
     return 0
+
+
+def _error(err: Exception) -> None:
+    """One line on stderr; under torchrun only rank 0 says it (every rank raises the same)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {err}", file=sys.stderr, flush=True)

@@ -27,6 +27,7 @@ from memlm.evals.config import EvalConfig
 from memlm.memory.config import MemoryConfig
 from memlm.model.args import ModelArgs
 from memlm.model.ffn import ffn_kinds
+from memlm.train.config_keys import unknown_key_error
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -170,8 +171,9 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
-    # none | auto (newest complete checkpoint in dump_dir, if any) | a checkpoint directory
-    resume: str = "none"
+    # auto (default: the newest complete checkpoint in dump_dir, if any; else a fresh start)
+    # | none (start over: existing checkpoints are moved aside) | a checkpoint directory
+    resume: str = "auto"
     # A checkpoint directory: load its weights only, fresh optimizer. `hf:<dir>`: a
     # Hugging Face Llama checkpoint (train/hf_import.py; docs/checkpoints.md).
     init_from: str = ""
@@ -260,8 +262,14 @@ def compose_dict(overrides: Sequence[str] = (), config_name: str = "config") -> 
     except MissingConfigException as err:
         raise _missing_option_error(overrides, err) from None
     except HydraException as err:
+        if (unknown := unknown_key_error(overrides, Config, GROUPS)) is not None:
+            raise unknown from None
         detail = f"{err} ({err.__cause__})" if err.__cause__ else str(err)
+        detail = " ".join(detail.split())  # one line
         raise ConfigError("overrides", overrides, f"a valid Hydra override list; Hydra said: {detail}") from None
+    # `+key=value` adds a key Hydra accepts and the typed config then drops: refuse it too.
+    if (unknown := unknown_key_error(overrides, Config, GROUPS)) is not None:
+        raise unknown
     OmegaConf.resolve(cfg)
     return cfg
 

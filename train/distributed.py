@@ -7,8 +7,10 @@ NCCL on CUDA, gloo on CPU.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
+import signal
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +19,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from memlm.errors import ConfigError
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
@@ -36,7 +40,34 @@ class DistEnv:
         return self.world_size > 1
 
 
+def die_with_launcher() -> None:
+    """Under torchrun, end this rank when its launcher dies, however it dies.
+
+    torchrun starts each rank in its own session, so a SIGKILL of the agent (an
+    OOM kill, `kill -9`, a node agent gone) reaches no rank: they would run on,
+    holding the run lock and writing into the run folder. Linux delivers
+    PR_SET_PDEATHSIG's signal to a process when its parent exits; the kernel
+    then drops the rank's file locks, so a resume can start at once. A plain
+    process (no torchrun) is left alone: closing a shell must not kill a
+    nohup'd run. Where prctl is missing (not Linux) a warning says so.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    except (OSError, AttributeError) as err:
+        print(f"[train] warning: this rank cannot follow its launcher's death ({err}): if torchrun is "
+              "killed, stop the ranks by hand", flush=True)
+        return
+    if parent == 1 or os.getppid() != parent:  # the launcher died before the signal was armed
+        os._exit(1)
+
+
 def init_distributed(device: str = "auto") -> DistEnv:
+    die_with_launcher()
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

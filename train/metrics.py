@@ -1,7 +1,15 @@
 """Training metrics: one console line per `logging.every` steps, the same
 record in `dump_dir/metrics.jsonl`, wandb (offline by default) and, with
 logging.tensorboard=true, TensorBoard events in `dump_dir/tensorboard`
-(the same scalars wandb gets, under the same names, at the same step)."""
+(the same scalars wandb gets, under the same names, at the same step).
+
+One row per step: a run that resumes from step S (or starts over at 0)
+first moves the rows past S, written by an attempt that was killed or rolled
+back, to `metrics.abandoned.jsonl` beside it (`trim_metrics`), so every
+reader of metrics.jsonl sees the history that the weights actually have.
+
+    logger = MetricsLogger(dump_dir, is_main, name, config, cfg.logging.wandb, start_step=step)
+"""
 
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ from typing import Any
 import torch
 
 from memlm.errors import ConfigError
+from memlm.files import atomic_write_text
 
 # Dense bf16 tensor-core peak per GPU, for MFU. Unknown devices report no MFU.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
@@ -40,11 +49,43 @@ def check_tensorboard(enabled: bool) -> None:
                           "pip install 'memlm[tensorboard]' (or pip install tensorboard)")
 
 
+ABANDONED = "metrics.abandoned.jsonl"
+
+
+def trim_metrics(path: Path, step: int) -> int:
+    """Move the rows of `path` past `step` (and any half-written line a kill left)
+    to metrics.abandoned.jsonl beside it, each marked with the step the run went
+    back to; the rest stay in order. Returns how many rows moved."""
+    if not path.is_file():
+        return 0
+    kept, moved = [], []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict) and row.get("step", 0) <= step:
+            kept.append(line)
+        else:
+            moved.append(json.dumps({"abandoned_at_step": step, **row}) if isinstance(row, dict)
+                         else json.dumps({"abandoned_at_step": step, "unreadable": line}))
+    if moved:
+        with (path.parent / ABANDONED).open("a") as f:  # first: a kill in between loses no row
+            f.write("\n".join(moved) + "\n")
+        atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+    return len(moved)
+
+
 class MetricsLogger:
     def __init__(self, dump_dir: Path, is_main: bool, run_name: str, config: dict, wandb_cfg: Any,
-                 tensorboard: bool = False):
+                 tensorboard: bool = False, start_step: int = 0):
         self.is_main = is_main
         self.path = dump_dir / "metrics.jsonl"
+        if is_main and (moved := trim_metrics(self.path, start_step)):
+            print(f"[train] {self.path}: {moved} row(s) past step {start_step}, from an attempt this run does not "
+                  f"continue, moved to {dump_dir / ABANDONED}", flush=True)
         self.wandb = None
         self.tensorboard = None
         if is_main and tensorboard:

@@ -2,6 +2,7 @@
 
     summary = run_summary(cfg, step, tokens, metrics, val_loss, evals, nonfinite, preempted, seconds, dump_dir)
     write_summary(dump_dir, summary, trained=bool(metrics))
+    print(summary_line(summary))   # one readable line; the numbers are in summary.json
 
 A requeue of a run that had already finished trains no step, so it cannot
 measure a final loss or rerun the evaluations: it keeps the results the
@@ -45,3 +46,17 @@ def _with_previous_results(dump_dir: Path, summary: dict[str, Any]) -> dict[str,
         return summary
     return {**summary, **{k: previous[k] for k in ("final_loss", "val_loss", "evals")
                           if summary.get(k) in (None, {}) and k in previous}}
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """The console's last word on a run: what it reached and where the full record is."""
+    word = "preempted: checkpointed and stopped" if summary["preempted"] else "done"
+    parts = [f"step {summary['steps']:,}", f"{summary['tokens']:,} tokens"]
+    if summary.get("final_loss") is not None:
+        parts.append(f"loss {summary['final_loss']:.4f}")
+    if summary.get("val_loss") is not None:
+        parts.append(f"val_loss {summary['val_loss']:.4f}")
+    if summary.get("nonfinite_skipped"):
+        parts.append(f"{summary['nonfinite_skipped']} non-finite step(s) skipped")
+    parts.append(f"{summary['seconds']:.1f}s")
+    return f"[train] {word}: {', '.join(parts)} -> {Path(summary['dump_dir']) / 'summary.json'}"

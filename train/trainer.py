@@ -18,6 +18,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from memlm.errors import ConfigError
+from memlm.files import atomic_write_text
 from memlm.launch.preemption import install_preemption_handler
 from memlm.model import Transformer
 from memlm.train import memory_hooks
@@ -38,11 +39,12 @@ from memlm.train.parallelize import (
     reshard,
 )
 from memlm.train.precision import autocast, enable_tf32
+from memlm.train.preflight import check_eval_inputs
 from memlm.train.profiling import StepProfiler
 from memlm.train.progress import Progress
 from memlm.train.run_lock import RunLock, lock_run_dir
 from memlm.train.step_guard import NonFiniteLossError, StepGuard, step_if_finite, step_ok
-from memlm.train.summary import run_summary, write_summary
+from memlm.train.summary import run_summary, summary_line, write_summary
 
 __all__ = ["NonFiniteLossError", "Trainer", "accumulation_steps"]
 
@@ -79,19 +81,17 @@ class Trainer:
         self.accum = accumulation_steps(cfg, self.env.world_size)
         check_tensorboard(cfg.logging.tensorboard and self.env.is_main)  # before any file or model
         self.dump_dir = Path(cfg.dump_dir)
+        # Data and eval tasks first: every file and the vocabulary are checked (reading
+        # only) before the run folder is created or touched.
+        self.train_loader = train_loader if train_loader is not None else self._default_loader("train")
+        if val_loader is None and train_loader is None and cfg.val_batches and has_validation(cfg):
+            val_loader = self._default_loader("val")
+        self.val_loader = val_loader
+        check_eval_inputs(cfg)
         if self.env.is_main:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
         # One run per dump_dir, taken before anything in it is written, cleaned or resumed.
         self.run_lock = lock_run_dir(self.dump_dir, self.env.is_main, self.env.distributed, self.env.device)
-        if self.env.is_main:
-            (self.dump_dir / "config.yaml").write_text(to_yaml(cfg))
-        # Data first: it checks every file and the vocabulary before the model is built.
-        self.train_loader = train_loader if train_loader is not None else self._default_loader("train")
-        if self.env.is_main:
-            keep_tokenizer(cfg, self.dump_dir)
-        if val_loader is None and train_loader is None and cfg.val_batches and has_validation(cfg):
-            val_loader = self._default_loader("val")
-        self.val_loader = val_loader
         self.model = self._build_model()
         self.value_grads = memory_hooks.value_grad_reduction(self.model, self.meshes, self.env, self.accum, cfg)
         self.optimizer = build_optimizer(self.model, cfg, self.env.device)
@@ -106,24 +106,14 @@ class Trainer:
         self._nan_grad_at = dict(nan_grad_at or {})
         self.checkpointer = Checkpointer(self.dump_dir, cfg.checkpoint)
         self._last_saved_step = -1
-        self._check_eval_config()
         self.checkpointer.recover()  # finish or undo a save a kill interrupted, before choosing one
         self.resumed_from = self._restore()
+        # Everything is checked and loaded: only now does this run write into its folder (a
+        # command that failed above leaves an existing run's files as they were).
+        if self.env.is_main:
+            atomic_write_text(self.dump_dir / "config.yaml", to_yaml(cfg))
+            keep_tokenizer(cfg, self.dump_dir)
         self.checkpointer.start_lineage(self.step)  # later checkpoints belong to an abandoned history
-
-    def _check_eval_config(self) -> None:
-        e = self.cfg.eval
-        if (e.after_training or e.every) and not e.tasks:
-            raise ConfigError("eval.tasks", list(e.tasks), "at least one task when eval.after_training or eval.every is set")
-        if (e.after_training or e.every) and self.cfg.data.kind == "random":
-            raise ConfigError("data.kind", "random", "a corpus with a tokenizer (evaluation decodes text)")
-        if e.after_training or e.every:
-            # Every task's files (and the corpus a synthetic task asks about) are
-            # found and parsed now, not after hours of training.
-            from memlm.evals.tasks import load_task
-
-            for name in e.tasks:
-                load_task(name, e, self.cfg.data)
 
     def _restore(self):
         """resume: everything (model, optimizer, schedule, counters, data, RNG);
@@ -154,6 +144,9 @@ class Trainer:
         self.nonfinite_total = meta.get("nonfinite_total", 0)
         if self.env.is_main:
             print(f"[train] resumed from {path} at step {self.step}", flush=True)
+            if self.step >= cfg.steps:
+                print(f"[train] the run already reached steps={cfg.steps}: nothing to train (a larger steps= "
+                      "trains it further; resume=none starts it over)", flush=True)
         return path
 
     @property
@@ -303,7 +296,7 @@ class Trainer:
         last_step = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         logger = MetricsLogger(self.dump_dir, env.is_main, cfg.name,
                                OmegaConf.to_container(OmegaConf.structured(cfg)), cfg.logging.wandb,
-                               cfg.logging.tensorboard)
+                               cfg.logging.tensorboard, start_step=self.step)
         profiler = StepProfiler(cfg.profile.steps, self.dump_dir, env.device, env.rank)
         counts = self._unwrapped().num_params()
         if env.is_main:
@@ -344,7 +337,8 @@ class Trainer:
             if preempted:
                 last = self.guard.read() or last  # steps since the last logging step (one process)
                 return self._finish(progress.elapsed(), last, None, eval_results, preempted=True)
-            val_loss = self._log_validation(logger) if self.val_loader is not None else val_loss
+            if self.val_loader is not None and self.step > first_step:  # a finished run resumed: already done
+                val_loss = self._log_validation(logger)
             just_saved = cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0
             final = None
             if (cfg.checkpoint.at_end or cfg.eval.after_training) and self.step > first_step:
@@ -369,8 +363,7 @@ class Trainer:
         if self.env.is_main:
             # nothing trained (a requeue of a finished run): keep the results already reported
             summary = write_summary(self.dump_dir, summary, trained=bool(last))
-            word = "preempted: checkpointed and stopped" if preempted else "done"
-            print(f"[train] {word}: {summary}", flush=True)
+            print(summary_line(summary), flush=True)
         return summary
 
     def _evaluate(self, checkpoint: Path, logger: MetricsLogger) -> dict[str, Any]:

@@ -160,8 +160,12 @@ def rank_pid(root_pid: int, rank: int) -> int:
 def losses(dump_dir: Path) -> dict[int, list[float]]:
     """Every logged loss per step, over every attempt of the run (a step trained twice logs twice)."""
     out: dict[int, list[float]] = {}
-    for line in (Path(dump_dir) / "metrics.jsonl").read_text().splitlines():
+    abandoned = Path(dump_dir) / "metrics.abandoned.jsonl"  # rows of attempts the run went back from
+    lines = abandoned.read_text().splitlines() if abandoned.is_file() else []
+    for line in lines + (Path(dump_dir) / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
+        if "unreadable" in rec:
+            continue
         if "loss" in rec:
             out.setdefault(rec["step"], []).append(rec["loss"])
     return out

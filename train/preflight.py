@@ -1,0 +1,37 @@
+"""A run's inputs, checked before anything starts: data files, tokenizer, eval task files.
+
+    check_run_inputs(cfg)     # raises ConfigError / TaskDataError naming the file
+    check_eval_inputs(cfg)    # the eval part only (the trainer, whose loader checks the data)
+
+`compose` validates values; this reads what the values point at, without
+tokenizing or generating a corpus, so `python -m memlm.launch local` can
+refuse a bad data path or a malformed eval file with one line before
+torchrun starts a rank (docs/launch.md), and the trainer can refuse it before
+it touches the run folder.
+"""
+
+from __future__ import annotations
+
+from memlm.data.corpus import check_inputs
+from memlm.errors import ConfigError
+from memlm.evals.tasks import load_task
+from memlm.train.config import Config
+
+
+def check_eval_inputs(cfg: Config) -> None:
+    """Evaluation during or after training has tasks, a corpus with text, and
+    task files that are found and parse: not discovered after hours of training."""
+    e = cfg.eval
+    if not (e.after_training or e.every):
+        return
+    if not e.tasks:
+        raise ConfigError("eval.tasks", list(e.tasks), "at least one task when eval.after_training or eval.every is set")
+    if cfg.data.kind == "random":
+        raise ConfigError("data.kind", "random", "a corpus with a tokenizer (evaluation decodes text)")
+    for name in e.tasks:
+        load_task(name, e, cfg.data)
+
+
+def check_run_inputs(cfg: Config) -> None:
+    check_inputs(cfg.data)
+    check_eval_inputs(cfg)
