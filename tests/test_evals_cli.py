@@ -32,7 +32,8 @@ def test_cli_end_to_end_synthetic_qa(run_dir, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "memlm.evals", f"checkpoint={run_dir}", "tasks=[synthetic_qa]",
                            "limit=4"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    report = json.loads((run_dir / "evals" / "2.json").read_text())
+    (report_path,) = (run_dir / "evals" / "cli").glob("2_*.json")  # its own file, beside the run's evals/2.json
+    report = json.loads(report_path.read_text())
     assert report["step"] == 2 and report["checkpoint"].endswith("step_00000002")
     result = report["results"]["synthetic_qa"]
     assert result["n"] == 4 and 0.0 <= result["exact_match"] <= result["f1"] <= 1.0
@@ -41,7 +42,7 @@ def test_cli_end_to_end_synthetic_qa(run_dir, tmp_path):
     answered = sum(g["exact_match"] >= 0.5 for g in by_phrasing.values())
     assert result["phrasings_em50"] == answered / len(by_phrasing)
     assert report["tasks"]["synthetic_qa"]["num_fewshot"] == 5
-    table = (run_dir / "evals" / "2.md").read_text()
+    table = report_path.with_suffix(".md").read_text()
     assert "| synthetic_qa | 5 | 4 | exact_match |" in table and table in proc.stdout
     assert "[eval] done: step 2" in proc.stdout and "synthetic_qa exact_match" in proc.stdout
 
