@@ -2,9 +2,16 @@
 computed on one CPU without data or a GPU.
 
     python -m memlm.train.plan model=8b memory=memplus memory.n_keys=4096 \\
-        parallel.memory_parallel=64 data.seq_len=4096 data.micro_batch=1 --world 64 --gpu H200
-    python -m memlm.train.plan model=1b memory=memplus --world 64 --fit   # which memory_parallel fits
+        parallel.memory_parallel=64 --world 64 --gpu H200       # at the 8b preset's shape, 8192 x 1
+    python -m memlm.train.plan model=8b data.seq_len=4096 --world 8   # an explicit shape wins
+    python -m memlm.train.plan model=1b memory=memplus --world 64 --fit   # the layouts that fit, fastest first
     python -m memlm.train.plan --paper                                     # docs/scaling-plan.md tables
+
+A model preset is planned at the sequence length and micro-batch it is meant
+to train with (TRAINING_SHAPES below, with the reason for each), not at the
+data config's CPU-sized default; data.seq_len=... / data.micro_batch=... (or
+an experiment=... preset) win over it. The plan says which shape it used and
+where each number came from.
 
 It joins a fake process group of N ranks (torch's "fake" backend: collectives
 do nothing), then builds the model exactly as the trainer does: the
@@ -16,12 +23,19 @@ backward leaves) so its state tensors exist. Parameter, gradient and
 optimizer-state bytes are read from those sharded tensors (local shards,
 value tables included); activations, communication and step time are
 estimates from `memlm.train.plan_cost`.
+
+`--fit` plans every power-of-two memory_parallel and, unless the overrides
+set them, both parallel.fsdp modes (hybrid only on more than one node) and
+the least activation checkpointing that fits (none, then selective, then
+full); it ends with one table of the layouts that fit, fastest first, and the
+overrides of the fastest.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import sys
 from collections.abc import Iterator
@@ -53,8 +67,31 @@ from memlm.train.precision import compute_dtype
 from memlm.train.trainer import accumulation_steps
 
 GiB = 2**30
-# The paper's settings (MEMORY_LAYERS.md section 4): 1.3B base (the 1b preset)
-# with 1M and 64M slots, 8B with 1M and 16M slots.
+
+# The shape each model preset is meant to train with: (sequence length,
+# micro-batch = sequences per GPU per forward, why). The planner's default for
+# that preset: configs/data/ presets carry a CPU-sized 128 tokens, at which an
+# 8B model plans at a meaningless MFU. data.seq_len= / data.micro_batch= (or an
+# experiment= preset) win. The trainer does not read this table: train at the
+# planned shape with the overrides the plan prints.
+TRAINING_SHAPES: dict[str, tuple[int, int, str]] = {
+    "tiny": (128, 8, "the CPU demo's, configs/experiment/demo.yaml"),
+    "134m": (4096, 8, "4,096 tokens, the preset's max_seq_len; 8 sequences keep activations and logits "
+                      "near 20 GiB per GPU without activation checkpointing"),
+    "373m": (4096, 4, "4,096 tokens, the preset's max_seq_len; 4 sequences keep activations and logits "
+                      "near 20 GiB per GPU without activation checkpointing"),
+    "1b": (4096, 2, "4,096 tokens, the preset's max_seq_len; 2 sequences keep activations and logits "
+                    "near 20 GiB per GPU without activation checkpointing; the --paper table's 1.3B rows "
+                    "use the same"),
+    "8b": (8192, 1, "8,192 tokens, Llama 3 8B's pretraining sequence length and the preset's max_seq_len; "
+                    "one sequence per GPU"),
+}
+SHAPE_KEYS = {"seq_len": "data.seq_len", "micro_batch": "data.micro_batch"}
+TABLE = "TRAINING_SHAPES (memlm/train/plan.py)"
+
+# The settings of the memory-layer paper (Berges et al., "Memory Layers at
+# Scale", 2024): 1.3B base (the 1b preset) with 1M and 64M slots, 8B with 1M
+# and 16M slots.
 PAPER = [
     ("1.3B + 1M", ["model=1b", "memory=memplus", "memory.n_keys=1024", "data.micro_batch=2"]),
     ("1.3B + 64M", ["model=1b", "memory=memplus", "memory.n_keys=8192", "data.micro_batch=2"]),
@@ -134,8 +171,55 @@ def _spans_nodes(ranks: list[int], gpus_per_node: int) -> bool:
     return len({r // gpus_per_node for r in ranks}) > 1
 
 
-def plan(cfg: Config, world: int, rank: int = 0, gpu: str = "H200", gpus_per_node: int = 8) -> dict[str, Any]:
-    """Build the run's model and layout as rank `rank` of `world` and return its plan."""
+def _override_keys(overrides: list[str]) -> dict[str, str]:
+    """{key: override} of the key=value overrides (`+`, `++`, `~` prefixes dropped)."""
+    keys = {}
+    for override in overrides:
+        key, eq, _ = override.partition("=")
+        if eq:
+            keys[key.lstrip("+~")] = override
+    return keys
+
+
+def planning_config(overrides: list[str]) -> tuple[Config, dict[str, Any]]:
+    """The config to plan and its shape: `overrides` composed, with the model
+    preset's training shape (TRAINING_SHAPES) for data.seq_len and
+    data.micro_batch unless an override or an experiment preset sets them.
+    The shape dict says where each number came from, and which overrides the
+    trainer needs to run at it (its own default is the data config's)."""
+    cfg = compose(overrides)
+    given = _override_keys(overrides)
+    preset = TRAINING_SHAPES.get(cfg.model.name)
+    origin: dict[str, str] = {}
+    to_train: list[str] = []
+    for index, (field, key) in enumerate(SHAPE_KEYS.items()):
+        if key in given:
+            origin[field] = f"your override {given[key]}"
+        elif "experiment" in given:
+            origin[field] = f"set by {given['experiment']}"
+        elif preset is None:
+            origin[field] = (f"configs/data/{cfg.data.name}.yaml: no training shape for model {cfg.model.name!r} "
+                             f"in {TABLE}, which has {', '.join(TRAINING_SHAPES)}")
+        else:
+            value = preset[index]
+            origin[field] = f"the {cfg.model.name} preset's training shape in {TABLE}: {preset[2]}"
+            if field == "seq_len" and value > cfg.model.max_seq_len:
+                value = cfg.model.max_seq_len
+                origin[field] = (f"the {cfg.model.name} preset's training shape in {TABLE}, {preset[0]}, capped at "
+                                 f"model.max_seq_len={value}")
+            setattr(cfg.data, field, value)
+            to_train.append(f"{key}={value}")
+    if to_train:
+        cfg.validate()
+    return cfg, {"seq_len": cfg.data.seq_len, "micro_batch": cfg.data.micro_batch, "from": origin,
+                 "train_with": to_train}
+
+
+def plan(cfg: Config, world: int, rank: int = 0, gpu: str = "H200", gpus_per_node: int = 8,
+         shape: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Build the run's model and layout as rank `rank` of `world` and return
+    its plan. `shape`: where data.seq_len and data.micro_batch came from
+    (`planning_config`); without it, "the config"."""
     check_args(cfg, world, rank, gpus_per_node, gpu)
     accum = accumulation_steps(cfg, world)
     # Even one rank joins a (1-rank) fake group: the layout code may build a 1-rank mesh.
@@ -176,6 +260,9 @@ def plan(cfg: Config, world: int, rank: int = 0, gpu: str = "H200", gpus_per_nod
     counts = model.num_params()
     return {
         "world": world, "rank": rank, "gpu": gpu, "memory_parallel": cfg.parallel.memory_parallel,
+        "fsdp": cfg.parallel.fsdp, "activation_checkpoint": cfg.parallel.activation_checkpoint,
+        "shape": shape or {"seq_len": cfg.data.seq_len, "micro_batch": cfg.data.micro_batch,
+                           "from": {"seq_len": "the config", "micro_batch": "the config"}, "train_with": []},
         "model": cfg.model.name, "memory_kind": cfg.memory.kind,
         "slots": sum(t.shape[0] for t in tables),  # value-table rows (0 without memory layers)
         "params_total": counts["total"], "params_active": counts["active"],
@@ -235,13 +322,29 @@ def _size(n: float) -> str:
     return f"{int(n):8d} B"
 
 
+def format_shape(shape: dict[str, Any]) -> str:
+    """`shape: seq_len 8192 x micro_batch 1 per GPU (where each came from)`."""
+    origin = shape["from"]
+    if origin["seq_len"] == origin["micro_batch"]:
+        why = f"both from {origin['seq_len']}"
+    else:
+        why = f"seq_len from {origin['seq_len']}; micro_batch from {origin['micro_batch']}"
+    line = f"shape: seq_len {shape['seq_len']:,} x micro_batch {shape['micro_batch']} per GPU, {why}"
+    if shape["train_with"]:
+        line += (f"\n  (the trainer's own default is the data config's: train at this shape with "
+                 f"{' '.join(shape['train_with'])})")
+    return line
+
+
 def format_plan(p: dict[str, Any]) -> str:
     b, t, c = p["bytes"], p["time"], p["comm_bytes"]
     act = b["activations"]
     lines = [
         f"plan: {p['model']} + {p['memory_kind']} ({p['slots']:,} slots), {p['params_total']:,} params "
         f"({p['params_active']:,} active), {p['world']} x {p['gpu']}, memory_parallel {p['memory_parallel']}, "
+        f"fsdp {p['fsdp']}, activation_checkpoint {p['activation_checkpoint']}, "
         f"rank {p['rank']}, {p['tokens_per_step']:,} tokens/step",
+        format_shape(p["shape"]),
         "per rank, read from the sharded tensors:",
         f"  parameters        {_size(b['params'])}, value tables {_size(b['value_tables']).strip()}",
         f"  gradients         {_size(b['grads'])}",
@@ -263,16 +366,113 @@ def format_plan(p: dict[str, Any]) -> str:
 
 
 def fit_candidates(cfg: Config, world: int) -> list[int]:
-    """memory_parallel values to try: powers of two dividing the world and the value width."""
+    """memory_parallel values to try: powers of two dividing the world and the
+    value width (only 1 without memory layers: nothing to shard)."""
+    if cfg.memory.kind == "none":
+        return [1]
     v_dim = cfg.memory.v_dim or cfg.model.dim
     return [p for p in (2**i for i in range(20)) if p <= world and world % p == 0 and v_dim % p == 0]
 
 
-def fit(overrides: list[str], world: int, gpu: str, gpus_per_node: int) -> list[dict[str, Any]]:
-    """One plan per candidate memory_parallel, smallest first."""
-    base = compose(overrides)
-    return [plan(compose([*overrides, f"parallel.memory_parallel={p}"]), world, 0, gpu, gpus_per_node)
-            for p in fit_candidates(base, world)]
+CHECKPOINTS = ("none", "selective", "full")  # least recompute (fastest) first
+
+
+def with_layout(cfg: Config, memory_parallel: int, fsdp: str, checkpoint: str) -> Config:
+    """A validated copy of `cfg` with these parallel settings."""
+    layout = copy.deepcopy(cfg)
+    layout.parallel.memory_parallel, layout.parallel.fsdp = memory_parallel, fsdp
+    layout.parallel.activation_checkpoint = checkpoint
+    layout.validate()
+    return layout
+
+
+def fit(cfg: Config, world: int, gpu: str = "H200", gpus_per_node: int = 8, fsdp_modes: tuple[str, ...] = (),
+        checkpoints: tuple[str, ...] = (), shape: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The plans of every layout tried: each candidate memory_parallel
+    (smallest first) x each of `fsdp_modes`, at the first of `checkpoints` that
+    fits (more recompute is never faster) or, when none does, at each of them.
+    Empty `fsdp_modes` / `checkpoints`: the config's own. Without value tables
+    memory_parallel changes nothing, so only the first candidate is planned."""
+    fsdp_modes = fsdp_modes or (cfg.parallel.fsdp,)
+    checkpoints = checkpoints or (cfg.parallel.activation_checkpoint,)
+    check_args(with_layout(cfg, 1, cfg.parallel.fsdp, cfg.parallel.activation_checkpoint), world, 0,
+               gpus_per_node, gpu)
+    plans = []
+    for p in fit_candidates(cfg, world):
+        for mode in fsdp_modes:
+            for checkpoint in checkpoints:
+                layout = with_layout(cfg, p, mode, checkpoint)
+                plans.append(plan(layout, world, 0, gpu, gpus_per_node, shape))
+                if plans[-1]["fits"]:
+                    break
+        if plans[-1]["slots"] == 0:
+            break
+    return plans
+
+
+def _short(n: float) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+FIT_COLUMNS = ("memory_parallel", "fsdp", "activation_checkpoint", "GiB/GPU", "step s", "tokens/s/GPU", "MFU",
+               "memory all-to-all/step", "value-grad reduce/step")
+
+
+def layout_overrides(p: dict[str, Any]) -> str:
+    return (f"parallel.memory_parallel={p['memory_parallel']} parallel.fsdp={p['fsdp']} "
+            f"parallel.activation_checkpoint={p['activation_checkpoint']}")
+
+
+def format_fit(plans: list[dict[str, Any]]) -> str:
+    """The layouts that did not fit (one line), one table of those that fit,
+    fastest first, and a last line naming the fastest and its overrides."""
+    first = plans[0]
+    where = f"{first['world']} x {first['gpu']}"
+    fitting = sorted((p for p in plans if p["fits"]),
+                     key=lambda p: (p["time"]["step_s"], p["bytes"]["total"], p["memory_parallel"]))
+    lines = []
+    if first["slots"] == 0 and first["memory_kind"] != "none":
+        lines.append(f"memory={first['memory_kind']} has no value tables: memory_parallel changes nothing, "
+                     "planned at 1 only")
+    fitted = {(p["memory_parallel"], p["fsdp"]) for p in fitting}
+    missed: dict[str, list[str]] = {}
+    for p in plans:
+        sizes = missed.setdefault(p["fsdp"], [])
+        if (p["memory_parallel"], p["fsdp"]) not in fitted and str(p["memory_parallel"]) not in sizes:
+            sizes.append(str(p["memory_parallel"]))
+    missed = {mode: sizes for mode, sizes in missed.items() if sizes}
+    if missed:
+        tried = "/".join(dict.fromkeys(p["activation_checkpoint"] for p in plans))
+        lines.append(f"does not fit at any activation_checkpoint tried ({tried}): "
+                     + "; ".join(f"fsdp {mode} with memory_parallel {', '.join(ps)}" for mode, ps in missed.items()))
+    if not fitting:
+        best = min(plans, key=lambda p: p["bytes"]["total"])
+        lines.append(f"nothing fits on {where}: the smallest is {_gib(best['bytes']['total'])} GiB per GPU "
+                     f"({layout_overrides(best)}) of {_gib(GPUS[best['gpu']].hbm_bytes * HBM_HEADROOM)} GiB usable; "
+                     "try more GPUs (--world), a larger --gpu, a smaller data.micro_batch or data.seq_len, "
+                     "or fewer memory slots")
+        return "\n".join(lines)
+    rows = [FIT_COLUMNS]
+    for p in fitting:
+        t, c = p["time"], p["comm_bytes"]
+        rows.append((str(p["memory_parallel"]), p["fsdp"], p["activation_checkpoint"], _gib(p["bytes"]["total"]),
+                     f"{t['step_s']:.4g}", f"{t['tokens_per_s']:,.0f}", f"{t['mfu']:.1%}",
+                     _short(c["memory_all_to_all"]), _short(c["value_grad_reduce"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(FIT_COLUMNS))]
+    lines.append(f"{len(fitting)} {'layout fits' if len(fitting) == 1 else 'layouts fit'} on {where}, "
+                 f"fastest first (estimated; GiB/GPU of {_gib(GPUS[first['gpu']].hbm_bytes * HBM_HEADROOM)} "
+                 "usable):")
+    lines += ["  " + "  ".join(v.rjust(w) if i in (0, 3, 4, 5, 6) else v.ljust(w)
+                               for i, (v, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
+    best = fitting[0]
+    train_with = " ".join([layout_overrides(best), *best["shape"]["train_with"]])
+    t = best["time"]
+    lines.append(f"use: memory_parallel {best['memory_parallel']}, fsdp {best['fsdp']}, activation_checkpoint "
+                 f"{best['activation_checkpoint']} ({t['step_s']:.4g} s/step, MFU {t['mfu']:.1%}): add {train_with}")
+    return "\n".join(lines)
 
 
 def paper_table(gpu: str, gpus_per_node: int, extra: list[str] = ()) -> str:
@@ -283,7 +483,7 @@ def paper_table(gpu: str, gpus_per_node: int, extra: list[str] = ()) -> str:
             "memory_parallel that fit | fastest P | step s | MFU |", "|" + "---|" * 12]
     for name, overrides in PAPER:
         for world in PAPER_WORLDS:
-            plans = fit([*PAPER_COMMON, *overrides, *extra], world, gpu, gpus_per_node)
+            plans = fit(compose([*PAPER_COMMON, *overrides, *extra]), world, gpu, gpus_per_node)
             fitting = [p for p in plans if p["fits"]]
             p = fitting[0] if fitting else plans[-1]
             fast = min(fitting or plans, key=lambda q: q["time"]["step_s"])
@@ -299,6 +499,18 @@ def paper_table(gpu: str, gpus_per_node: int, extra: list[str] = ()) -> str:
     return "\n".join(rows)
 
 
+def fit_knobs(overrides: list[str], cfg: Config, world: int, gpus_per_node: int) -> tuple[tuple[str, ...], ...]:
+    """(fsdp modes, activation checkpoints) for --fit to try: the config's own
+    where an override sets one; hybrid only when the world spans whole nodes."""
+    given = _override_keys(overrides)
+    if "parallel.fsdp" in given or world <= gpus_per_node or world % gpus_per_node:
+        modes: tuple[str, ...] = (cfg.parallel.fsdp,)
+    else:
+        modes = ("full", "hybrid")
+    checkpoints = (cfg.parallel.activation_checkpoint,) if "parallel.activation_checkpoint" in given else CHECKPOINTS
+    return modes, checkpoints
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memlm.train.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -306,7 +518,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=0, help="the rank to plan (0 holds the largest FSDP shards)")
     parser.add_argument("--gpu", default="H200", help=f"one of: {', '.join(GPUS)}")
     parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--fit", action="store_true", help="try every power-of-two memory_parallel")
+    parser.add_argument("--fit", action="store_true",
+                        help="try every power-of-two memory_parallel, fsdp mode and activation checkpointing "
+                             "the overrides leave open; print the layouts that fit, fastest first")
+    parser.add_argument("-v", "--verbose", action="store_true", help="--fit: also print each layout's full plan")
     parser.add_argument("--paper", action="store_true",
                         help="the docs/scaling-plan.md table (overrides apply to every setting)")
     parser.add_argument("--json", action="store_true", help="print the plan(s) as JSON")
@@ -317,22 +532,30 @@ def main(argv: list[str] | None = None) -> int:
         if args.paper:
             print(paper_table(args.gpu, args.gpus_per_node, args.overrides))
             return 0
+        cfg, shape = planning_config(args.overrides)
         if args.fit:
-            plans = fit(args.overrides, args.world, args.gpu, args.gpus_per_node)
+            check_args(with_layout(cfg, 1, cfg.parallel.fsdp, cfg.parallel.activation_checkpoint), args.world, 0,
+                       args.gpus_per_node, args.gpu)
+            modes, checkpoints = fit_knobs(args.overrides, cfg, args.world, args.gpus_per_node)
+            if not args.json:
+                print(f"fit: {cfg.model.name} + {cfg.memory.kind} on {args.world} x {args.gpu}, trying "
+                      f"memory_parallel {', '.join(map(str, fit_candidates(cfg, args.world)))} x fsdp "
+                      f"{'/'.join(modes)}, each at the first activation_checkpoint of "
+                      f"{'/'.join(checkpoints)} that fits\n{format_shape(shape)}", flush=True)
+            plans = fit(cfg, args.world, args.gpu, args.gpus_per_node, modes, checkpoints, shape)
         else:
-            plans = [plan(compose(args.overrides), args.world, args.rank, args.gpu, args.gpus_per_node)]
+            plans = [plan(cfg, args.world, args.rank, args.gpu, args.gpus_per_node, shape)]
     except ConfigError as err:
         print(f"plan: {err}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(plans, indent=2))
-        return 0
-    for p in plans:
-        print(format_plan(p) + "\n")
-    if args.fit:
-        fitting = [p["memory_parallel"] for p in plans if p["fits"]]
-        print(f"memory_parallel that fits on {args.world} x {args.gpu}: "
-              f"{', '.join(map(str, fitting)) if fitting else 'none of ' + str([p['memory_parallel'] for p in plans])}")
+    elif not args.fit:
+        print(format_plan(plans[0]))
+    else:
+        for p in plans if args.verbose else ():
+            print("\n" + format_plan(p))
+        print(("\n" if args.verbose else "") + format_fit(plans))
     return 0
 
 
