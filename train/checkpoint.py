@@ -81,6 +81,19 @@ def _dcp(fn, *args, **kwargs):
             raise _checkpoint_error(err, kwargs.get("checkpoint_id")) from None
 
 
+def check_async_backend() -> None:
+    """dcp.async_save runs its collectives on host tensors: a process group
+    without a CPU backend (e.g. NCCL alone, made outside memlm's trainer) is
+    named in one clear error before anything is written, instead of DCP's assertion."""
+    if dist.is_initialized():
+        types = sorted(d.type for d in dist.distributed_c10d._get_default_group()._device_types)
+        if "cpu" not in types:
+            raise CheckpointError(
+                f"checkpoint.async_save=true needs a CPU backend in the default process group, which has one "
+                f"for {', '.join(types)} only: initialize it with backend='cpu:gloo,cuda:nccl' (memlm's trainer "
+                f"does, memlm.train.distributed.process_group_backend), or set checkpoint.async_save=false")
+
+
 def _checkpoint_error(err: CheckpointException, checkpoint_id) -> CheckpointError:
     """failures: {rank: (exception, traceback summary)}: name the first rank's exception."""
     first = next(iter(err.failures.values()), err)
@@ -161,6 +174,8 @@ class Checkpointer:
         the checkpoint becomes visible (renamed, `latest`) when the next save
         starts or `finalize()` is called."""
         self.finalize()  # one save in flight at most
+        if self.cfg.async_save:
+            check_async_backend()
         # Before anything is written: a NaN/inf weight or moment is never saved.
         check_finite_state(model, optimizer, f"checkpoint of step {step}", CheckpointError)
         start = time.perf_counter()

@@ -2,7 +2,7 @@
 
 torchrun (or Slurm's srun running torchrun) sets RANK, WORLD_SIZE,
 LOCAL_RANK and LOCAL_WORLD_SIZE; without them this is a single process.
-NCCL on CUDA, gloo on CPU.
+NCCL on CUDA with gloo beside it for CPU tensors (async checkpoints), gloo on CPU.
 """
 
 from __future__ import annotations
@@ -38,6 +38,13 @@ class DistEnv:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+
+def process_group_backend(use_cuda: bool) -> str:
+    """NCCL for CUDA tensors and gloo beside it for CPU tensors on GPUs: DCP's
+    async_save (checkpoint.async_save) stages on the host and runs its
+    collectives on CPU tensors, which an NCCL-only group cannot carry. On CPU, gloo."""
+    return "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
 
 
 def die_with_launcher() -> None:
@@ -81,7 +88,7 @@ def init_distributed(device: str = "auto") -> DistEnv:
     else:
         dev = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
+        dist.init_process_group(backend=process_group_backend(use_cuda), device_id=dev if use_cuda else None)
     return DistEnv(rank, world, local_rank, local_world, dev)
 
 
