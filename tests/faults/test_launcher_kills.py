@@ -21,6 +21,7 @@ import pytest
 
 from faults.harness import BASE, EVERY, STEPS, TIMEOUT, last_step, rank_pid, train
 from memlm.launch.local import torchrun_command, torchrun_env
+from memlm.studies.ablation_report import _last_usage
 from memlm.train.metrics import ABANDONED
 
 pytestmark = pytest.mark.slow  # end-to-end runs of the CLI, killed and resumed
@@ -43,9 +44,8 @@ def test_kill_and_resume_leave_one_row_per_step(tmp_path):
     abandoned = rows(run / ABANDONED)  # the killed attempt's rows past step 4, kept aside
     assert abandoned and all(r["abandoned_at_step"] == EVERY and r["step"] > EVERY for r in abandoned
                              if "unreadable" not in r)
-    from memlm.studies.ablation_report import _last_usage  # a reader: the ablation report's usage column
-
     final = next(r for r in rows(run / "metrics.jsonl") if r.get("step") == STEPS and "loss" in r)
+    # a reader of metrics.jsonl: the ablation report's usage column
     assert _last_usage(run / "metrics.jsonl") == [v for k, v in final.items() if k.endswith("/usage")] != []
 
 
