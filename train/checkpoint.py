@@ -103,6 +103,24 @@ def _checkpoint_error(err: CheckpointException, checkpoint_id) -> CheckpointErro
                            f"{str(first).splitlines()[0] if str(first) else ''}")
 
 
+def _gather_to_main(part: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0: the union of every rank's `part`; other ranks: their own."""
+    if not dist.is_initialized():
+        return part
+    parts: list[Any] = [None] * _world() if _rank() == 0 else None
+    dist.gather_object(part, parts, dst=0)
+    return {k: v for p in parts for k, v in p.items()} if _rank() == 0 else part
+
+
+def _agreed_error(error: str | None) -> str | None:
+    """The first rank's error (by rank), known to every rank, or None when all passed."""
+    if not dist.is_initialized():
+        return error
+    errors: list[Any] = [None] * _world()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), None)
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -219,10 +237,13 @@ class Checkpointer:
             self._publish(tmp, final, meta, start)
 
     def _publish(self, tmp: Path, final: Path, meta: dict[str, Any], start: float) -> None:
-        """Every rank has written into tmp: add the manifest, rename, point `latest` at it."""
+        """Every rank has written into tmp: add the manifest, rename, point `latest` at it.
+        Each rank hashes its share of the files (about 1/world of the bytes), so
+        no rank reads the whole checkpoint while the others wait in a collective."""
         _barrier()
+        entries = _gather_to_main(manifest(tmp, self.cfg.verify == "checksum", _rank(), _world()))
         if _rank() == 0:
-            meta = seal_meta({**meta, "manifest": manifest(tmp, self.cfg.verify == "checksum")})
+            meta = seal_meta({**meta, "manifest": dict(sorted(entries.items()))})
             atomic_write_text(tmp / "meta.json", json.dumps(meta))
             if final.exists():  # re-saving a step (e.g. after a resume): keep the old one until replaced
                 # A kill between these two renames leaves `latest` naming a missing
@@ -288,19 +309,29 @@ class Checkpointer:
             return None
         if resume != "auto":
             path = Path(resume)
-            verify(path, self.cfg.verify == "checksum")
+            if (error := self._verify_share(path)) is not None:
+                raise CheckpointError(error)
             return path
         if _rank() == 0:
             for path in misnamed_dirs(self.root):
                 print(f"[checkpoint] warning: skipping {path}: not a checkpoint name ({PREFIX}<step>)", flush=True)
         for path in checkpoint_dirs(self.root):
-            try:
-                verify(path, self.cfg.verify == "checksum")
+            error = self._verify_share(path)
+            if error is None:
                 return path
-            except CheckpointError as err:
-                if _rank() == 0:
-                    print(f"[checkpoint] warning: skipping {path}: {err}", flush=True)
+            if _rank() == 0:
+                print(f"[checkpoint] warning: skipping {path}: {error}", flush=True)
         return None
+
+    def _verify_share(self, path: Path) -> str | None:
+        """Every rank checks its share of the files' checksums (checkpoint_dir.share),
+        in parallel; all ranks learn the first failure (or None)."""
+        try:
+            verify(path, self.cfg.verify == "checksum", _rank(), _world())
+            error = None
+        except CheckpointError as err:
+            error = str(err)
+        return _agreed_error(error)
 
     def load(self, path: Path, model, optimizer, scheduler, loader) -> dict[str, Any]:
         """Restore everything saved; returns meta (step, tokens, ...)."""
