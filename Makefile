@@ -28,10 +28,11 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" $(ARGS)
 
 # Exports read by transformers 4.x: a second environment with the newest 4.x
-# (the main one has transformers 5) and no memlm, used only by two tests:
-# dense bundles (ids, logits, greedy answers) and trust_remote_code exports
-# loaded without memlm (tests/test_hf_bundle.py, tests/test_hf_remote.py;
-# docs/checkpoints.md).
+# (the main one has transformers 5) and no memlm, used only by a few tests:
+# dense bundles (ids, logits, greedy answers), trust_remote_code exports
+# loaded without memlm, and the documented tokenizer and model lines on every
+# kind of export (tests/test_hf_bundle.py, tests/test_hf_remote.py,
+# tests/test_export_reuse.py; docs/checkpoints.md).
 TF4_VENV ?= .venv-tf4
 TORCH_PIN := $(shell grep '^torch==' $(CONSTRAINTS) 2>/dev/null)
 test-tf4: $(STAMP)
@@ -39,7 +40,7 @@ test-tf4: $(STAMP)
 	$(TF4_VENV)/bin/python -m pip install --quiet "transformers==4.57.*" $(or $(TORCH_PIN),torch) safetensors sentencepiece protobuf numpy
 	MEMLM_TF4_PYTHON=$(abspath $(TF4_VENV))/bin/python MEMLM_REMOTE_PYTHON=$(abspath $(TF4_VENV))/bin/python \
 	  $(BIN)/python -m pytest -m "slow or not slow" tests/test_hf_bundle.py tests/test_hf_remote.py \
-	  -k "transformers4 or fresh_venv" $(ARGS)
+	  tests/test_export_reuse.py -k "transformers4 or fresh_venv" $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

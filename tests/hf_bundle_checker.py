@@ -3,7 +3,8 @@
     python tests/hf_bundle_checker.py EXPORT_DIR CASES.json OUT.json
 
 CASES.json: {"texts": [...], "tokens": [[id, ...], ...], "prompts": [...], "max_new_tokens": N}.
-OUT.json gets, from `AutoTokenizer` / `AutoModelForCausalLM` (trust_remote_code=True) alone:
+OUT.json gets, from `AutoTokenizer` (trust_remote_code=False) / `AutoModelForCausalLM`
+(trust_remote_code=True) alone:
 the ids of every text with and without special tokens, their decodes, the special ids,
 the logits of the token rows, and greedy `generate()` continuations of the prompts (new
 tokens, the final eos dropped). tests/test_hf_bundle.py compares them with memlm, under
@@ -20,7 +21,9 @@ import transformers
 
 
 def check(export_dir: str, cases: dict) -> dict:
-    tok = transformers.AutoTokenizer.from_pretrained(export_dir)
+    # The lines docs/checkpoints.md shows: the tokenizer needs no code (False: transformers 5 would
+    # otherwise ask whether to run the config's custom code first), the model of a non-dense export does.
+    tok = transformers.AutoTokenizer.from_pretrained(export_dir, trust_remote_code=False)
     out = {
         "transformers": transformers.__version__,
         "tokenizer_class": type(tok).__name__,

@@ -174,8 +174,9 @@ class Config:
     # auto (default: the newest complete checkpoint in dump_dir, if any; else a fresh start)
     # | none (start over: existing checkpoints are moved aside) | a checkpoint directory
     resume: str = "auto"
-    # A checkpoint directory: load its weights only, fresh optimizer. `hf:<dir>`: a
-    # Hugging Face Llama checkpoint (train/hf_import.py; docs/checkpoints.md).
+    # A checkpoint directory or a memlm export: load its weights only, fresh optimizer.
+    # `hf:<dir>`: a Hugging Face Llama checkpoint, or an export (train/hf_import.py;
+    # docs/checkpoints.md).
     init_from: str = ""
     name: str = "run"
     dump_dir: str = "runs/${name}"
@@ -224,7 +225,8 @@ class Config:
             raise ConfigError("resume", self.resume, f"none or auto with init_from={self.init_from} (a checkpoint "
                               "named by resume restores the weights itself; leave init_from empty for it)")
         if self.init_from.startswith("hf:") and not self.init_from[3:].strip():
-            raise ConfigError("init_from", self.init_from, "hf:<dir>, the folder of a Hugging Face Llama checkpoint")
+            raise ConfigError("init_from", self.init_from, "hf:<dir>, the folder of a Hugging Face Llama "
+                              "checkpoint or of a memlm export")
         if self.steps < 0:
             raise ConfigError("steps", self.steps, "an integer >= 0")
         for key in ("global_batch_tokens", "val_every", "val_batches"):
@@ -280,12 +282,12 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> Confi
     config = OmegaConf.to_object(cfg)
     assert isinstance(config, Config)
     config.validate()
-    if config.init_from.startswith("hf:"):
-        # Reads the checkpoint's config.json; not in validate(): a saved run must
-        # stay loadable after the Hugging Face folder is gone.
-        from memlm.train.hf_import import check_hf_source
+    if config.init_from:
+        # Reads a Llama's config.json or an export's memlm_config.json; not in validate():
+        # a saved run must stay loadable after that folder is gone.
+        from memlm.train.hf_import import check_init_from
 
-        check_hf_source(config)
+        check_init_from(config)
     return config
 
 

@@ -7,13 +7,15 @@ Writes `model.safetensors` (or shards + `model.safetensors.index.json` above
 --max-shard-size), `memlm_config.json`, `generation_config.json`, and the
 tokenizer when the run used one: the sentencepiece `tokenizer.model` plus
 the Hugging Face `tokenizer.json` / `tokenizer_config.json` converted from it
-(train/hf_bundle.py: `AutoTokenizer` gives memlm's ids, eos first). Dense models are written with Hugging Face Llama tensor names and a HF
+(train/hf_bundle.py: `AutoTokenizer.from_pretrained(out_dir, trust_remote_code=False)`
+gives memlm's ids, eos first). Dense models are written with Hugging Face Llama tensor names and a HF
 `config.json`, so `transformers.LlamaForCausalLM.from_pretrained(out_dir)`
 loads the same directory. Other models (memory, MoE, PEER layers) get a
 `config.json` with `auto_map` and the modeling files of memlm/model/hf_remote/,
 so `AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True)`
 loads them without memlm installed; every export loads with
-`memlm.model.from_pretrained(out_dir)`.
+`memlm.model.from_pretrained(out_dir)` and starts a new run with
+`python -m memlm.train init_from=out_dir ...` (train/hf_import.py).
 
 A checkpoint holding a NaN or inf tensor is refused before anything is
 written (ExportError naming the tensors; the command exits 1 with one line).

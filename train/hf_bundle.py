@@ -7,8 +7,13 @@
     portable_config_json(out_dir / "config.json", rope_theta)                # top-level rope_theta for 4.x
 
 `train.export` calls these for every export (dense and memory kinds), so plain
-`transformers.AutoTokenizer.from_pretrained(out_dir)` gives memlm's token ids
-under transformers 4.4x and 5.x alike, and `generate()` stops where memlm does.
+`transformers.AutoTokenizer.from_pretrained(out_dir, trust_remote_code=False)`
+gives memlm's token ids under transformers 4.4x and 5.x alike, and `generate()`
+stops where memlm does. The tokenizer is a built-in class (`tokenizer_class`
+below; no tokenizer in any `auto_map`), so it never needs the export's code;
+`False` matters for Memory/MoE/PEER exports under transformers 5, whose
+AutoTokenizer first reads config.json and would otherwise ask whether to run
+its custom config code (docs/checkpoints.md, "The export in plain transformers code").
 
 The tokenizer: `tokenizer.json` is a byte-fallback BPE built here from the
 sentencepiece model (pieces, ids and scores read from its protobuf; no

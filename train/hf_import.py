@@ -1,16 +1,28 @@
-"""Start a run from a Hugging Face Llama checkpoint: `init_from=hf:<dir>`.
+"""Start a run from weights outside memlm's checkpoints: a Hugging Face Llama, or a memlm export.
 
     python -m memlm.train init_from=hf:/models/llama model.dim=2048 ... memory=memplus memory.layers=[8]
+    python -m memlm.train init_from=exports/try1 <the export's model and memory config> data=...
 
-`<dir>` is what `LlamaForCausalLM.save_pretrained` writes: `config.json`
-(model_type llama) and `model.safetensors`, or the shards listed in
-`model.safetensors.index.json`. The run's model config must describe the same
-architecture: `check_hf_source` (called by `compose`, before anything starts)
-names every difference with both values and prints the overrides that fix it.
-The model config is not derived silently: the run's config.yaml is then what
-ran, and a preset cannot quietly hide a changed width.
+What `init_from` names is read from the folder's files (`init_kind`):
 
-Which tensors come from the checkpoint (docs/checkpoints.md, "Starting from a
+- a memlm export (`python -m memlm.train.export`: `memlm_config.json` and
+  safetensors), named with or without `hf:`: the run's model and memory config
+  must describe the export's model (`check_export_source`, the values in
+  `architecture`), and every tensor is loaded, bitwise. A dense export is
+  also a Llama (HF names, `config.json`): named with `hf:` it is imported as
+  one (below), so memory layers can be added to it;
+- `hf:<dir>`, what `LlamaForCausalLM.save_pretrained` writes: `config.json`
+  (model_type llama) and `model.safetensors`, or the shards listed in
+  `model.safetensors.index.json`;
+- any other `<dir>`: a memlm checkpoint (weights only, train/checkpoint.py).
+
+The run's model config must describe the same architecture: `check_init_from`
+(called by `compose`, before anything starts) names every difference with
+both values and prints the overrides that fix it. The model config is not
+derived silently: the run's config.yaml is then what ran, and a preset cannot
+quietly hide a changed width.
+
+Which tensors come from a Llama (docs/checkpoints.md, "Starting from a
 Hugging Face Llama"):
 
 - kept, bitwise: token embeddings, output head, final norm, every block's
@@ -21,7 +33,7 @@ Hugging Face Llama"):
   `memory.layers`;
 - dropped: the MLP of a block whose FFN is replaced (`placement=replace`).
 
-The Trainer calls `import_hf(cfg, model, tokenizer, print_fn)` in place of a
+The Trainer calls `import_init(cfg, model, tokenizer, print_fn)` in place of a
 checkpoint load; the optimizer and schedule start fresh, as with any init_from.
 """
 
@@ -42,9 +54,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from memlm.errors import ConfigError
+from memlm.memory.config import MemoryConfig
 from memlm.model.args import ModelArgs
 from memlm.model.hf import from_hf_json, from_hf_state_dict
-from memlm.model.pretrained import INDEX_NAME, WEIGHTS_NAME, weight_files
+from memlm.model.hf_remote import MEMORY_INFERENCE, remote_config
+from memlm.model.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, read_config, weight_files
+from memlm.model.transformer import layer_ffn_kinds
 
 HF_PREFIX = "hf:"
 HF_CONFIG = "config.json"
@@ -63,23 +78,46 @@ _ARCH: tuple[tuple[str, Callable[[ModelArgs], Any], str], ...] = (
     ("tie_embeddings", lambda a: a.tie_embeddings, "tie_word_embeddings"),
 )
 _MLP_KEY = re.compile(r"^(layers\.\d+\.feed_forward)\.(w[123]\.weight)$")
+# Memory settings a run may change from its export's: lookup widths, no tensors.
+FREE_MEMORY = ("memory.knn", "memory.eval_knn")
 
 
-def hf_source(init_from: str) -> Path | None:
-    """The checkpoint directory of `init_from=hf:<dir>`, or None for a memlm checkpoint."""
-    return Path(init_from[len(HF_PREFIX):]) if init_from.startswith(HF_PREFIX) else None
+def init_dir(init_from: str) -> Path:
+    """The folder `init_from` names, with or without the `hf:` prefix."""
+    return Path(init_from[len(HF_PREFIX):] if init_from.startswith(HF_PREFIX) else init_from)
+
+
+def _export_layout(directory: Path) -> str | None:
+    """The weights_layout of an export's memlm_config.json (None: not an export)."""
+    path = directory / CONFIG_NAME
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()).get("weights_layout", "memlm")
+    except (ValueError, AttributeError):  # unreadable: read_export names the problem
+        return "memlm"
+
+
+def init_kind(init_from: str) -> str:
+    """What `init_from` names, from the folder's files: "export" (memlm_config.json; with `hf:` only
+    an export in memlm's own layout, since a dense export is a Llama), "hf" (a Hugging Face Llama)
+    or "checkpoint" (a memlm checkpoint, loaded by train/checkpoint.py)."""
+    layout = _export_layout(init_dir(init_from))
+    if init_from.startswith(HF_PREFIX):
+        return "export" if layout == "memlm" else "hf"
+    return "export" if layout is not None else "checkpoint"
 
 
 def _fail(init_from: str, what: str) -> ConfigError:
     return ConfigError("init_from", init_from, f"hf:<dir> with a Hugging Face Llama checkpoint "
-                       f"(LlamaForCausalLM.save_pretrained: config.json + safetensors); {what}")
+                       f"(LlamaForCausalLM.save_pretrained: config.json + safetensors) or a memlm export "
+                       f"({CONFIG_NAME}); {what}")
 
 
 def read_hf_args(init_from: str) -> ModelArgs:
     """The architecture in `<dir>/config.json`, after checking the folder holds a
     Llama checkpoint memlm can read (ConfigError naming what is wrong)."""
-    directory = hf_source(init_from)
-    assert directory is not None, init_from
+    directory = init_dir(init_from)
     if not directory.is_dir():
         raise _fail(init_from, f"{directory} is not a directory")
     config_path = directory / HF_CONFIG
@@ -110,6 +148,8 @@ def read_hf_args(init_from: str) -> ModelArgs:
 
 def _show(value: Any) -> str:
     """A value as a Hydra override spells it."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_show(v) for v in value) + "]"
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -126,7 +166,7 @@ def check_hf_source(cfg: Any) -> ModelArgs:
         fix = " ".join(f"model.{key}={_show(theirs)}" for key, _, theirs, _ in diffs)
         raise ConfigError(
             "init_from", cfg.init_from,
-            f"a Llama with the run's architecture; {hf_source(cfg.init_from) / HF_CONFIG} differs in "
+            f"a Llama with the run's architecture; {init_dir(cfg.init_from) / HF_CONFIG} differs in "
             f"{len(diffs)} value(s): {listed}. Run with the checkpoint's values: {fix}",
         )
     return hf
@@ -136,7 +176,7 @@ def check_hf_tokenizer(init_from: str, tokenizer: Any) -> str:
     """The run's tokenizer (a memlm Tokenizer or None) must be the checkpoint's
     sentencepiece `tokenizer.model`: token ids mean what the model learned.
     Returns a line for the log; raises ConfigError naming both files."""
-    hf_tok = hf_source(init_from) / HF_TOKENIZER
+    hf_tok = init_dir(init_from) / HF_TOKENIZER
     if tokenizer is None:
         return "the run has no tokenizer (data.kind=random): token ids are used as they are"
     if not hf_tok.is_file():
@@ -155,18 +195,21 @@ def check_hf_tokenizer(init_from: str, tokenizer: Any) -> str:
     return f"tokenizer {tokenizer.path} is the checkpoint's {HF_TOKENIZER}"
 
 
-def _plan(directory: Path, args: ModelArgs, target: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
-    """HF name -> memlm name of every tensor to load, and the HF names dropped.
-    Reads only the safetensors headers."""
+def _plan(init_from: str, args: ModelArgs, target: dict[str, Any], layout: str) -> tuple[dict[str, str], list[str]]:
+    """File name -> memlm name of every tensor to load, and the file names dropped.
+    `layout`: "hf_llama" (Llama names) or "memlm" (an export's own names). Reads only the safetensors headers."""
     hf_keys: set[str] = set()
-    for path in weight_files(directory):
+    for path in weight_files(init_dir(init_from)):
         with safe_open(str(path), framework="pt") as fh:
             hf_keys.update(fh.keys())
-    try:  # the mapping checks the names alone: values are not needed
-        ours = from_hf_state_dict({k: k for k in hf_keys}, args)  # memlm name -> HF name
-    except KeyError as err:
-        raise ConfigError("init_from", f"{HF_PREFIX}{directory}", f"a Llama checkpoint matching its config.json; "
-                          f"{err.args[0]}") from None
+    if layout == "memlm":
+        ours = {k: k for k in hf_keys}
+    else:
+        try:  # the mapping checks the names alone: values are not needed
+            ours = from_hf_state_dict({k: k for k in hf_keys}, args)  # memlm name -> HF name
+        except KeyError as err:
+            raise ConfigError("init_from", init_from, f"a Llama checkpoint matching its config.json; "
+                              f"{err.args[0]}") from None
     plan, dropped = {}, []
     for key, hf_key in ours.items():
         dest = key if key in target else _MLP_KEY.sub(r"\1.dense.\2", key)  # placement=parallel
@@ -178,16 +221,24 @@ def _plan(directory: Path, args: ModelArgs, target: dict[str, Any]) -> tuple[dic
 
 
 @torch.no_grad()
-def load_hf_weights(directory: Path, model: torch.nn.Module, args: ModelArgs) -> dict[str, list[str]]:
-    """Copy the checkpoint's tensors into `model` (plain, FSDP-sharded or
+def load_safetensors(init_from: str, model: torch.nn.Module, args: ModelArgs, layout: str = "hf_llama",
+                     exact: bool = False) -> dict[str, list[str]]:
+    """Copy the tensors of the folder `init_from` names into `model` (plain, FSDP-sharded or
     memory-parallel: DCP's full-state-dict load distributes them), one
     safetensors file at a time: a rank holds at most one file's tensors.
+    `exact`: every tensor of the model must be in the files and every file's tensor in the model
+    (an export), checked before anything is read.
 
     Returns {"kept": memlm names, "new": memlm names left as initialized,
-    "dropped": HF names with no place in this model (never read)}."""
+    "dropped": file names with no place in this model (never read)}."""
     target = get_model_state_dict(model)  # references, no copies; DTensors keep the global shape
-    plan, dropped = _plan(directory, args, target)
-    for path in weight_files(directory):
+    plan, dropped = _plan(init_from, args, target, layout)
+    kept = set(plan.values())
+    new = [k for k in target if k not in kept]
+    if exact and (new or dropped):
+        raise ConfigError("init_from", init_from, f"an export holding every tensor of the run's model; "
+                          f"missing {new[:5]}, not in the model {dropped[:5]}")
+    for path in weight_files(init_dir(init_from)):
         part: dict[str, torch.Tensor] = {}
         with safe_open(str(path), framework="pt") as fh:
             for hf_key in fh.keys():
@@ -197,21 +248,20 @@ def load_hf_weights(directory: Path, model: torch.nn.Module, args: ModelArgs) ->
                 value = fh.get_tensor(hf_key)
                 if tuple(value.shape) != tuple(target[dest].shape):
                     raise ConfigError(
-                        "init_from", f"{HF_PREFIX}{directory}", f"tensors shaped as in its config.json; {hf_key} "
+                        "init_from", init_from, f"tensors shaped as in its config; {hf_key} "
                         f"in {path.name} is {tuple(value.shape)}, memlm's {dest} is {tuple(target[dest].shape)}")
                 part[dest] = value
         if part:
             set_model_state_dict(model, part, options=StateDictOptions(full_state_dict=True, strict=False))
-    kept = set(plan.values())
-    return {"kept": sorted(kept), "new": [k for k in target if k not in kept], "dropped": dropped}
+    return {"kept": sorted(kept), "new": new, "dropped": dropped}
 
 
 def import_hf(cfg: Any, model: torch.nn.Module, tokenizer: Any, log: Callable[[str], None]) -> dict[str, list[str]]:
     """init_from=hf:<dir>: check, load, and log what was kept, new and dropped."""
     check_hf_source(cfg)  # again: a Config built without compose() is checked too
-    directory = hf_source(cfg.init_from)
+    directory = init_dir(cfg.init_from)
     log(f"[hf-import] {check_hf_tokenizer(cfg.init_from, tokenizer)}")
-    summary = load_hf_weights(directory, model, cfg.model)
+    summary = load_safetensors(cfg.init_from, model, cfg.model)
     log(f"[hf-import] initialized from {directory}: kept {len(summary['kept'])} tensors, "
         f"{len(summary['new'])} new (fresh init), {len(summary['dropped'])} dropped")
     if summary["new"]:
@@ -220,3 +270,104 @@ def import_hf(cfg: Any, model: torch.nn.Module, tokenizer: Any, log: Callable[[s
         log(f"[hf-import]   dropped (MLPs of blocks replaced by memory.kind={cfg.memory.kind}): "
             f"{', '.join(summary['dropped'])}")
     return summary
+
+
+# ------------------------------------------------------------------ exports
+def _export_fail(init_from: str, what: str) -> ConfigError:
+    return ConfigError("init_from", init_from, f"a memlm export (python -m memlm.train.export: {CONFIG_NAME} "
+                       f"+ safetensors), a memlm checkpoint, or hf:<dir> with a Hugging Face Llama; {what}")
+
+
+def read_export(init_from: str) -> tuple[ModelArgs, MemoryConfig, dict[str, Any]]:
+    """The model and memory config of an export (memlm.model.pretrained.read_config), after checking
+    its weight files are there (ConfigError naming what is wrong)."""
+    directory = init_dir(init_from)
+    try:
+        args, memory, meta = read_config(directory)
+        weight_files(directory)
+    except FileNotFoundError as err:
+        raise _export_fail(init_from, str(err)) from None
+    except (ValueError, KeyError, TypeError) as err:  # malformed JSON or config
+        raise _export_fail(init_from, f"{directory / CONFIG_NAME} or its index is not an export's ({err})") from None
+    return args, memory, meta
+
+
+def _built_memory(args: ModelArgs, memory: MemoryConfig) -> MemoryConfig:
+    """The MemoryConfig the model's non-dense blocks are built with: `memory`, or with memory.kind=none
+    and model.ffn=moe|peer|..., that kind's defaults (as the FFN builders and the export do)."""
+    if memory.kind == "none" and args.ffn != "dense":
+        return MemoryConfig(kind=args.ffn)
+    return memory
+
+
+def architecture(args: ModelArgs, memory: MemoryConfig) -> dict[str, Any]:
+    """What decides a model's tensors and its forward math, keyed by the override that sets it, with
+    resolved values (n_kv_heads 0 -> n_heads, the SwiGLU size, memory.layers from spread, v_dim,
+    expert_hidden_dim); memory settings only for a model with non-dense blocks. Not in it:
+    model.max_seq_len (RoPE is computed) and the training-only settings (model/hf_remote:
+    MODEL_TRAINING_ONLY, MEMORY_TRAINING_ONLY)."""
+    values: dict[str, Any] = {f"model.{key}": get(args) for key, get, _ in _ARCH}  # what a Llama's check reads
+    values.update({"model.ffn": args.ffn, "memory.kind": memory.kind,
+                   "memory.layers": memory.resolved_layers(args.n_layers)})
+    built = _built_memory(args, memory)
+    if set(layer_ffn_kinds(args, built)) != {"dense"}:
+        values.update(_memory_settings(args, built))
+    return values
+
+
+def _memory_settings(args: ModelArgs, memory: MemoryConfig) -> dict[str, Any]:
+    """memory.<key> -> value of every memory setting the model computes with, resolved as the remote
+    config resolves them (v_dim 0 -> model.dim, expert_hidden_dim 0 -> dense size // top_k)."""
+    settings = remote_config(args, memory)["memory"]
+    return {f"memory.{key}": settings[key] for key in MEMORY_INFERENCE}
+
+
+def check_export_source(cfg: Any) -> tuple[ModelArgs, MemoryConfig, dict[str, Any]]:
+    """For `init_from=<export>`: the folder is a readable export and the run's model and memory
+    config build its model. A difference is refused with every difference named and the overrides
+    that fix them all; memory.knn / eval_knn (FREE_MEMORY: no tensors) alone are not refused."""
+    args, memory, meta = read_export(cfg.init_from)
+    ours, theirs = architecture(cfg.model, cfg.memory), architecture(args, memory)
+    # A run without the export's memory blocks: its own memory settings, resolved alike.
+    mine = {**_memory_settings(cfg.model, cfg.memory), **ours}
+    diffs = [(key, mine[key], value) for key, value in theirs.items() if mine[key] != value]
+    if any(key not in FREE_MEMORY for key, _, _ in diffs):
+        listed = "; ".join(f"{key}={_show(run)} but the export's is {_show(its)}" for key, run, its in diffs)
+        fix = " ".join(f"{key}={_show(its)}" for key, _, its in diffs)
+        hint = ""
+        if meta.get("weights_layout") == "hf_llama":  # named without hf: (with it, a Llama import)
+            hint = (f" (or init_from=hf:{init_dir(cfg.init_from)}: a dense export is also a Llama, which "
+                    "takes new memory layers)")
+        raise ConfigError(
+            "init_from", cfg.init_from,
+            f"an export of the run's model; {init_dir(cfg.init_from) / CONFIG_NAME} differs in {len(diffs)} "
+            f"value(s): {listed}. Run with the export's values: {fix}{hint}",
+        )
+    return args, memory, meta
+
+
+def import_export(cfg: Any, model: torch.nn.Module, tokenizer: Any, log: Callable[[str], None]) -> dict[str, list[str]]:
+    """init_from=<export>: check, then load every tensor (exact: none new, none dropped) and log it."""
+    _, _, meta = check_export_source(cfg)  # again: a Config built without compose() is checked too
+    log(f"[init] {check_hf_tokenizer(cfg.init_from, tokenizer)}")
+    summary = load_safetensors(cfg.init_from, model, cfg.model, meta.get("weights_layout", "memlm"), exact=True)
+    log(f"[init] initialized from the export {init_dir(cfg.init_from)} (step {meta.get('step')}): "
+        f"all {len(summary['kept'])} tensors")
+    return summary
+
+
+def check_init_from(cfg: Any) -> None:
+    """What `compose` checks of `init_from` before a run starts: a Llama's or an export's architecture
+    against the run's (a memlm checkpoint is checked when it is loaded)."""
+    kind = init_kind(cfg.init_from)
+    if kind == "hf":
+        check_hf_source(cfg)
+    elif kind == "export":
+        check_export_source(cfg)
+
+
+def import_init(cfg: Any, model: torch.nn.Module, tokenizer: Any, log: Callable[[str], None]) -> dict[str, list[str]]:
+    """The Trainer's load of an `init_from` that is not a memlm checkpoint: a Llama or an export."""
+    if init_kind(cfg.init_from) == "export":
+        return import_export(cfg, model, tokenizer, log)
+    return import_hf(cfg, model, tokenizer, log)

@@ -27,7 +27,7 @@ from memlm.train.clip import clip_group_
 from memlm.train.config import Config, to_yaml
 from memlm.train.data_source import build_train_loader, has_validation, model_batch
 from memlm.train.distributed import build_meshes, init_distributed, seed_everything, shard_index
-from memlm.train.hf_import import HF_PREFIX, import_hf
+from memlm.train.hf_import import import_init, init_kind
 from memlm.train.load import keep_tokenizer
 from memlm.train.loss import chunked_cross_entropy
 from memlm.train.metrics import MetricsLogger, check_tensorboard
@@ -117,7 +117,8 @@ class Trainer:
 
     def _restore(self):
         """resume: everything (model, optimizer, schedule, counters, data, RNG);
-        init_from: weights only (hf:<dir>: a Hugging Face Llama, train/hf_import.py),
+        init_from: weights only (a memlm checkpoint; an export or hf:<dir>, a Hugging Face Llama:
+        train/hf_import.py),
         for a run with no checkpoint of its own (with resume=auto, one in dump_dir wins)."""
         cfg = self.cfg
         path = self.checkpointer.resolve(cfg.resume)
@@ -125,8 +126,8 @@ class Trainer:
             if cfg.resume == "auto" and self.env.is_main:
                 print(f"[train] resume=auto: no checkpoint in {self.checkpointer.root}, starting from "
                       f"init_from={cfg.init_from}", flush=True)
-            if cfg.init_from.startswith(HF_PREFIX):
-                import_hf(cfg, self.model, getattr(self.train_loader, "tokenizer", None), self._print_main)
+            if init_kind(cfg.init_from) != "checkpoint":
+                import_init(cfg, self.model, getattr(self.train_loader, "tokenizer", None), self._print_main)
             else:
                 self.checkpointer.load_weights(cfg.init_from, self.model, cfg.checkpoint.verify == "checksum")
                 if self.env.is_main:
