@@ -191,3 +191,13 @@ def test_an_override_the_data_kind_would_ignore_is_refused(tmp_path, overrides, 
     assert proc.returncode == 2
     assert one_line(proc).startswith(f"error: invalid config value {key}=")
     assert not (tmp_path / "r").exists() and not Path("/nonexistent/tok.model").exists()
+
+
+def test_init_from_a_folder_that_is_no_checkpoint_is_one_line(tmp_path):
+    (tmp_path / "notes").mkdir()
+    for argv in (["memlm.train"], ["memlm.launch", "local", "--nproc", "2", "--"]):
+        proc = run(*argv, *TINY, f"init_from={tmp_path / 'notes'}", f"dump_dir={tmp_path / 'r'}", cwd=tmp_path)
+        assert proc.returncode == 2
+        line = one_line(proc)
+        assert "init_from=" in line and "a memlm export" in line and "meta.json is missing" in line
+        assert not (tmp_path / "r").exists()

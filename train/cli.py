@@ -19,7 +19,9 @@ USAGE = """usage: python -m memlm.train [key=value ...]
 Train a memlm model. Arguments are Hydra overrides of configs/:
   model=373m memory=memplus data=synthetic steps=1000 optim.lr=1e-3 name=myrun
 Under torchrun every rank runs the same command.
-Start from a Hugging Face Llama: init_from=hf:<dir> (docs/checkpoints.md).
+Start from weights: init_from=<checkpoint dir> | <memlm export dir> | hf:<Hugging Face Llama dir>
+(docs/checkpoints.md). A dump_dir that has checkpoints is resumed (resume=auto, the default);
+resume=none starts it over.
 
 Config groups and their presets:
 {groups}

@@ -39,7 +39,7 @@ from memlm.train.parallelize import (
     reshard,
 )
 from memlm.train.precision import autocast, enable_tf32
-from memlm.train.preflight import check_eval_inputs
+from memlm.train.preflight import check_eval_inputs, check_init_checkpoint
 from memlm.train.profiling import StepProfiler
 from memlm.train.progress import Progress
 from memlm.train.run_lock import RunLock, lock_run_dir
@@ -88,6 +88,7 @@ class Trainer:
             val_loader = self._default_loader("val")
         self.val_loader = val_loader
         check_eval_inputs(cfg)
+        check_init_checkpoint(cfg)
         if self.env.is_main:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
         # One run per dump_dir, taken before anything in it is written, cleaned or resumed.
