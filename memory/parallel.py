@@ -11,6 +11,10 @@ backward  all-to-all the output gradient back by columns    (P*B, v/P)
           tokens, and partial weight gradients (my columns only)
           all-to-all the partial weight gradients home and sum them (B, K)
 
+The weights and their partial gradients stay in the weights' dtype (float32,
+from the lookup's softmax) whatever the table's: a bf16 table must not round
+them (the Triton kernels read float32 weights and accumulate in float32).
+
 The table parameter is a DTensor on the memory mesh ("mem_replica",
 "mem_parallel") with placements (Replicate, Shard(1)), so checkpoints store
 it once and reshard freely. Gradients on a replica are partial sums over the
@@ -62,7 +66,12 @@ class _ColumnParallelBag(torch.autograd.Function):
         # local_values: (N, v/P); indices, weights: (B, K) for this rank's tokens.
         p = dist.get_world_size(group)
         all_idx = _all_gather_rows(indices, group)  # (P*B, K)
-        all_w = _all_gather_rows(weights.to(local_values.dtype), group)
+        # The weights travel in their own dtype (float32 from the lookup's
+        # softmax), not the table's: a bf16 table must not round every read
+        # weight by up to 2**-9, nor their partial gradients (backward). The
+        # Triton kernels read them as they are and accumulate in float32; the
+        # torch (CPU) kernel reads in the table's dtype, as one process does. (P*B, K)
+        all_w = _all_gather_rows(weights, group)
         needs_values = ctx.needs_input_grad[1] or (sink is not None and ctx.needs_input_grad[0])
         with torch.enable_grad():
             values = local_values.detach().requires_grad_(needs_values)
@@ -80,7 +89,6 @@ class _ColumnParallelBag(torch.autograd.Function):
         b = indices.shape[0]
         out = torch.cat([recv[i * b:(i + 1) * b] for i in range(p)], dim=1)  # (B, v)
         ctx.group, ctx.p, ctx.b, ctx.sink = group, p, b, sink
-        ctx.weights_dtype = weights.dtype
         return out
 
     @staticmethod
@@ -96,9 +104,9 @@ class _ColumnParallelBag(torch.autograd.Function):
         grad_values = grads[0] if values.requires_grad else None
         grad_w = None
         if w.requires_grad:
-            partial_w = grads[-1]  # (P*B, K): my columns' share for every group token
+            partial_w = grads[-1]  # (P*B, K) in the weights' dtype: my columns' share for every group token
             recv = _all_to_all_rows(partial_w, ctx.group)  # every rank's share of my tokens
-            grad_w = recv.view(p, b, -1).sum(0).to(ctx.weights_dtype)
+            grad_w = recv.view(p, b, -1).sum(0)  # summed in the weights' dtype (float32), not the table's
         if ctx.sink is not None:
             if grad_values is not None:
                 ctx.sink(grad_values)

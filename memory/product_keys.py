@@ -3,6 +3,18 @@
 The `ProductKeys` module (query projection + sub-keys) and the slot-balance
 loss. The exact search itself, and its sparse backward, are in
 memory/search.py and memory/search_grad.py (re-exported here).
+
+    lookup = ProductKeys(dim=512, n_keys=1024, heads=4, knn=32, k_dim=512)
+    weights, slots, _ = lookup(x, sub="none")  # x (T, 512) -> (T, 4 * 32) float32 softmax weights, int64 slots
+
+The lookup computes in IEEE float32 whatever the model around it does: the
+query projection and the scores with autocast off and TF32 off
+(memlm.memory.exact), and, under FSDP, its parameters gathered in float32
+(`full_precision_params`, read by memlm.train.parallelize). Its selection is
+the float32 model's: at n_keys 1024, k_dim 512, knn 32 a bf16 query changes
+the selected set of ~20% of the lookups, TF32 scores ~3%
+(tests/test_precision.py). The cost: the forward's query projection in
+float32 (2 * dim * heads * k_dim FLOPs per token, at float32 speed).
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ try:  # torch >= 2.9
     from torch.fx.experimental.sym_node import DynamicInt
 except ImportError:  # pragma: no cover - older torch: knn is a constant, each value compiles once
     DynamicInt = None
+from memlm.memory.exact import exact_linear, exact_subkey_scores
 from memlm.memory.search import full_precision, product_key_topk, subkey_scores
 from memlm.memory.search_grad import product_key_search, topk_of_sub_scores
 
@@ -62,6 +75,10 @@ class ProductKeys(nn.Module):
     `knn` is used in training mode, `eval_knn` in eval mode (self.training
     decides); both may be changed between steps (see memory/schedule.py)
     without recompiling a compiled model (see _unspecialized)."""
+
+    # Read by memlm.train.parallelize: under FSDP this module is a unit of its
+    # own whose parameters are all-gathered in float32, not in the compute dtype.
+    full_precision_params = True
 
     def __init__(
         self,
@@ -113,16 +130,18 @@ class ProductKeys(nn.Module):
         return self._knn if self.training else self._eval_knn
 
     def query_and_keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (T, dim) -> query (T, H, 2, half) and sub-keys (H, 2, n_keys, half),
-        at least float32 so that top-k and softmax do not suffer bf16 ties.
+        """x (T, dim) -> query (T, H, 2, half) and sub-keys (H, 2, n_keys, half)
+        in float32, or wider if x or the parameters are (float64).
 
-        The query projection is an ordinary linear layer: under autocast(bf16)
-        it runs in bf16 like every other projection; what follows it (the
-        upcast, qk-norm) runs with autocast off (search.full_precision)."""
-        q = self.query(x)  # (T, H * k_dim)
+        All of it with autocast off, the projection with TF32 off too
+        (exact_linear): under autocast(bf16), or with x in bf16 (an FSDP
+        block's activations), the query is still x's exact float32
+        projection, so the selection is the float32 model's."""
+        weight, bias = self.query.weight, self.query.bias  # (H * k_dim, dim), (H * k_dim,)
+        compute = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
         with full_precision(x.device):
-            compute = torch.promote_types(q.dtype, torch.float32)
-            q = q.view(-1, self.heads, 2, self.half).to(compute)
+            q = exact_linear(x.to(compute), weight.to(compute), bias.to(compute))  # (T, H * k_dim)
+            q = q.view(-1, self.heads, 2, self.half)
             keys = self.keys.to(compute)
             if self.qk_norm:
                 # QK-norm as in attention: unit-RMS query halves and sub-key rows,
@@ -137,7 +156,7 @@ class ProductKeys(nn.Module):
         """x (T, dim) -> sub-key scores (T, H, 2, n_keys), differentiable (dense), float32+."""
         q, keys = self.query_and_keys(x)
         with full_precision(x.device):
-            return subkey_scores(q, keys)
+            return exact_subkey_scores(q, keys)
 
     def forward(
         self, x: torch.Tensor, sub: str = "detached"
@@ -158,14 +177,17 @@ class ProductKeys(nn.Module):
         # Scores, top-k and softmax in float32 (or wider) whatever autocast says.
         with full_precision(x.device):
             if sub == "grad":
-                sub_scores = subkey_scores(q, keys)
+                sub_scores = exact_subkey_scores(q, keys)
                 scores, slots = topk_of_sub_scores(sub_scores, self.current_knn, ordered=False)  # (T, H, knn) each
             else:
                 scores, slots, sub_scores = product_key_search(
                     q, keys, self.current_knn, keep_sub=sub == "detached", ordered=False
                 )
-            weights = scores.softmax(dim=-1)
-        return weights.flatten(1), slots.flatten(1), sub_scores
+            # The softmax over each head's knn scores, exp(s - logsumexp(s)), ending in
+            # an op that makes a fresh (T, H*knn) tensor: a view returned by an FSDP unit
+            # (this module is one; memlm.train.parallelize) makes FSDP2 warn every step.
+            weights = (scores - scores.logsumexp(dim=-1, keepdim=True)).flatten(1).exp()
+        return weights, slots.flatten(1), sub_scores
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -17,6 +17,14 @@ compiled: it skips whole blocks that cross documents and never materializes the
 (seq, seq) scores). torch has no FlexAttention backward on CPU, so `auto` uses
 it on CUDA only; `sdpa` (and `auto` elsewhere) passes a boolean (batch, 1, seq, seq)
 mask to `scaled_dot_product_attention`. Both give the same numbers (tests/test_doc_mask.py).
+
+The block mask is built once per forward (the model's, shared by every layer)
+by a compiled builder on CUDA: `create_block_mask` run eagerly evaluates the
+mask function over the whole (batch, seq, seq) grid, with int64 temporaries
+of that size (5 GiB and 10 s at batch 8, seq 8192 on 2 CPU cores), where
+compiled it reduces each 128 x 128 block as it goes (2 MiB, 1.3 s there;
+bench/doc_mask.py, docs/benchmarks.md). One compile per (batch, seq) shape;
+a training run has one.
 """
 
 from __future__ import annotations
@@ -57,14 +65,41 @@ def doc_attention_mask(doc_ids: torch.Tensor, backend: str = "auto") -> Any:
     """The causal same-document mask of `doc_ids` (batch, seq): a flex BlockMask,
     or a (batch, 1, seq, seq) bool tensor (True = may attend) for SDPA."""
     if resolve_backend(backend, doc_ids.device) == "flex":
-        def same_doc_causal(b, h, q, kv):
-            return (doc_ids[b, q] == doc_ids[b, kv]) & (q >= kv)
-
-        bsz, seq = doc_ids.shape
-        return create_block_mask(same_doc_causal, bsz, None, seq, seq, device=doc_ids.device)
+        with torch.no_grad():  # (no gradient to build; and one compiled graph for training and evaluation)
+            return block_mask_builder(doc_ids.device)(doc_ids)
     seq = doc_ids.shape[1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=doc_ids.device).tril()
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+
+
+def same_doc_block_mask(doc_ids: torch.Tensor) -> Any:
+    """The causal same-document BlockMask of `doc_ids` (batch, seq), by
+    create_block_mask as called: run eagerly, it materializes the (batch, 1,
+    seq, seq) mask and its int64 index temporaries; under torch.compile it
+    fuses them into per-block reductions (block_mask_builder)."""
+    def same_doc_causal(b, h, q, kv):
+        return (doc_ids[b, q] == doc_ids[b, kv]) & (q >= kv)
+
+    bsz, seq = doc_ids.shape
+    return create_block_mask(same_doc_causal, bsz, None, seq, seq, device=doc_ids.device)
+
+
+@functools.cache
+def _compiled_block_mask():
+    # torch.compile(create_block_mask)'s way (what create_block_mask(_compile=True) does from
+    # torch 2.10 on, deprecated there): the whole builder in one graph, the closure over doc_ids
+    # traced, so a new batch of the same shape reuses the graph. dynamic=False: a compile per
+    # (batch, seq), as the flex kernel itself (_compiled_flex).
+    return torch.compile(same_doc_block_mask, dynamic=False)
+
+
+def block_mask_builder(device: torch.device):
+    """doc_ids (batch, seq) -> BlockMask: compiled where FlexAttention runs
+    compiled and trains (CUDA). On CPU flex is the eager reference path, no
+    backward, which materializes the (batch, heads, seq, seq) scores itself,
+    so the mask's temporaries do not bound it, and each new shape would pay
+    a C++ compile (~30 s on 2 cores): eager there."""
+    return _compiled_block_mask() if device.type == "cuda" else same_doc_block_mask
 
 
 def doc_positions(doc_ids: torch.Tensor) -> torch.Tensor:

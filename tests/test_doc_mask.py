@@ -135,6 +135,57 @@ def test_flex_block_mask_equals_sdpa_mask():
     torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=0)
 
 
+def test_block_mask_is_built_once_per_forward_and_shared_by_every_layer(monkeypatch):
+    """One build per batch: the model builds the mask once in its forward and
+    hands every layer the same object (not a build per layer)."""
+    import memlm.model.doc_mask as doc_mask
+
+    model, _ = compose_and_build([*DOC, "model.doc_mask=true", "model.doc_mask_backend=flex", "model.n_layers=3"])
+    model.eval()
+    tokens, doc_ids, _ = _packed([[5, 9, 4, 6], [3, 8, 13]])
+    builds, seen = [], []
+    build = doc_mask.same_doc_block_mask
+    monkeypatch.setattr(doc_mask, "same_doc_block_mask", lambda ids: builds.append(build(ids)) or builds[-1])
+    for block in model.layers:  # Attention(x, cos, sin, cache, layer_id, doc_mask), from Block
+        block.attention.register_forward_pre_hook(lambda mod, args: seen.append(args[5]))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex_attention warns that it is unfused
+        model(tokens, doc_ids=doc_ids)
+        model(tokens, doc_ids=doc_ids)
+    assert len(builds) == 2  # one per forward
+    assert len(seen) == 6 and all(m is builds[0] for m in seen[:3]) and all(m is builds[1] for m in seen[3:])
+
+
+def test_block_mask_builder_is_compiled_on_cuda():
+    from memlm.model.doc_mask import _compiled_block_mask, block_mask_builder, same_doc_block_mask
+
+    assert block_mask_builder(torch.device("cpu")) is same_doc_block_mask
+    compiled = block_mask_builder(torch.device("cuda", 0))  # (only picks the builder: no GPU needed)
+    assert compiled is _compiled_block_mask() and compiled is not same_doc_block_mask
+    assert getattr(compiled, "_torchdynamo_orig_callable", None) is same_doc_block_mask
+
+
+@pytest.mark.slow  # inductor's C++ compile of the builder: ~30 s on 2 cores
+def test_compiled_block_mask_equals_eager_in_one_graph_without_recompiling():
+    """The compiled builder (what CUDA runs; compiled for CPU here): one graph,
+    no graph break, the eager builder's mask, and a second batch of the same
+    shape reuses the graph."""
+    from torch._dynamo.utils import counters
+
+    from memlm.model.doc_mask import _compiled_block_mask, same_doc_block_mask
+
+    compiled = _compiled_block_mask()
+    torch._dynamo.reset()
+    counters.clear()
+    for rows in ([[100, 300, 112], [512]], [[7, 500, 5], [256, 256]]):
+        _, doc_ids, _ = _packed(rows)
+        with torch.no_grad():
+            got, want = compiled(doc_ids), same_doc_block_mask(doc_ids)
+        for a, b in zip(got.as_tuple(), want.as_tuple()):
+            assert torch.equal(a, b) if torch.is_tensor(a) else a == b or callable(a)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)
+
+
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (FlexAttention's "
                           "backward and the compiled kernel are CUDA-only); run on a GPU machine")
 

@@ -1,5 +1,6 @@
 """product_key_search: same selection as the dense path, and a backward through
-the selected sub-keys only that equals autograd's dense gradient (float64)."""
+the selected sub-keys only that equals autograd's dense gradient (float64);
+the TF32-free matmuls of memlm.memory.exact against the plain ops."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from memlm.memory import (
     product_key_topk,
     subkey_scores,
 )
+from memlm.memory.exact import exact_linear, exact_subkey_scores
 
 
 def _inputs(tokens=24, heads=3, n_keys=40, half=5, shared=False, seed=0):
@@ -216,3 +218,30 @@ def test_weight_gradients_in_slot_order_are_bit_identical():
         ops.dense_gradient(indices, weights, grad_out, 50),
         ops.dense_gradient(indices, weights, grad_out, 50, ops.sort_reads(indices)),
     )
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_exact_subkey_scores_equal_the_einsum_and_its_gradient(shared):
+    """memlm.memory.exact: the scores with TF32 off (a custom op) are the
+    einsum's, and its backward is autograd's through the einsum (float64)."""
+    q, keys = _inputs(shared=shared, seed=5)
+    got, want = exact_subkey_scores(q, keys), subkey_scores(q, keys)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    probe = torch.randn(got.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for g, w in zip(torch.autograd.grad((got * probe).sum(), (q, keys)),
+                    torch.autograd.grad((want * probe).sum(), (q, keys))):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    small = _inputs(tokens=3, heads=2, n_keys=5, half=3, shared=shared, seed=6)
+    assert torch.autograd.gradcheck(exact_subkey_scores, small)
+
+
+def test_exact_linear_equals_f_linear_and_its_gradient():
+    gen = torch.Generator().manual_seed(7)
+    x, w, b = (torch.randn(*shape, dtype=torch.float64, generator=gen, requires_grad=True)
+               for shape in ((6, 5), (4, 5), (4,)))
+    torch.testing.assert_close(exact_linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=0, atol=0)
+    assert torch.autograd.gradcheck(exact_linear, (x, w, b))
+    with pytest.raises(ValueError, match="one floating dtype.*torch.float32, torch.float64"):
+        exact_linear(x.float(), w, b)
+    with pytest.raises(ValueError, match=r"x \(T, in\).*\(6, 5\), \(5, 4\)"):
+        exact_linear(x, w.t(), b)

@@ -19,6 +19,13 @@ from memlm.train.config import ParallelConfig
 from memlm.train.distributed import Meshes
 from memlm.train.precision import compute_dtype
 
+# The policy of the product-key lookups (query projection + sub-keys): gathered
+# and computing in float32, so that the top-k selects what the float32 model
+# selects (a bf16 query and bf16 keys change the selected set of ~23% of the
+# lookups at n_keys 1024, k_dim 512, knn 32; memlm.memory.product_keys). Their
+# forward input (an FSDP block's bf16 activations) is cast to float32 too.
+FULL_PRECISION = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+
 
 def _is_memory_block(block: nn.Module) -> bool:
     return any(getattr(m, "param_category", None) == "memory" for m in block.modules()) or block.ffn_kind in (
@@ -55,13 +62,17 @@ def apply_fsdp(model: Transformer, meshes: Meshes, cfg: ParallelConfig, device: 
     no mesh and gets its bf16 from autocast instead (train/precision.py says
     why). Memory value pools are left out: they are column-sharded by
     memlm.memory.parallel (other sparse tables, such as PEER's experts, stay
-    under FSDP)."""
+    under FSDP). Modules that ask for it (`full_precision_params`: the
+    product-key lookups) are units of their own inside their block, gathered
+    in float32 (FULL_PRECISION)."""
     if meshes.fsdp is None:
         return
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg, device), reduce_dtype=torch.float32)
     ignored = {pool.weight for pool in value_pools(model)}
     placement = _shard_placement(meshes.fsdp.size())
     for block in model.layers:
+        for module in [m for m in block.modules() if getattr(m, "full_precision_params", False)]:
+            fully_shard(module, mesh=meshes.fsdp, mp_policy=FULL_PRECISION, shard_placement_fn=placement)
         fully_shard(block, mesh=meshes.fsdp, mp_policy=mp, ignored_params=ignored or None,
                     shard_placement_fn=placement)
     fully_shard(model, mesh=meshes.fsdp, mp_policy=mp, ignored_params=ignored or None,

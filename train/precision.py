@@ -21,9 +21,15 @@ weights"); only the matmuls' inputs are rounded. Two mechanisms, one result:
 
 Either way the product-key scores, their top-k and softmax, the MoE router and
 the value read run with autocast off in float32 (memlm.memory.search.full_precision),
-and fp32 matmuls on CUDA use TF32 (enable_tf32). Evaluation loads a float32
-model and runs without autocast (memlm.train.load). docs/training.md,
-"Precision", has the trade-offs.
+and fp32 matmuls on CUDA use TF32 (enable_tf32). The product-key lookup goes
+further, so that it selects the slots the float32 model selects: its query
+projection runs in float32 too, both its matmuls with TF32 off
+(memlm.memory.exact.no_tf32, the caller's setting restored after), and under
+FSDP its parameters are gathered in float32 (train/parallelize.py,
+FULL_PRECISION). A bf16 query changes the selected set of ~20% of the lookups
+at n_keys 1024, k_dim 512, knn 32, TF32 scores ~2% (tests/test_precision.py).
+Evaluation loads a float32 model and runs without autocast (memlm.train.load).
+docs/training.md, "Precision", has the trade-offs.
 """
 
 from __future__ import annotations
@@ -59,7 +65,9 @@ def enable_tf32(device: torch.device) -> None:
     oneDNN use TF32 for CPU float32 tensors and change CPU results). The
     per-backend flags, not set_float32_matmul_precision("high"), which also
     switches oneDNN; and not the newer fp32_precision attributes, whose mix
-    with the legacy API (which torch.compile's inductor still reads) raises."""
+    with the legacy API (which torch.compile's inductor still reads) raises.
+    The product-key lookup turns it off around its own matmuls
+    (memlm.memory.exact.no_tf32)."""
     if device.type != "cuda":
         return
     torch.backends.cuda.matmul.allow_tf32 = True
