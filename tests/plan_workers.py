@@ -1,15 +1,20 @@
-"""Rank function of tests/test_plan.py (spawned by run_ranks): the bytes a
-real training rank holds and the collectives it issues in one step."""
+"""Rank functions of tests/test_plan.py and tests/test_value_layout.py
+(spawned by run_ranks): the bytes a real training rank holds and the
+collectives it issues in one step; the value-gradient traffic of a few steps."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from train_workers import full_state
 
+from memlm.train import value_grads
 from memlm.train.config import compose
+from memlm.train.memory_hooks import resolve_memory_parallel
 from memlm.train.trainer import Trainer
 
 # FSDP2 calls all_gather_single / reduce_scatter_single (torch >= 2.12) or the
@@ -83,3 +88,70 @@ def held_bytes(rank: int, overrides: list[str], out_dir: str) -> None:
             setattr(dist, name, fn)
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(record, f)
+
+
+def value_grad_traffic(rank: int, overrides: list[str], batches_path: str, steps: int, out_dir: str) -> None:
+    """Each rank trains `steps` steps on its rows of fixed global batches, at
+    the memory_parallel the trainer resolves, and records per step the bytes
+    it sent for the value gradients (every collective the value-gradient
+    reduction issues: train/value_grads.py) and in the memory all-to-alls,
+    and, for touched-row exchanges, the most rows any replica sent; rank 0
+    also saves the metrics and the weights."""
+    batches = torch.load(batches_path, weights_only=True)
+    cfg = compose(overrides)
+    # What the trainer's set-up does with parallel.memory_parallel=auto.
+    cfg.parallel.memory_parallel = resolve_memory_parallel(cfg, int(os.environ["WORLD_SIZE"]),
+                                                           int(os.environ["LOCAL_WORLD_SIZE"]))
+    b = cfg.data.micro_batch
+    mine = iter([tuple(t[rank * b:(rank + 1) * b] for t in batch) for batch in batches])
+    trainer = Trainer(cfg, train_loader=mine)
+    resolved = trainer.meshes.memory.size(1) if trainer.meshes.memory is not None else 1
+    reduction = trainer.value_grads
+    inside = {"on": False, "gathers": 0}
+
+    def flagged(fn):
+        def call(*args, **kwargs):
+            inside.update(on=True, gathers=0)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside["on"] = False
+        return call
+
+    if isinstance(reduction, value_grads.ValueGradReduction):
+        reduction._start = flagged(reduction._start)  # the dense all-reduce (from the hook or finish)
+        reduction._finish_sparse = flagged(reduction._finish_sparse)  # the touched-row exchange
+    originals = {name: getattr(dist, name) for name in COUNTED}
+    step: dict = {}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            kind = "value_grad" if inside["on"] else KIND[name]
+            if kind != "all_reduce":  # a scalar all-reduce (the loss, the norms) is not planned
+                step[kind] = step.get(kind, 0) + _sent(name, args, kwargs)
+            out = originals[name](*args, **kwargs)
+            if inside["on"] and name == "all_gather":
+                if inside["gathers"] == 0:  # the first: the replicas' row counts (train/value_grads.py)
+                    counts = kwargs.get("tensor_list", args[0] if args else None)
+                    step["rows_touched"] = max(step.get("rows_touched", 0), max(int(c) for c in counts))
+                inside["gathers"] += 1
+            return out
+        return call
+
+    record: dict = {"memory_parallel": resolved, "steps": []}
+    for name in COUNTED:
+        setattr(dist, name, counting(name))
+    try:
+        metrics = []
+        for _ in range(steps):
+            step.clear()
+            metrics.append(trainer.train_step())
+            record["steps"].append(dict(step))
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    with open(f"{out_dir}/traffic{rank}.json", "w") as f:
+        json.dump(record, f)
+    state = full_state(trainer.model)
+    if rank == 0:
+        torch.save({"metrics": metrics, "state": state}, f"{out_dir}/dist.pt")

@@ -13,7 +13,7 @@ from distributed_workers import run_ranks
 from plan_workers import held_bytes
 
 from memlm.train.config import compose, group_options
-from memlm.train.plan import TRAINING_SHAPES, main, plan, planning_config
+from memlm.train.plan import TRAINING_SHAPES, format_plan, main, plan, planning_config
 
 # Vocabulary 509: the embedding and output rows do not split evenly over 4
 # ranks, so ranks hold different FSDP shards (and FSDP pads its collectives).
@@ -116,6 +116,32 @@ def test_cli_fit_says_when_nothing_fits(capsys):
     assert lines[-2] == ("does not fit at any activation_checkpoint tried (none/selective/full): "
                          "fsdp full with memory_parallel 1")
     assert lines[-1].startswith("nothing fits on 1 x H200: the smallest is ")
+
+
+# Issue 28: 8B with 1M slots on 64 GPUs. At memory_parallel 1 every rank
+# all-reduced the whole 16 GiB value-table gradient, 31.50 GiB per step.
+EIGHT_B_1M = ["model=8b", "memory=memplus", "memory.n_keys=1024", "--world", "64", "parallel.memory_parallel=auto"]
+
+
+def test_8b_with_1m_slots_on_64_gpus_shows_each_value_layout(capsys):
+    assert main([*EIGHT_B_1M, "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)[0]
+    assert (p["memory_parallel_setting"], p["memory_parallel"]) == ("auto", 32)
+    assert p["comm_bytes"]["value_grad_reduce"] == 2**29 < 4 * 2**30  # 0.50 GiB per rank per step
+    layouts = {row["memory_parallel"]: row for row in p["value_layouts"]}
+    assert sorted(layouts) == [1, 2, 4, 8, 16, 32, 64]
+    assert layouts[1]["value_grad"] == 33_822_867_456  # the whole table: 31.50 GiB
+    # The row auto took is this plan's own count, and the least of them.
+    assert layouts[32]["value_grad"] == p["comm_bytes"]["value_grad_reduce"]
+    assert layouts[32]["memory_all_to_all"] == p["comm_bytes"]["memory_all_to_all"]
+    assert min(layouts.values(), key=lambda row: row["seconds"]) is layouts[32]
+    text = format_plan(p)
+    assert ", memory_parallel 32 (auto), " in text.splitlines()[0]
+    rows = {line.split()[0]: line for line in text.splitlines()[-9:-1]}
+    assert rows["1"].split()[4:6] == ["31.50", "GiB"]  # value-grad all-reduce at memory_parallel 1
+    assert rows["32"].endswith("<- this plan, auto") and "512.00 MiB" in rows["32"]
+    assert text.splitlines()[-1].endswith("512.00 MiB per step; parallel.memory_parallel=auto (the default) "
+                                          "takes 32")
 
 
 def test_8b_preset_plans_at_its_training_shape(capsys):

@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
@@ -74,7 +75,10 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    memory_parallel: int = 1  # ranks sharing one column-sharded value table
+    # Ranks sharing one column-sharded value table: an integer, or auto (the
+    # layout with the least value-table traffic for the world size the run
+    # starts with; 1 on one rank or without value tables; memlm.train.memory_hooks).
+    memory_parallel: Any = 1
     fsdp: str = "full"  # full | hybrid (shard within a node, replicate across nodes)
     activation_checkpoint: str = "none"  # none | full | selective
     compile: bool = False
@@ -85,8 +89,9 @@ class ParallelConfig:
     init: str = "full"
 
     def validate(self, prefix: str = "parallel") -> None:
-        if self.memory_parallel < 1:
-            raise ConfigError(f"{prefix}.memory_parallel", self.memory_parallel, "an integer >= 1")
+        mp = self.memory_parallel
+        if mp != "auto" and (isinstance(mp, bool) or not isinstance(mp, int) or mp < 1):
+            raise ConfigError(f"{prefix}.memory_parallel", mp, "auto or an integer >= 1")
         choices = {
             "fsdp": ("full", "hybrid"),
             "activation_checkpoint": ("none", "full", "selective"),
@@ -197,7 +202,8 @@ class Config:
         if self.memory.kind != "none" and self.memory.kind not in ffn_kinds():
             raise ConfigError("memory.kind", self.memory.kind, f"none or one of the FFN kinds: {', '.join(ffn_kinds())}")
         v_dim = self.memory.v_dim or self.model.dim
-        if self.memory.kind != "none" and v_dim % self.parallel.memory_parallel:
+        mp = self.parallel.memory_parallel
+        if self.memory.kind != "none" and mp != "auto" and v_dim % mp:
             raise ConfigError(
                 "memory.v_dim", v_dim,
                 f"a multiple of parallel.memory_parallel={self.parallel.memory_parallel} "

@@ -1,8 +1,15 @@
-"""The trainer's side of the memory layers: sharding the value tables,
-reducing their gradients, the knn schedule and slot-usage health.
+"""The trainer's side of the memory layers: the value tables' layout,
+sharding them, reducing their gradients, the knn schedule and slot-usage
+health.
 
 Everything memory-specific the loop needs goes through these functions, so
-dense models pay nothing."""
+dense models pay nothing. The layout, before the meshes are built:
+
+    p = resolve_memory_parallel(cfg, env.world_size, env.local_world_size)  # `auto` -> an integer
+    meshes = build_meshes(env, p, cfg.parallel.fsdp)
+    if (warning := value_grad_warning(cfg, env.world_size, env.local_world_size)):
+        print(f"[train] warning: {warning}")
+"""
 
 from __future__ import annotations
 
@@ -16,8 +23,84 @@ from memlm.memory.parallel import init_value_tables as _init_pool_tables
 from memlm.memory.parallel import shard_value_pools, value_pools
 from memlm.memory.schedule import apply_knn_schedule
 from memlm.memory.usage import usage_metrics
+from memlm.memory.values import VALUE_DTYPES
 from memlm.train.distributed import DistEnv, Meshes
-from memlm.train.value_grads import ValueGradReduction
+from memlm.train.plan_cost import ValueTables, least_traffic, value_layouts
+from memlm.train.value_grads import REDUCE_DTYPES, ValueGradReduction
+
+# A whole-table all-reduce this large per step (bytes one rank sends) is
+# worth a warning at start-up: about 27 ms a step over a 400 Gb/s NIC.
+WHOLE_TABLE_WARNING_BYTES = 2**30
+PRODUCT_KEY_KINDS = ("memory", "memplus")  # the FFN kinds that read value tables (model/memory_ffn.py)
+
+
+def value_tables(cfg: Any) -> ValueTables | None:
+    """The run's value tables and how a step reads them, from the config
+    alone (the meshes are built before the model); None without tables."""
+    mem = cfg.memory
+    if mem.kind not in PRODUCT_KEY_KINDS:
+        return None
+    layers = len(mem.resolved_layers(cfg.model.n_layers))
+    return ValueTables(
+        tables=1 if mem.share_values else layers, rows=mem.n_keys**2, v_dim=mem.v_dim or cfg.model.dim,
+        value_bytes=VALUE_DTYPES[mem.value_dtype].itemsize,
+        grad_bytes=REDUCE_DTYPES[mem.value_grad_reduce_dtype].itemsize,
+        reads=layers, reads_per_token=mem.heads * mem.knn, sparse_updates=mem.sparse_updates,
+    )
+
+
+def tokens_per_rank(cfg: Any, world: int) -> int:
+    """Tokens one rank trains on per optimizer step (global_batch_tokens
+    split over the ranks, or one micro-batch)."""
+    return cfg.global_batch_tokens // world if cfg.global_batch_tokens else cfg.data.micro_batch * cfg.data.seq_len
+
+
+def value_layouts_of(cfg: Any, world: int, gpus_per_node: int) -> list[dict]:
+    """Every memory_parallel this run could take on `world` ranks, with its
+    value-table traffic and seconds (memlm.train.plan_cost.value_layouts);
+    [] without value tables."""
+    values = value_tables(cfg)
+    if values is None:
+        return []
+    return value_layouts(values, world, gpus_per_node, tokens_per_rank(cfg, world))
+
+
+def resolve_memory_parallel(cfg: Any, world: int, gpus_per_node: int) -> int:
+    """parallel.memory_parallel as an integer: the one given, or for `auto`
+    the layout whose value-table traffic takes the least time on `world`
+    ranks (1 on one rank or without value tables). The trainer and the
+    planner both take it from here."""
+    setting = cfg.parallel.memory_parallel
+    if setting != "auto":
+        return setting
+    layouts = value_layouts_of(cfg, world, gpus_per_node) if world > 1 else []
+    return least_traffic(layouts)["memory_parallel"] if layouts else 1
+
+
+def value_grad_warning(cfg: Any, world: int, gpus_per_node: int) -> str | None:
+    """The start-up warning of a run that all-reduces its whole value table
+    every step (memory_parallel 1 on several ranks, dense value gradients)
+    at WHOLE_TABLE_WARNING_BYTES or more per rank; None otherwise."""
+    layouts = value_layouts_of(cfg, world, gpus_per_node) if world > 1 else []
+    if not layouts or cfg.memory.sparse_updates or resolve_memory_parallel(cfg, world, gpus_per_node) != 1:
+        return None
+    whole = layouts[0]  # memory_parallel 1
+    if whole["value_grad"] < WHOLE_TABLE_WARNING_BYTES:
+        return None
+    values = value_tables(cfg)
+    best = least_traffic(layouts)
+    tables = f"{values.tables} table{'s' if values.tables > 1 else ''} of {values.rows:,} x {values.v_dim}"
+    line = (f"parallel.memory_parallel=1 on {world} ranks all-reduces the whole value-table gradient ({tables}) "
+            f"every step: {_gib(whole['value_grad'])} sent per rank")
+    if best["memory_parallel"] != 1:
+        line += (f"; parallel.memory_parallel={best['memory_parallel']} (what auto takes here) sends "
+                 f"{_gib(best['value_grad'])} of value gradients and {_gib(best['memory_all_to_all'])} in the "
+                 "memory all-to-alls")
+    return line + f" (python -m memlm.train.plan ... --world {world} shows every layout)"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def shard_memory_values(model: nn.Module, meshes: Meshes, env: DistEnv) -> None:

@@ -1,6 +1,7 @@
 """Scale planner: memory, communication and step time of a run on N GPUs,
 computed on one CPU without data or a GPU.
 
+    python -m memlm.train.plan model=8b memory=memplus memory.n_keys=1024 --world 64  # memory_parallel auto
     python -m memlm.train.plan model=8b memory=memplus memory.n_keys=4096 \\
         parallel.memory_parallel=64 --world 64 --gpu H200       # at the 8b preset's shape, 8192 x 1
     python -m memlm.train.plan model=8b data.seq_len=4096 --world 8   # an explicit shape wins
@@ -22,7 +23,12 @@ takes one step on meta gradients shaped like the parameters (what the
 backward leaves) so its state tensors exist. Parameter, gradient and
 optimizer-state bytes are read from those sharded tensors (local shards,
 value tables included); activations, communication and step time are
-estimates from `memlm.train.plan_cost`.
+estimates from `memlm.train.plan_cost`. `parallel.memory_parallel=auto` is
+resolved as the trainer resolves it (`memory_hooks.resolve_memory_parallel`),
+and a plan on several ranks of a model with value tables ends with every
+memory_parallel the run could take: the bytes of its memory all-to-alls and
+of its value-gradient exchange (all-reduce, or touched rows under
+memory.sparse_updates) per step, the seconds they add, and which one auto takes.
 
 `--fit` plans every power-of-two memory_parallel and, unless the overrides
 set them, both parallel.fsdp modes (hybrid only on more than one node) and
@@ -47,24 +53,29 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from memlm.errors import ConfigError
+from memlm.memory import sparse_adamw
 from memlm.memory.parallel import value_pools
 from memlm.model import Transformer
 from memlm.train.config import Config, compose
 from memlm.train.distributed import DistEnv, build_meshes
-from memlm.train.memory_hooks import shard_memory_values
+from memlm.train.memory_hooks import resolve_memory_parallel, shard_memory_values, value_layouts_of
 from memlm.train.optim import build_optimizer
 from memlm.train.parallelize import apply_activation_checkpointing, apply_fsdp
 from memlm.train.plan_cost import (
     GPUS,
     HBM_HEADROOM,
     Layout,
+    ValueTables,
     activation_bytes,
     comm_volume,
     gpu_spec,
+    least_traffic,
+    memory_parallel_candidates,
     step_time,
 )
 from memlm.train.precision import compute_dtype
 from memlm.train.trainer import accumulation_steps
+from memlm.train.value_grads import REDUCE_DTYPES
 
 GiB = 2**30
 
@@ -133,7 +144,7 @@ def check_args(cfg: Config, world: int, rank: int, gpus_per_node: int, gpu: str)
         raise ConfigError("--gpus-per-node", gpus_per_node, "an integer >= 1")
     gpu_spec(gpu)
     p = cfg.parallel.memory_parallel
-    if world % p:
+    if p != "auto" and world % p:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
         raise ConfigError("parallel.memory_parallel", p,
                           f"a divisor of --world {world}: one of {', '.join(map(str, divisors))}")
@@ -222,11 +233,12 @@ def plan(cfg: Config, world: int, rank: int = 0, gpu: str = "H200", gpus_per_nod
     (`planning_config`); without it, "the config"."""
     check_args(cfg, world, rank, gpus_per_node, gpu)
     accum = accumulation_steps(cfg, world)
+    env = DistEnv(rank, world, rank % gpus_per_node, min(world, gpus_per_node), torch.device("cpu"))
+    memory_parallel = resolve_memory_parallel(cfg, world, env.local_world_size)
     # Even one rank joins a (1-rank) fake group: the layout code may build a 1-rank mesh.
     with fake_process_group(world, rank):
         target = torch.device("cuda")  # the precision policy of a GPU run
-        env = DistEnv(rank, world, rank % gpus_per_node, min(world, gpus_per_node), torch.device("cpu"))
-        meshes = build_meshes(env, cfg.parallel.memory_parallel, cfg.parallel.fsdp)
+        meshes = build_meshes(env, memory_parallel, cfg.parallel.fsdp)
         with torch.device("meta"):
             model = Transformer(cfg.model, cfg.memory)
         shard_memory_values(model, meshes, env)
@@ -236,13 +248,7 @@ def plan(cfg: Config, world: int, rank: int = 0, gpu: str = "H200", gpus_per_nod
         for p in params:
             p.grad = torch.zeros_like(p)  # the backward leaves a gradient shaped like its parameter
         optimizer = build_optimizer(model, cfg, target)
-        for group in optimizer.param_groups:
-            # The fused kernel has no meta implementation; the foreach path
-            # creates the same state (its step counters live on the host,
-            # the fused kernel's on the device: 4 bytes per tensor either way).
-            if group.get("fused"):
-                group["fused"] = False
-        optimizer.step()
+        _state_step(optimizer)
         bytes_ = {
             "params": sum(local_bytes(p) for p in model.parameters()),
             "grads": sum(local_bytes(p.grad) for p in params),
@@ -251,7 +257,7 @@ def plan(cfg: Config, world: int, rank: int = 0, gpu: str = "H200", gpus_per_nod
         }
         tables = [pool.weight for pool in value_pools(model)]
         table_ids = {id(t) for t in tables}
-        layout = _layout(cfg, model, meshes, env, accum, tables, table_ids, target)
+        layout = _layout(cfg, model, meshes, env, accum, memory_parallel, tables, table_ids, target)
     act = activation_bytes(model, layout, cfg.parallel.activation_checkpoint)
     comm = comm_volume(layout)
     timing = step_time(layout, comm, gpu_spec(gpu), cfg.parallel.activation_checkpoint)
@@ -259,35 +265,57 @@ def plan(cfg: Config, world: int, rank: int = 0, gpu: str = "H200", gpus_per_nod
     total = state + act["saved"] + act["recompute"] + act["transient"]
     counts = model.num_params()
     return {
-        "world": world, "rank": rank, "gpu": gpu, "memory_parallel": cfg.parallel.memory_parallel,
-        "fsdp": cfg.parallel.fsdp, "activation_checkpoint": cfg.parallel.activation_checkpoint,
+        "world": world, "rank": rank, "gpu": gpu, "memory_parallel": memory_parallel,
+        "memory_parallel_setting": cfg.parallel.memory_parallel, "fsdp": cfg.parallel.fsdp,
+        "activation_checkpoint": cfg.parallel.activation_checkpoint,
         "shape": shape or {"seq_len": cfg.data.seq_len, "micro_batch": cfg.data.micro_batch,
                            "from": {"seq_len": "the config", "micro_batch": "the config"}, "train_with": []},
         "model": cfg.model.name, "memory_kind": cfg.memory.kind,
+        "memory_sparse_updates": cfg.memory.sparse_updates,
         "slots": sum(t.shape[0] for t in tables),  # value-table rows (0 without memory layers)
         "params_total": counts["total"], "params_active": counts["active"],
         "bytes": {**bytes_, "value_tables": sum(local_bytes(t) for t in tables),
                   "activations": act, "total": total},
         "fits": total <= GPUS[gpu].hbm_bytes * HBM_HEADROOM,
         "comm_bytes": comm, "time": timing,
+        # Each memory_parallel the run could take, with its value-table traffic (gpus_per_node as
+        # env.local_world_size: the trainer's view); auto takes the one of least seconds.
+        "value_layouts": value_layouts_of(cfg, world, env.local_world_size),
         "tokens_per_step": layout.tokens * layout.accum * world,
     }
 
 
-def _layout(cfg: Config, model, meshes, env: DistEnv, accum: int, tables, table_ids, target) -> Layout:
-    from memlm.memory.layers import ProductKeyMemory
+def _state_step(optimizer: torch.optim.Optimizer) -> None:
+    """One step on meta parameters: what creates the optimizer's state."""
+    for group in optimizer.param_groups:
+        # The fused kernel has no meta implementation; the foreach path
+        # creates the same state (its step counters live on the host,
+        # the fused kernel's on the device: 4 bytes per tensor either way).
+        if group.get("fused"):
+            group["fused"] = False
+    if not isinstance(optimizer, sparse_adamw.SparseRowAdamW):
+        optimizer.step()
+        return
+    # The row-wise AdamW (sparse updates, bf16 tables) creates its state
+    # before updating; the update copies the step count to the host, which a
+    # meta tensor cannot: leave it out.
+    update, sparse_adamw._adamw = sparse_adamw._adamw, lambda *args, **kwargs: None
+    try:
+        optimizer.step()
+    finally:
+        sparse_adamw._adamw = update
 
+
+def _layout(cfg: Config, model, meshes, env: DistEnv, accum: int, memory_parallel: int, tables, table_ids,
+            target) -> Layout:
     world, gpn = env.world_size, env.local_world_size
-    reads = [m for m in model.modules() if isinstance(m, ProductKeyMemory)]
     layout = Layout(
-        world=world, rank=env.rank, gpus_per_node=gpn, memory_parallel=cfg.parallel.memory_parallel,
+        world=world, rank=env.rank, gpus_per_node=gpn, memory_parallel=memory_parallel,
         tokens=cfg.data.micro_batch * cfg.data.seq_len, accum=accum, seq_len=cfg.data.seq_len,
         flops_per_token=model.flops_per_token(cfg.data.seq_len),
         compute_bytes=compute_dtype(cfg.parallel, target).itemsize,
         fsdp_size=1, fsdp_replicas=1, fsdp_spans_nodes=False,
-        memory_reads=len(reads), reads_per_token=(reads[0].lookup.heads * reads[0].knn) if reads else 0,
-        v_dim=tables[0].shape[1] if tables else 0, value_bytes=tables[0].element_size() if tables else 0,
-        value_local_bytes=sum(local_bytes(t) for t in tables), sparse_updates=cfg.memory.sparse_updates,
+        values=model_value_tables(model, cfg), value_local_bytes=sum(local_bytes(t) for t in tables),
         dense_local_bytes=sum(local_bytes(p) for p in model.parameters() if id(p) not in table_ids),
     )
     if meshes.fsdp is not None:
@@ -307,6 +335,24 @@ def _layout(cfg: Config, model, meshes, env: DistEnv, accum: int, tables, table_
         layout.memory_spans_nodes = _spans_nodes(row, gpn)
         layout.replicas_span_nodes = _spans_nodes(col, gpn)
     return layout
+
+
+def model_value_tables(model: torch.nn.Module, cfg: Config) -> ValueTables | None:
+    """The value tables of a built model and how a step reads them, read from
+    its modules (what `memory_hooks.value_tables` derives from the config)."""
+    from memlm.memory.layers import ProductKeyMemory
+
+    tables = [pool.weight for pool in value_pools(model)]
+    if not tables:
+        return None
+    reads = [m for m in model.modules() if isinstance(m, ProductKeyMemory)]
+    return ValueTables(
+        tables=len(tables), rows=tables[0].shape[0], v_dim=tables[0].shape[1],
+        value_bytes=tables[0].element_size(),
+        grad_bytes=REDUCE_DTYPES[cfg.memory.value_grad_reduce_dtype].itemsize,
+        reads=len(reads), reads_per_token=reads[0].lookup.heads * reads[0].knn,
+        sparse_updates=cfg.memory.sparse_updates,
+    )
 
 
 # ------------------------------------------------------------------- output
@@ -341,7 +387,8 @@ def format_plan(p: dict[str, Any]) -> str:
     act = b["activations"]
     lines = [
         f"plan: {p['model']} + {p['memory_kind']} ({p['slots']:,} slots), {p['params_total']:,} params "
-        f"({p['params_active']:,} active), {p['world']} x {p['gpu']}, memory_parallel {p['memory_parallel']}, "
+        f"({p['params_active']:,} active), {p['world']} x {p['gpu']}, memory_parallel {p['memory_parallel']}"
+        f"{' (auto)' if p['memory_parallel_setting'] == 'auto' else ''}, "
         f"fsdp {p['fsdp']}, activation_checkpoint {p['activation_checkpoint']}, "
         f"rank {p['rank']}, {p['tokens_per_step']:,} tokens/step",
         format_shape(p["shape"]),
@@ -361,8 +408,43 @@ def format_plan(p: dict[str, Any]) -> str:
         f"memory read {t['memory_read_s']:.4f}, optimizer {t['optimizer_s']:.4f}, memory comm "
         f"{t['memory_comm_s']:.4f}, value reduce {t['value_reduce_s']:.4f}",
         f"  step {t['step_s']:.4f} s, {t['tokens_per_s']:,.0f} tokens/s per GPU, MFU {t['mfu']:.1%}",
+        *format_value_layouts(p),
     ]
     return "\n".join(lines)
+
+
+VALUE_COLUMNS = ("memory_parallel", "replicas", "memory all-to-all", "value-grad all-reduce",
+                 "value-grad touched rows", "comm s")
+
+
+def format_value_layouts(p: dict[str, Any]) -> list[str]:
+    """The value-table layouts the run could take on this world, one row
+    each: bytes one rank sends per step and the seconds they add; the
+    config's layout and auto's choice marked ([] without value tables or on
+    one rank)."""
+    layouts = p["value_layouts"]
+    if p["world"] == 1 or not layouts:
+        return []
+    best = least_traffic(layouts)["memory_parallel"]
+    used = "touched rows (memory.sparse_updates=true)" if p["memory_sparse_updates"] else "all-reduce"
+    rows = [VALUE_COLUMNS]
+    for row in layouts:
+        marks = [m for m, on in (("this plan", row["memory_parallel"] == p["memory_parallel"]),
+                                 ("auto", row["memory_parallel"] == best)) if on]
+        rows.append((str(row["memory_parallel"]), str(row["replicas"]), _short(row["memory_all_to_all"]),
+                     _short(row["value_grad_all_reduce"]), "~" + _short(row["value_grad_rows"]),
+                     f"{row['seconds']:.4f}", *(["<- " + ", ".join(marks)] if marks else [])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(VALUE_COLUMNS))]
+    table = ["  " + "  ".join(v.rjust(w) if i < len(widths) else v for i, (v, w) in
+                              enumerate(zip(r, [*widths, 0]))).rstrip() for r in rows]
+    return [
+        f"value-table layouts on {p['world']} ranks, bytes one rank sends per step (touched rows: expected "
+        "for reads spread evenly over the table):",
+        *table,
+        f"  this plan: memory_parallel {p['memory_parallel']}, value gradients by {used}, "
+        f"{_short(p['comm_bytes']['value_grad_reduce'])} per step; parallel.memory_parallel=auto (the "
+        f"default) takes {best}",
+    ]
 
 
 def fit_candidates(cfg: Config, world: int) -> list[int]:
@@ -370,8 +452,7 @@ def fit_candidates(cfg: Config, world: int) -> list[int]:
     value width (only 1 without memory layers: nothing to shard)."""
     if cfg.memory.kind == "none":
         return [1]
-    v_dim = cfg.memory.v_dim or cfg.model.dim
-    return [p for p in (2**i for i in range(20)) if p <= world and world % p == 0 and v_dim % p == 0]
+    return memory_parallel_candidates(world, cfg.memory.v_dim or cfg.model.dim)
 
 
 CHECKPOINTS = ("none", "selective", "full")  # least recompute (fastest) first
