@@ -1,20 +1,41 @@
 #!/usr/bin/env bash
 # Device check for a lent GPU machine (one H200; more GPUs where available).
-# One short run measures, one section at a time, each under its own timeout
-# (a failed or timed-out section is recorded and the next one runs):
-#   env          GPU, driver, torch/triton versions, GPU count
-#   kernel_tests tests/test_kernels*.py + row_dots with CUDA: compiled Triton, no interpreter
-#   kernel_bench bench/kernels.py --gpu-only: Triton vs F.embedding_bag bandwidth at the paper's shapes
-#   mfu          bf16 MFU of the 373M dense and Memory+ models (the real Trainer, random tokens)
-#   compile      step-time speedup of parallel.compile=true over eager, both models
-#   nosync       torch.cuda.set_sync_debug_mode("error") around every non-logging step (Memory+, MoE)
-#   equivalence  2 NCCL ranks (memory_parallel=2) == 1 process; only with >= 2 GPUs
-# Everything goes under $OUT: one log per section, JSON figures, a copy of
-# docs/benchmarks.md with the GPU kernel rows, and summary.txt (one line per
-# section: status, seconds, result). Budget: the limits below add up to
-# 440 s on one GPU, and a section that would pass $BUDGET_S (450 s) is
-# shortened or skipped, so the run ends within 8 minutes on one H200.
-# No installs: it runs the machine's python3 with its torch and triton;
+# One short run checks, one section at a time, each under its own timeout;
+# a failed or timed-out section is recorded and the next one runs. A section
+# passes only when its command exits 0 and prints `RESULT <section> ok`;
+# otherwise its summary line reads FAIL (or TIMEOUT) with the reason, and
+# the script exits non-zero. What each section proves, and its rule:
+#   env             the GPU, driver, torch/triton and the training modules are there.
+#                   FAIL: torch or triton not importable, no CUDA GPU, or hydra,
+#                   omegaconf or torchdata missing (bench/device_wheels.sh).
+#   kernel_tests    tests/test_kernels*.py + row_dots run on CUDA: compiled Triton, no interpreter.
+#                   FAIL: a test fails or errors, no test ran, or a CUDA test was skipped.
+#   kernel_bench    bench/kernels.py --gpu-only: each kernel (Triton by slot and atomic, our
+#                   torch path, F.embedding_bag) at the paper's shape is checked, then timed.
+#                   FAIL: a kernel raises, or its output, table or weight gradient is off the
+#                   float32 reference by more than 2e-2 of its max (bf16).
+#   mfu             bf16 MFU of the 373M dense and Memory+ models (the real Trainer, random tokens).
+#                   FAIL: a model's MFU under MFU_FLOOR (default 10% of the dense bf16 peak,
+#                   bench/device_train.py says why), a non-finite loss, or no known peak.
+#   nosync          every non-logging step of `fit` (Memory+ and MoE, 134M base) watched.
+#                   FAIL: a host read of a CUDA tensor (.item(), .tolist(), bool(), ...) in such
+#                   a step, or a sync under torch.cuda.set_sync_debug_mode("error") (3rd step on).
+#   compile_dense   parallel.compile=true against eager, 134M dense (cold compile included).
+#   compile_memplus the same with Memory+ (its own limit: the memory block compiles too).
+#                   FAIL: a graph break, more graphs than one per distinct block (recompiles:
+#                   dense 1, Memory+ 2), or a speedup (eager / compiled step time) <= 1.
+#   equivalence     2 NCCL ranks (memory_parallel=2) == 1 process; only with >= 2 GPUs.
+#                   FAIL: a loss or weight more than 1e-3 off.
+# SECTIONS="... compile ..." runs both compile sections. Everything goes
+# under $OUT: one log per section, JSON figures, a copy of docs/benchmarks.md
+# with the GPU kernel rows, and summary.txt (one line per section: status,
+# seconds, result). Budget: the limits below add up to 445 s on one GPU, and
+# a section that would pass $BUDGET_S (450 s) is shortened or skipped, so the
+# run ends within 8 minutes on one H200; each limit includes that section's
+# cold start (CUDA context, Triton and inductor compilation; the two compile
+# sections share inductor's on-disk cache for the dense block).
+# No installs: it runs the machine's python3 with its torch and triton
+# (written for torch >= 2.11 and triton >= 3.6; env prints both);
 # memlm is imported from this checkout. The training sections need
 # hydra-core, omegaconf and torchdata, which the H200 image lacks: run
 # `bash bench/device_wheels.sh` here first and carry ".whl" (installed
@@ -23,13 +44,16 @@
 #   OUT=/tmp/out bash bench/device_check.sh
 #   DRY_RUN=1 OUT=/tmp/out bash bench/device_check.sh   # tiny versions on CPU: checks the plumbing
 #   SECTIONS="mfu nosync" OUT=/tmp/out bash bench/device_check.sh
+#   MFU_FLOOR=0.2 OUT=/tmp/out bash bench/device_check.sh  # another MFU floor (a fraction)
 set -uo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$(mktemp -d)}"  # the device tool provides $OUT
 PY="${PYTHON:-python3}"
 DRY_RUN="${DRY_RUN:-0}"
-SECTIONS="${SECTIONS:-env kernel_tests kernel_bench mfu compile nosync equivalence}"
+SECTIONS="${SECTIONS:-env kernel_tests kernel_bench mfu nosync compile_dense compile_memplus equivalence}"
+SECTIONS=" ${SECTIONS} "
+SECTIONS="${SECTIONS// compile / compile_dense compile_memplus }"
 BUDGET_S="${BUDGET_S:-450}"
 mkdir -p "$OUT"
 cd "$REPO_ROOT"
@@ -70,7 +94,8 @@ wanted() { [[ " $SECTIONS " == *" $1 "* ]]; }
 # run_section NAME LIMIT_S CMD...: run CMD with its output in $OUT/NAME.log,
 # killed after LIMIT_S x SCALE seconds (or what is left of the budget), and
 # append one line to the summary: status, seconds, the RESULT line (or the
-# last PARTIAL line, or the last line of the log).
+# last PARTIAL line, or the last line of the log). ok only when CMD exits 0
+# and the log has a `RESULT NAME ok` line.
 run_section() {
     local name=$1 limit=$(($2 * SCALE))
     shift 2
@@ -78,7 +103,7 @@ run_section() {
     if ((used + limit > BUDGET_S)); then
         limit=$((BUDGET_S - used))
         if ((limit < 20)); then
-            printf '%-13s %-20s %5s  %s\n' "$name" "SKIPPED" "0s" "budget: ${used}s of ${BUDGET_S}s used" | tee -a "$SUMMARY"
+            printf '%-15s %-20s %5s  %s\n' "$name" "SKIPPED" "0s" "budget: ${used}s of ${BUDGET_S}s used" | tee -a "$SUMMARY"
             return
         fi
     fi
@@ -90,24 +115,86 @@ run_section() {
         status="TIMEOUT (${limit}s)"
     elif [ "$rc" -ne 0 ]; then
         status="FAIL (exit $rc)"
+    elif ! grep -qE "^RESULT $name ok" "$OUT/$name.log"; then
+        status="FAIL (no RESULT ok)"
     fi
     [ "$status" = ok ] || failures=$((failures + 1))
     local detail
     detail="$(grep -hE '^(RESULT|PARTIAL) ' "$OUT/$name.log" | tail -n 1)"
     [ -n "$detail" ] || detail="$(tail -n 1 "$OUT/$name.log")"
-    printf '%-13s %-20s %5s  %s\n' "$name" "$status" "$((SECONDS - t0))s" "$detail" | tee -a "$SUMMARY"
+    printf '%-15s %-20s %5s  %s\n' "$name" "$status" "$((SECONDS - t0))s" "$detail" | tee -a "$SUMMARY"
 }
 
+# env_report: versions and modules; exit 1 when something the other
+# sections need is missing (torch, triton, a CUDA GPU, the training modules).
 env_report() {
+    local missing=()
     echo "date: $(date -u +%FT%TZ)"
     echo "dry run: $DRY_RUN"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "nvidia-smi failed"
-    "$PY" -c "import torch, memlm; print('torch', torch.__version__, '| cuda', torch.cuda.is_available(), '| gpus', torch.cuda.device_count(), '| memlm from', memlm.__path__[0])"
-    "$PY" -c "import triton; print('triton', triton.__version__)" || echo "triton: not importable"
+    "$PY" -c "import torch, memlm; print('torch', torch.__version__, '| cuda', torch.cuda.is_available(), '| gpus', torch.cuda.device_count(), '| memlm from', memlm.__path__[0])" \
+        || missing+=("torch/memlm")
+    "$PY" -c "import triton; print('triton', triton.__version__)" || { echo "triton: not importable"; [ "$DRY_RUN" = "1" ] || missing+=(triton); }
     for mod in hydra omegaconf torchdata numpy sentencepiece; do
-        "$PY" -c "import $mod" 2>/dev/null && echo "$mod: ok" || echo "$mod: MISSING (bench/device_wheels.sh)"
+        if "$PY" -c "import $mod" 2>/dev/null; then
+            echo "$mod: ok"
+        else
+            echo "$mod: MISSING (bench/device_wheels.sh)"
+            case $mod in hydra|omegaconf|torchdata) missing+=("$mod") ;; esac
+        fi
     done
-    echo "RESULT env ok: $("$PY" -c 'import torch; print(torch.cuda.device_count(), "GPU(s)")' 2>&1 | tail -n 1)"
+    local gpus
+    gpus="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null | tail -n 1)"
+    if [ "$DRY_RUN" != "1" ] && [ "${gpus:-0}" -lt 1 ] 2>/dev/null; then
+        missing+=("a CUDA GPU")
+    fi
+    if [ "${#missing[@]}" -gt 0 ]; then
+        echo "RESULT env FAIL: missing ${missing[*]}"
+        return 1
+    fi
+    echo "RESULT env ok: ${gpus:-0} GPU(s)"
+}
+
+# kernel_tests_run PYTEST_ARGS...: pytest with a junit report, then one
+# RESULT line judged from the report (judge_junit).
+kernel_tests_run() {
+    "$PY" -m pytest "$@" -q -rs -p no:cacheprovider --junitxml="$OUT/kernel_tests.xml"
+    local rc=$?
+    judge_junit "$OUT/kernel_tests.xml" "$rc"
+}
+
+# judge_junit XML PYTEST_RC: FAIL on a failed or erroring test, a non-zero
+# pytest exit, no test run, or (not in a dry run) a skipped CUDA test.
+judge_junit() {
+    "$PY" - "$1" "$2" "$DRY_RUN" <<'PYEOF'
+import sys
+import xml.etree.ElementTree as ET
+
+path, rc, dry = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+try:
+    cases = list(ET.parse(path).getroot().iter("testcase"))
+except (OSError, ET.ParseError) as err:
+    print(f"RESULT kernel_tests FAIL: no junit report (pytest exit {rc}): {err}")
+    sys.exit(1)
+name = lambda c: f"{c.get('classname')}::{c.get('name')}"
+failed = [name(c) for c in cases if c.find("failure") is not None or c.find("error") is not None]
+skipped = [c for c in cases if c.find("skipped") is not None]
+cuda_skipped = [name(c) for c in skipped if "test_kernels_cuda" in (c.get("classname") or "")]
+ran = len(cases) - len(skipped)
+reasons = []
+if failed:
+    reasons.append(f"{len(failed)} failed: " + ", ".join(failed[:3]))
+if rc != 0 and not failed:
+    reasons.append(f"pytest exit {rc}")
+if ran == 0:
+    reasons.append("no test ran")
+if cuda_skipped and not dry:
+    reasons.append(f"{len(cuda_skipped)} CUDA test(s) skipped on a GPU machine: " + ", ".join(cuda_skipped[:2]))
+if reasons:
+    print("RESULT kernel_tests FAIL: " + "; ".join(reasons))
+    sys.exit(1)
+print(f"RESULT kernel_tests ok: {ran} passed, {len(skipped)} skipped" + (" (dry run: CUDA tests skip on CPU)" if dry else ""))
+PYEOF
 }
 
 if wanted env; then
@@ -118,12 +205,12 @@ if wanted env; then
 fi
 
 if wanted kernel_tests; then
-    if [ "$DRY_RUN" = "1" ]; then  # the CUDA-only kernel tests: collected and skipped on CPU
-        run_section kernel_tests 60 "$PY" -m pytest tests/test_kernels_cuda.py -q -rs -p no:cacheprovider \
-            --junitxml="$OUT/kernel_tests.xml"
+    export -f kernel_tests_run judge_junit
+    export PY OUT DRY_RUN
+    if [ "$DRY_RUN" = "1" ]; then  # the CUDA-only kernel tests are collected and skip on CPU; the CPU ops run
+        run_section kernel_tests 60 bash -c 'kernel_tests_run "$@"' _ tests/test_kernels_cuda.py tests/test_kernels_ops.py
     else
-        run_section kernel_tests 90 "$PY" -m pytest tests/test_kernels*.py tests/test_memory_row_dots.py \
-            -q -rs -p no:cacheprovider --junitxml="$OUT/kernel_tests.xml"
+        run_section kernel_tests 75 bash -c 'kernel_tests_run "$@"' _ tests/test_kernels*.py tests/test_memory_row_dots.py
     fi
 fi
 
@@ -133,21 +220,30 @@ if wanted kernel_bench; then
         run_section kernel_bench 60 "$PY" bench/kernels.py --quick --no-sweep --json "$OUT/kernels.json" \
             --doc "$OUT/benchmarks.md"
     else
-        run_section kernel_bench 80 "$PY" bench/kernels.py --gpu-only --no-sweep --json "$OUT/kernels_gpu.json" \
+        run_section kernel_bench 50 "$PY" bench/kernels.py --gpu-only --no-sweep --json "$OUT/kernels_gpu.json" \
             --doc "$OUT/benchmarks.md"
     fi
 fi
 
 # The training sections: bench/device_train.py prints the RESULT line.
-wanted mfu && run_section mfu 90 "$PY" bench/device_train.py mfu ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/mfu.json"
-wanted compile && run_section compile 120 "$PY" bench/device_train.py compile ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/compile.json"
-wanted nosync && run_section nosync 45 "$PY" bench/device_train.py nosync ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/nosync.json"
+TRAIN=("$PY" bench/device_train.py)
+MFU_FLAG=()
+[ -n "${MFU_FLOOR:-}" ] && MFU_FLAG=(--mfu-floor "$MFU_FLOOR")
+wanted mfu && run_section mfu 70 "${TRAIN[@]}" mfu ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} \
+    ${MFU_FLAG[@]+"${MFU_FLAG[@]}"} --json "$OUT/mfu.json"
+wanted nosync && run_section nosync 45 "${TRAIN[@]}" nosync ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/nosync.json"
+for variant in dense memplus; do
+    limit=80
+    [ "$variant" = memplus ] && limit=110
+    wanted "compile_$variant" && run_section "compile_$variant" "$limit" "${TRAIN[@]}" compile --variant "$variant" \
+        ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/compile_$variant.json"
+done
 if wanted equivalence; then
     gpus="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
     if [ "$DRY_RUN" = "1" ] || [ "${gpus:-0}" -ge 2 ]; then
-        run_section equivalence 60 "$PY" bench/device_train.py equivalence ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/equivalence.json"
+        run_section equivalence 60 "${TRAIN[@]}" equivalence ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/equivalence.json"
     else
-        printf '%-13s %-20s %5s  %s\n' equivalence SKIPPED 0s "needs 2 GPUs, found ${gpus:-0}" | tee -a "$SUMMARY"
+        printf '%-15s %-20s %5s  %s\n' equivalence SKIPPED 0s "needs 2 GPUs, found ${gpus:-0}" | tee -a "$SUMMARY"
     fi
 fi
 

@@ -1,6 +1,14 @@
-"""Benchmark: the memory read (memory.ops.embedding_bag) against F.embedding_bag.
+"""Benchmark and check: the memory read (memory.ops.embedding_bag) against F.embedding_bag.
 
-    python bench/kernels.py [--quick] [--gpu-only] [--json PATH] [--doc PATH]
+    python bench/kernels.py [--quick] [--gpu-only] [--no-sweep] [--json PATH] [--doc PATH]
+
+Every kernel is first checked, then timed: its output, table gradient and
+weight gradient against a float32 F.embedding_bag on the same inputs (max
+error / max |reference| within RESULT_TOL of the table's dtype). A kernel
+that raises or is off is not timed; the run goes on with the others and
+ends with `RESULT kernel_bench FAIL: <what, why>` and exit status 1, and
+docs/benchmarks.md is then left as it was. Otherwise `RESULT kernel_bench
+ok: ...` and exit status 0.
 
 CPU rows (always, unless --gpu-only): our CPU path (kernel=torch) vs
 F.embedding_bag at scaled-down shapes, forward and forward+backward (table
@@ -13,8 +21,8 @@ Effective bandwidth = (bytes of the table rows read + bytes of the output
 written) / forward time: the traffic a read cannot avoid. Every figure is
 measured in this run; ratios compare runs interleaved in the same process.
 The "## Kernels (bench/kernels.py)" section of docs/benchmarks.md is
-rewritten; a part not measured in this run (CPU or GPU) is kept from the
-existing section.
+rewritten (a passing run only); a part not measured in this run (CPU or GPU)
+is kept from the existing section.
 """
 
 from __future__ import annotations
@@ -38,6 +46,11 @@ TITLE = "## Kernels (bench/kernels.py)"
 # tokens, reads per token (heads x knn), slots, v_dim
 CPU_SHAPE = (2048, 128, 65536, 256)
 GPU_SHAPE = (16384, 128, 1 << 20, 1024)
+GPU_KERNELS = ("triton", "triton-atomic", "torch", "F.embedding_bag")
+# Largest passing max |kernel - float32 reference| / max |reference|, per table
+# dtype: float32 accumulation-order noise, and bf16's 8-bit significand (output
+# and table gradient rounded to bf16: ~0.4% of a value, a few of them summed).
+RESULT_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 def make_case(shape, dtype, device, seed=0):
@@ -50,25 +63,85 @@ def make_case(shape, dtype, device, seed=0):
     return values.requires_grad_(), indices, weights.requires_grad_(), grad_out
 
 
+def read(name, values, indices, weights, sparse=False):
+    """The read (B, v_dim) by kernel `name`: "F.embedding_bag", "triton",
+    "triton-atomic", or a memory.kernel value of ops.embedding_bag."""
+    if name == "F.embedding_bag":
+        return F.embedding_bag(indices, values, per_sample_weights=weights.to(values.dtype), mode="sum",
+                               sparse=sparse)
+    if name.startswith("triton"):
+        from memlm.memory.triton_bag import embedding_bag_triton
+
+        algo = "atomic" if "atomic" in name else "by_slot"
+        return embedding_bag_triton(values, indices, weights, sparse=sparse, algorithm=algo)
+    return ops.embedding_bag(values, indices, weights, sparse=sparse, kernel=name)
+
+
 def runner(name, case, sparse=False):
     """A callable doing forward (train=False) or forward+backward (train=True)."""
     values, indices, weights, grad_out = case
 
     def run(train):
         with torch.set_grad_enabled(train):
-            if name == "F.embedding_bag":
-                out = F.embedding_bag(indices, values, per_sample_weights=weights.to(values.dtype),
-                                      mode="sum", sparse=sparse)
-            elif name.startswith("triton"):
-                from memlm.memory.triton_bag import embedding_bag_triton
-
-                algo = "atomic" if "atomic" in name else "by_slot"
-                out = embedding_bag_triton(values, indices, weights, sparse=sparse, algorithm=algo)
-            else:
-                out = ops.embedding_bag(values, indices, weights, sparse=sparse, kernel=name)
+            out = read(name, values, indices, weights, sparse)
             if train:
                 torch.autograd.grad(out, (values, weights), grad_out)
     return run
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_dense() if t.is_sparse else t).float()
+
+
+def results_of(name, case, sparse=False) -> tuple[torch.Tensor, ...]:
+    """Output (B, v_dim), table gradient (N, v_dim) and weight gradient (B, K)
+    of one forward+backward, dense float32."""
+    values, indices, weights, grad_out = case
+    out = read(name, values, indices, weights, sparse)
+    grad_values, grad_weights = torch.autograd.grad(out, (values, weights), grad_out)
+    return _dense(out.detach()), _dense(grad_values), _dense(grad_weights)
+
+
+def reference(case) -> tuple[torch.Tensor, ...]:
+    """results_of in float32 throughout (F.embedding_bag on the upcast table)."""
+    values, indices, weights, grad_out = case
+    case32 = (values.detach().float().requires_grad_(), indices, weights.detach().float().requires_grad_(),
+              grad_out.float())
+    return results_of("F.embedding_bag", case32)
+
+
+def check(name, case, ref, sparse=False) -> str | None:
+    """None when kernel `name` matches the reference `ref` within RESULT_TOL,
+    else what is off (raises what the kernel raises)."""
+    tol = RESULT_TOL[case[0].dtype]
+    off = []
+    for what, got, want in zip(("output", "table grad", "weight grad"), results_of(name, case, sparse), ref):
+        if got.shape != want.shape:
+            off.append(f"{what} shape {tuple(got.shape)} != {tuple(want.shape)}")
+            continue
+        err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+        if not err <= tol:  # also NaN
+            off.append(f"{what} off by {err:.2e} of its max (limit {tol:.0e})")
+    return "; ".join(off) or None
+
+
+def verified(label: str, name, case, ref, failures: list[str], sparse=False) -> bool:
+    """Whether kernel `name` runs and matches `ref`; else why goes to `failures`."""
+    off = checked(f"{label} {name}", failures, lambda: check(name, case, ref, sparse) or "")
+    if off:
+        failures.append(f"{label} {name}: {off}")
+        print(f"{label} {name} WRONG: {off}", flush=True)
+    return off == ""
+
+
+def checked(label: str, failures: list[str], fn):
+    """fn() or None; an exception is recorded in `failures` as label: error."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - recorded, reported, and the run fails
+        failures.append(f"{label} raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        print(f"{label} FAILED: {exc!r}", flush=True)
+        return None
 
 
 def time_cpu(fns: dict, repeats: int) -> dict:
@@ -107,11 +180,18 @@ def fwd_bytes(shape, dtype) -> int:
     return tokens * reads * v_dim * size + tokens * v_dim * size
 
 
-def bench_cpu(shape, repeats: int) -> list[dict]:
+def bench_cpu(shape, repeats: int, failures: list[str]) -> list[dict]:
+    """Our CPU path vs F.embedding_bag, each checked against the float32
+    reference first; what fails goes to `failures` and is not timed."""
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         case = make_case(shape, dtype, "cpu")
+        ref_results = reference(case)
         for sparse in (False, True):
+            label = f"cpu {str(dtype).split('.')[-1]} {'sparse' if sparse else 'dense'}"
+            if not all([verified(label, name, case, ref_results, failures, sparse)
+                        for name in ("torch", "F.embedding_bag")]):
+                continue
             ours, ref = runner("torch", case, sparse), runner("F.embedding_bag", case, sparse)
             fns = {("ours", False): lambda o=ours: o(False), ("ref", False): lambda r=ref: r(False),
                    ("ours", True): lambda o=ours: o(True), ("ref", True): lambda r=ref: r(True)}
@@ -133,46 +213,69 @@ def bench_cpu(shape, repeats: int) -> list[dict]:
     return rows
 
 
-def bench_gpu(shape, repeats: int, sweep: bool) -> tuple[list[dict], list[dict]]:
-    from memlm.memory import triton_bag
-
+def bench_gpu(shape, repeats: int, sweep: bool, failures: list[str], device: str = "cuda",
+              kernels: tuple[str, ...] = GPU_KERNELS, timer=time_cuda) -> tuple[list[dict], list[dict]]:
+    """The kernels on a bf16 table at `shape`, each checked against the
+    float32 reference, then timed with `timer(fn, repeats)` (CUDA events);
+    what raises or is off goes to `failures` (the other rows still run)."""
     rows, sweeps = [], []
-    case = make_case(shape, torch.bfloat16, "cuda")
+    case = make_case(shape, torch.bfloat16, device)
     nbytes = fwd_bytes(shape, torch.bfloat16)
-    for name in ("triton", "triton-atomic", "torch", "F.embedding_bag"):
+    ref_results = reference(case)
+    for name in kernels:
+        if not verified(device, name, case, ref_results, failures):
+            continue
         run = runner(name, case)
         for train in (False, True):
             if train is False and name in ("triton-atomic", "torch") and rows:
                 continue  # same forward as "triton" / F.embedding_bag
-            try:  # one failing baseline must not cost the other rows of a GPU run
-                sec = time_cuda(lambda r=run, t=train: r(t), repeats)
-            except Exception as exc:  # noqa: BLE001
-                print(f"cuda {name} {'fwd+bwd' if train else 'fwd'} FAILED: {exc!r}", flush=True)
+            label = f"{device} {name} {'fwd+bwd' if train else 'fwd'}"
+            sec = checked(label, failures, lambda r=run, t=train: timer(lambda: r(t), repeats))
+            if sec is None:
                 continue
-            rows.append(dict(device="cuda", dtype="bfloat16", sparse=False, name=name,
+            rows.append(dict(device=device, dtype="bfloat16", sparse=False, name=name,
                              pass_="fwd+bwd" if train else "fwd", ms=sec * 1e3,
                              gbs=nbytes / sec / 1e9 if not train else None))
-            print(f"cuda {name:16s} {rows[-1]['pass_']:7s} {sec * 1e3:8.3f} ms"
+            print(f"{device} {name:16s} {rows[-1]['pass_']:7s} {sec * 1e3:8.3f} ms"
                   + (f"  {nbytes / sec / 1e9:7.0f} GB/s" if not train else ""), flush=True)
         torch.cuda.empty_cache()
     if sweep:
-        values, indices, weights, grad_out = (t.detach() for t in case)
-        order, seg_start, _ = triton_bag.group_by_slot(indices, values.shape[0])
-        for bk, bv in ((8, 128), (16, 128), (16, 256), (32, 256), (16, 512), (32, 512), (64, 128)):
-            try:
-                fwd = time_cuda(lambda k=bk, c=bv: triton_bag.bag_forward(values, indices, weights, k, c), repeats)
-                grad = time_cuda(lambda k=bk, c=bv: triton_bag.table_grad_rows(
-                    grad_out, order, seg_start, weights, shape[1], values.dtype, k, c), repeats)
-                wgrad = time_cuda(lambda k=bk, c=bv: triton_bag.weight_grad(
-                    values, indices, grad_out, weights.dtype, k, c), repeats)
-            except Exception as exc:  # noqa: BLE001
-                print(f"sweep BLOCK_K={bk} BLOCK_V={bv} FAILED: {exc!r}", flush=True)
-                continue
-            sweeps.append(dict(block_k=bk, block_v=bv, fwd_ms=fwd * 1e3, fwd_gbs=nbytes / fwd / 1e9,
-                               table_grad_ms=grad * 1e3, weight_grad_ms=wgrad * 1e3))
-            print(f"sweep BLOCK_K={bk:3d} BLOCK_V={bv:4d}: fwd {fwd * 1e3:.3f} ms ({nbytes / fwd / 1e9:.0f} GB/s), "
-                  f"table grad (segments) {grad * 1e3:.3f} ms, weight grad {wgrad * 1e3:.3f} ms", flush=True)
+        sweeps = block_sweep(case, ref_results[0], repeats, failures, timer)
     return rows, sweeps
+
+
+def block_sweep(case, ref_out, repeats: int, failures: list[str], timer=time_cuda) -> list[dict]:
+    """Triton block sizes: forward (checked against `ref_out`), table
+    gradient segments and weight gradient, timed."""
+    from memlm.memory import triton_bag
+
+    values, indices, weights, grad_out = (t.detach() for t in case)
+    shape = (*indices.shape, *values.shape)
+    nbytes = fwd_bytes(shape, values.dtype)
+    order, seg_start, _ = triton_bag.group_by_slot(indices, values.shape[0])
+    sweeps = []
+    for bk, bv in ((8, 128), (16, 128), (16, 256), (32, 256), (16, 512), (32, 512), (64, 128)):
+        label = f"sweep BLOCK_K={bk} BLOCK_V={bv}"
+        out = checked(label, failures, lambda k=bk, c=bv: triton_bag.bag_forward(values, indices, weights, k, c))
+        if out is None:
+            continue
+        err = ((out.float() - ref_out).abs().max() / ref_out.abs().max()).item()
+        if not err <= RESULT_TOL[values.dtype]:
+            failures.append(f"{label}: forward off by {err:.2e} of its max")
+            continue
+        times = checked(label, failures, lambda k=bk, c=bv: (
+            timer(lambda: triton_bag.bag_forward(values, indices, weights, k, c), repeats),
+            timer(lambda: triton_bag.table_grad_rows(grad_out, order, seg_start, weights, shape[1], values.dtype,
+                                                     k, c), repeats),
+            timer(lambda: triton_bag.weight_grad(values, indices, grad_out, weights.dtype, k, c), repeats)))
+        if times is None:
+            continue
+        fwd, grad, wgrad = times
+        sweeps.append(dict(block_k=bk, block_v=bv, fwd_ms=fwd * 1e3, fwd_gbs=nbytes / fwd / 1e9,
+                           table_grad_ms=grad * 1e3, weight_grad_ms=wgrad * 1e3))
+        print(f"sweep BLOCK_K={bk:3d} BLOCK_V={bv:4d}: fwd {fwd * 1e3:.3f} ms ({nbytes / fwd / 1e9:.0f} GB/s), "
+              f"table grad (segments) {grad * 1e3:.3f} ms, weight grad {wgrad * 1e3:.3f} ms", flush=True)
+    return sweeps
 
 
 def cpu_markdown(rows, shape, threads) -> str:
@@ -227,38 +330,50 @@ def kept_part(doc: Path, heading: str) -> str:
     return part.group(0).strip() if part else ""
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, smaller CPU shape")
-    parser.add_argument("--gpu-only", action="store_true", help="skip the CPU rows")
+    parser.add_argument("--gpu-only", action="store_true", help="skip the CPU rows (needs a CUDA device)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the GPU block-size sweep")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for the CPU rows (default 1: stable ratios on shared cores)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--doc", type=Path, default=DOC, help="markdown file to update (default docs/benchmarks.md)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cpu_shape = (512, 128, 16384, 128) if args.quick else CPU_SHAPE
     results = {"machine": machine_line()}
+    failures: list[str] = []
     cpu_md = gpu_md = ""
+    if args.gpu_only and not torch.cuda.is_available():
+        failures.append("--gpu-only without a CUDA device: nothing to check")
     if not args.gpu_only:
         torch.set_num_threads(args.threads)
-        rows = bench_cpu(cpu_shape, repeats=2 if args.quick else 5)
+        rows = bench_cpu(cpu_shape, 2 if args.quick else 5, failures)
         results["cpu"] = dict(shape=cpu_shape, rows=rows)
-        cpu_md = cpu_markdown(rows, cpu_shape, torch.get_num_threads())
-        worst = min(r["speedup"] for r in rows if r["pass_"] == "fwd+bwd")
-        print(f"CPU forward+backward: ours vs F.embedding_bag, slowest case F/ours = {worst:.2f}x "
-              f"(goal >= 1: {'met' if worst >= 1 else 'not met'})")
+        if rows:
+            cpu_md = cpu_markdown(rows, cpu_shape, torch.get_num_threads())
+            worst = min(r["speedup"] for r in rows if r["pass_"] == "fwd+bwd")
+            print(f"CPU forward+backward: ours vs F.embedding_bag, slowest case F/ours = {worst:.2f}x "
+                  f"(goal >= 1: {'met' if worst >= 1 else 'not met'})")
     if torch.cuda.is_available():
-        gpu_rows, sweeps = bench_gpu(GPU_SHAPE, repeats=5 if args.quick else 20, sweep=not args.no_sweep)
+        gpu_rows, sweeps = bench_gpu(GPU_SHAPE, 5 if args.quick else 20, not args.no_sweep, failures)
         results["gpu"] = dict(shape=GPU_SHAPE, rows=gpu_rows, sweep=sweeps)
-        gpu_md = gpu_markdown(gpu_rows, sweeps, GPU_SHAPE)
+        gpu_md = gpu_markdown(gpu_rows, sweeps, GPU_SHAPE) if gpu_rows else ""
+    results["failures"] = failures
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+    if failures:
+        print(f"not writing {args.doc}: the run failed", flush=True)
+        print(f"RESULT kernel_bench FAIL: {len(failures)} failure(s): " + "; ".join(failures[:3]), flush=True)
+        return 1
     cpu_md = cpu_md or kept_part(args.doc, "CPU")
     gpu_md = gpu_md or kept_part(args.doc, "GPU") or "### GPU\n\nNot measured yet: run bench/device_check.sh on a GPU."
     write_section(TITLE, cpu_md + "\n\n" + gpu_md, args.doc)
     print(f"wrote {TITLE!r} to {args.doc}")
+    parts = [f"{len(results.get(k, {}).get('rows', []))} {k} rows" for k in ("cpu", "gpu") if k in results]
+    print(f"RESULT kernel_bench ok: every kernel matches the float32 reference; {', '.join(parts)}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,6 +5,11 @@ section 4). Each token is sent to the `top_k` experts with the highest router
 probability; its output is the gate-weighted sum of those experts' SwiGLU
 outputs.
 
+    moe = MoE(dim=4096, hidden_dim=7168, n_experts=8, top_k=2, balance_loss_coef=0.01)
+    y = moe(x)                                       # x (batch, seq, dim) -> (batch, seq, dim)
+    moe.last_aux_loss                                # the balance loss of that forward, or None
+    expert_path(torch.device("cuda", 0), torch.bfloat16, 4096, 7168)  # "grouped" on an H200
+
 Choices, and why:
 - Router softmax in float32 (or wider when the input is wider): the router's
   logits are small differences between large numbers, and top-k on bf16
@@ -16,15 +21,29 @@ Choices, and why:
   the relative weights of the chosen experts and through the balance loss.
   With top_k = 1 the gate is therefore always 1 and the router learns only
   from the balance loss (as in every renormalized top-1 router).
-- No token dropping and no capacity factor: token-expert assignments are
-  sorted by expert and each expert runs on its contiguous slice, so every
-  token reaches all of its top_k experts however unbalanced the routing is.
-  The slices are computed by one grouped GEMM per projection
-  (`F.grouped_mm`, group ends = cumulative per-expert counts, kept on the
-  device): no host sync. Where grouped_mm does not apply (CUDA in a dtype
-  other than bf16, or dim / hidden size not a multiple of 16 bytes), a loop
-  over the experts does the same math, reading the counts on the host (one
-  sync per layer).
+- No token dropping and no capacity factor: every token reaches all of its
+  top_k experts however unbalanced the routing is.
+- No host read and no data-dependent shape anywhere in the layer: tokens per
+  expert are counted with a fixed-size scatter-add into (E,) (not
+  torch.bincount, whose output size depends on the data: a host sync on CUDA,
+  graph breaks under torch.compile, no meta kernel), and the experts run in
+  one of two sync-free formulations chosen by `expert_path` (device, compute
+  dtype, sizes; a pure function, tested directly):
+  "grouped": token-expert assignments sorted by expert, one grouped GEMM per
+  projection (`F.grouped_mm`, group ends = cumulative counts kept on the
+  device). The fast path on a GPU: CUDA in bf16 on sm90/sm100 (H100, H200,
+  B200), where torch has the CUTLASS kernel (elsewhere its CUDA fallback
+  copies the offsets to the host); also bf16 on CPU and meta, and fp32 on CPU
+  in eager mode (the fake kernel torch.compile traces with is bf16-only).
+  "dense": every expert on every token, then the top_k outputs gathered:
+  the same math at n_experts / top_k times the expert FLOPs, for what grouped
+  GEMMs do not cover (fp32 on CUDA, fp64, dims not a multiple of 16 bytes).
+- Compute dtype: the matmuls run in the autocast dtype when autocast is on
+  (single-process bf16 training: the residual stream reaching the layer is
+  fp32, and bf16 is what selects the grouped GEMM on a GPU), else in the
+  input's dtype (FSDP's bf16 policy hands the block bf16). Gate weighting and
+  the sum over a token's experts run in float32 (or wider), and the output
+  comes back in the input's dtype.
 - Load balancing (Switch/GShard): aux = coef * E * sum_e f_e * P_e, where f_e
   is the fraction of the T*top_k token-slot assignments routed to e and P_e is
   the mean router probability of e. It equals `coef` for perfectly uniform
@@ -45,6 +64,67 @@ from torch import nn
 from memlm.errors import ConfigError
 from memlm.memory.search import full_precision
 from memlm.model.ffn import FFNContext, register_ffn
+
+GROUPED, DENSE = "grouped", "dense"
+
+
+def _grouped_mm_op():
+    """F.grouped_mm, or torch._grouped_mm where F.grouped_mm is not public
+    yet (the same op; older torch on a GPU machine), or None."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+@torch.compiler.assume_constant_result
+def _cuda_has_grouped_gemm(index: int | None) -> bool:
+    """Whether CUDA device `index` (None: the current one) runs torch's CUTLASS grouped GEMM: sm90 and
+    sm100 (H100, H200, B200). On other GPUs torch's grouped_mm falls back to a
+    loop that copies the group offsets to the host. A constant under
+    torch.compile (read once at trace time)."""
+    return torch.cuda.get_device_capability(index)[0] in (9, 10)
+
+
+def expert_path(device: torch.device, dtype: torch.dtype, dim: int, hidden_dim: int) -> str:
+    """The formulation MoE.forward uses for matmuls in `dtype` on `device`:
+    GROUPED (one grouped GEMM per projection, expert FLOPs only) or DENSE
+    (every expert on every token, n_experts / top_k times the FLOPs). Both are
+    free of host reads; GROUPED wherever torch's grouped_mm is sync-free and
+    traceable:
+    - CUDA: bf16 on sm90/sm100 (the CUTLASS kernel). The single-process bf16
+      step (autocast) and FSDP's bf16 policy both reach this with bf16.
+    - meta: bf16 (its kernel carries the CUDA checks).
+    - CPU: bf16; fp32 in eager mode only (torch.compile traces the op with
+      the bf16-only fake kernel).
+    - and the rows of both operands 16-byte aligned (dim, hidden_dim)."""
+    if _grouped_mm_op() is None or not dtype.is_floating_point:
+        return DENSE
+    align = 16 // dtype.itemsize
+    if dim % align or hidden_dim % align:
+        return DENSE
+    if device.type == "cuda":
+        return GROUPED if dtype == torch.bfloat16 and _cuda_has_grouped_gemm(device.index) else DENSE
+    if device.type == "meta":
+        return GROUPED if dtype == torch.bfloat16 else DENSE
+    if device.type == "cpu" and getattr(F, "grouped_mm", None) is not None:
+        if dtype == torch.bfloat16 or (dtype == torch.float32 and not torch.compiler.is_compiling()):
+            return GROUPED
+    return DENSE
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the expert matmuls run in: autocast's when it is on for x's
+    device and x is float32 (what autocast would cast), else x's own."""
+    kind = x.device.type
+    if x.dtype == torch.float32 and torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+def expert_counts(flat_experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """flat_experts: (A,) int64 in [0, n_experts) -> (n_experts,) int64 tokens
+    per expert. A scatter-add into a fixed-size tensor: no data-dependent
+    shape (unlike torch.bincount), so no host read and no graph break."""
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat_experts.device)
+    return counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
 
 
 class MoE(nn.Module):
@@ -81,64 +161,61 @@ class MoE(nn.Module):
         gates = top_p / top_p.sum(dim=-1, keepdim=True)
         return probs, gates, experts
 
-    def balance_loss(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """probs: (T, E), experts: (T, top_k) -> coef * E * sum_e f_e * P_e (scalar)."""
-        counts = torch.bincount(experts.reshape(-1), minlength=self.n_experts)  # (E,)
-        f = counts.to(probs.dtype) / experts.numel()  # no gradient: a count
+    def balance_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """probs: (T, E), counts: (E,) assignments per expert -> coef * E * sum_e f_e * P_e (scalar)."""
+        f = counts.to(probs.dtype) / (probs.shape[0] * self.top_k)  # (E,) no gradient: a count
         p = probs.mean(dim=0)  # (E,)
         return self.balance_loss_coef * self.n_experts * (f * p).sum()
 
     # --------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: (batch, seq, dim) -> (batch, seq, dim)
-        shape = x.shape
+        # x: (batch, seq, dim) -> (batch, seq, dim), in x's dtype
+        shape, out_dtype = x.shape, x.dtype
         x = x.reshape(-1, self.dim)  # (T, dim)
-        probs, gates, experts = self.route(x)
+        probs, gates, experts = self.route(x)  # (T, E), (T, k), (T, k)
+        counts = expert_counts(experts.reshape(-1), self.n_experts)  # (E,)
+        dtype = compute_dtype(x)
+        xc = x.to(dtype)  # (T, dim) in the matmuls' dtype
+        if expert_path(x.device, dtype, self.dim, self.hidden_dim) == GROUPED:
+            out = self.experts_grouped(xc, gates, experts, counts)
+        else:
+            out = self.experts_dense(xc, gates, experts)
+        self.last_aux_loss = self.balance_loss(probs, counts) if self.balance_loss_coef > 0 else None
+        return out.to(out_dtype).reshape(shape)
+
+    def experts_grouped(
+        self, x: torch.Tensor, gates: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """x: (T, dim), gates (T, k), experts (T, k), counts (E,) -> (T, dim)
+        float32+: assignments sorted by expert, one grouped GEMM per projection."""
         flat_experts = experts.reshape(-1)  # (T*k,) assignment a -> token a // k
         # Stable sort keeps tokens in order within an expert (deterministic).
         order = torch.argsort(flat_experts, stable=True)  # (T*k,)
         token_of = order // self.top_k  # (T*k,) token index of each sorted assignment
-        counts = torch.bincount(flat_experts, minlength=self.n_experts)  # (E,)
         routed = x[token_of]  # (T*k, dim), grouped by expert
-        if self.grouped_mm_applies(x):
-            y = self.experts_grouped(routed, counts)
-        else:
-            y = self.experts_loop(routed, counts)
-        y = y * gates.reshape(-1)[order].unsqueeze(-1).to(x.dtype)  # (T*k, dim)
-        out = torch.zeros_like(x).index_add_(0, token_of, y)  # (T, dim)
-        self.last_aux_loss = self.balance_loss(probs, experts) if self.balance_loss_coef > 0 else None
-        return out.reshape(shape)
-
-    def grouped_mm_applies(self, x: torch.Tensor) -> bool:
-        """F.grouped_mm runs on CPU (float dtypes) and on CUDA in bf16, with
-        row strides that are multiples of 16 bytes."""
-        if not hasattr(F, "grouped_mm"):
-            return False
-        if x.device.type == "cuda":
-            dtype_ok = x.dtype == torch.bfloat16
-        else:
-            dtype_ok = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-        align = 16 // x.element_size()
-        return dtype_ok and self.dim % align == 0 and self.hidden_dim % align == 0
-
-    def experts_grouped(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """routed: (T*k, dim) sorted by expert, counts: (E,) -> (T*k, dim); no host read."""
         ends = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) end of each expert's rows
+        grouped_mm = _grouped_mm_op()
 
         def grouped(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return _ContiguousGrad.apply(F.grouped_mm(a, w.to(a.dtype), offs=ends))
+            return _ContiguousGrad.apply(grouped_mm(a, w.to(a.dtype), offs=ends))
 
         h = F.silu(grouped(routed, self.w1)) * grouped(routed, self.w3)  # (T*k, hidden)
-        return grouped(h, self.w2)  # (T*k, dim)
+        y = grouped(h, self.w2)  # (T*k, dim)
+        acc = torch.promote_types(x.dtype, torch.float32)
+        y = y.to(acc) * gates.reshape(-1)[order].unsqueeze(-1).to(acc)  # (T*k, dim)
+        return torch.zeros(x.shape, dtype=acc, device=x.device).index_add_(0, token_of, y)  # (T, dim)
 
-    def experts_loop(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The same as experts_grouped, one expert at a time (reads counts on the host)."""
-        outs = []
-        for e, chunk in enumerate(routed.split(counts.tolist())):
-            # chunk: (count_e, dim); an empty chunk gives an empty output.
-            h = F.silu(chunk @ self.w1[e]) * (chunk @ self.w3[e])  # (count_e, hidden)
-            outs.append(h @ self.w2[e])  # (count_e, dim)
-        return torch.cat(outs)
+    def experts_dense(self, x: torch.Tensor, gates: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The same as experts_grouped by running every expert on every token
+        and gathering each token's top_k outputs: fixed shapes, any dtype,
+        n_experts / top_k times the expert FLOPs and (E, T, hidden) activations."""
+        w1, w3, w2 = (w.to(x.dtype) for w in (self.w1, self.w3, self.w2))
+        h = F.silu(torch.matmul(x, w1)) * torch.matmul(x, w3)  # (E, T, hidden)
+        y = torch.bmm(h, w2)  # (E, T, dim)
+        tokens = torch.arange(x.shape[0], device=x.device).unsqueeze(-1)  # (T, 1)
+        chosen = y[experts, tokens]  # (T, k, dim): expert experts[t, j] on token t
+        acc = torch.promote_types(x.dtype, torch.float32)
+        return (chosen.to(acc) * gates.unsqueeze(-1).to(acc)).sum(dim=1)  # (T, dim)
 
     # ------------------------------------------------------ init, accounting
     def init_weights(self, init_std: float, out_std: float) -> None:
