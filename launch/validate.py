@@ -53,7 +53,7 @@ def compose_for_launch(overrides: Sequence[str], world_size: int, world_desc: st
         )
     cfg = compose(list(overrides))  # unknown keys and bad values raise ConfigError here
     mp = cfg.parallel.memory_parallel
-    if world_size % mp:
+    if mp != "auto" and world_size % mp:  # auto divides any world size
         valid = ", ".join(str(mp * k) for k in range(1, 5))
         raise ConfigError(
             "parallel.memory_parallel", mp,

@@ -120,7 +120,7 @@ def test_cli_fit_says_when_nothing_fits(capsys):
 
 # Issue 28: 8B with 1M slots on 64 GPUs. At memory_parallel 1 every rank
 # all-reduced the whole 16 GiB value-table gradient, 31.50 GiB per step.
-EIGHT_B_1M = ["model=8b", "memory=memplus", "memory.n_keys=1024", "--world", "64", "parallel.memory_parallel=auto"]
+EIGHT_B_1M = ["model=8b", "memory=memplus", "memory.n_keys=1024", "--world", "64"]  # the default layout
 
 
 def test_8b_with_1m_slots_on_64_gpus_shows_each_value_layout(capsys):

@@ -78,7 +78,7 @@ class ParallelConfig:
     # Ranks sharing one column-sharded value table: an integer, or auto (the
     # layout with the least value-table traffic for the world size the run
     # starts with; 1 on one rank or without value tables; memlm.train.memory_hooks).
-    memory_parallel: Any = 1
+    memory_parallel: Any = "auto"
     fsdp: str = "full"  # full | hybrid (shard within a node, replicate across nodes)
     activation_checkpoint: str = "none"  # none | full | selective
     compile: bool = False

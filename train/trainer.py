@@ -77,7 +77,11 @@ class Trainer:
         self.cfg = cfg
         self.env = init_distributed(cfg.device)
         enable_tf32(self.env.device)
-        self.meshes = build_meshes(self.env, cfg.parallel.memory_parallel, cfg.parallel.fsdp)
+        world, per_node = self.env.world_size, self.env.local_world_size
+        self.meshes = build_meshes(self.env, memory_hooks.resolve_memory_parallel(cfg, world, per_node),
+                                   cfg.parallel.fsdp)
+        if warning := memory_hooks.value_grad_warning(cfg, world, per_node):
+            self._print_main(f"[train] warning: {warning}")
         self.accum = accumulation_steps(cfg, self.env.world_size)
         check_tensorboard(cfg.logging.tensorboard and self.env.is_main)  # before any file or model
         self.dump_dir = Path(cfg.dump_dir)
