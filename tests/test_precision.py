@@ -372,13 +372,14 @@ def test_fsdp_plan_at_8b_gathers_every_lookup_in_fp32():
 
     from memlm.model import Transformer
     from memlm.train.distributed import DistEnv, build_meshes
+    from memlm.train.memory_hooks import resolve_memory_parallel
     from memlm.train.parallelize import apply_fsdp
     from memlm.train.plan import fake_process_group
 
     cfg = compose(["model=8b", "memory=memplus"])
     with fake_process_group(64, 0):
         env = DistEnv(0, 64, 0, 8, torch.device("cpu"))
-        meshes = build_meshes(env, cfg.parallel.memory_parallel, cfg.parallel.fsdp)
+        meshes = build_meshes(env, resolve_memory_parallel(cfg, 64, 8), cfg.parallel.fsdp)
         with torch.device("meta"):
             model = Transformer(cfg.model, cfg.memory)
         apply_fsdp(model, meshes, cfg.parallel, torch.device("cuda"))
