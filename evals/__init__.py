@@ -4,15 +4,17 @@ Command line (see `python -m memlm.evals --help` and docs/evals.md):
 
     python -m memlm.evals checkpoint=runs/demo tasks=[nq_open,triviaqa,mmlu] data_dir=evals_data
 
-Python API, used by the trainer after training:
+Python API, used by the trainer during and after training:
 
     run_suite(model, tokenizer, eval_cfg, step, out_dir, rank=0, world_size=1,
               *, data_cfg=None, json_name=None, meta=None) -> dict
 
-- `model`: a `memlm.model.Transformer` holding the full weights on this rank
-  (not FSDP- or memory-parallel-sharded: ranks run different examples, so
-  their forward passes must not need collectives). It is put in eval mode and
-  its previous train/eval mode is restored on return. Any device.
+- `model`: a `memlm.model.Transformer`, whole on this rank or sharded as it
+  trains (FSDP2, memory-parallel value tables): then the ranks, which run
+  different examples, keep their forward passes matched (memlm/evals/lockstep.py)
+  and every rank must call run_suite. It is put in eval mode and its previous
+  train/eval mode is restored on return. Any device; it computes in whatever
+  precision the caller sets (the trainer: the run's autocast / FSDP policy).
 - `tokenizer`: a `memlm.data.tokenizer.Tokenizer` (encode, decode, eos_id).
 - `eval_cfg`: an `EvalConfig` (the `eval` section of the run config); it is
   validated first. `tasks` must be non-empty.

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from memlm.errors import ConfigError
+from memlm.evals.lockstep import Lockstep
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -51,6 +52,13 @@ def fit_prompt(tokens: list[int], room: int) -> tuple[list[int], bool]:
 def argmax_pick(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """Greedy choice: logits (batch, vocab) -> (batch,); ties go to the lowest id."""
     return logits.argmax(-1)
+
+
+def _last(rows: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) bool: the last position of each row, where the next token is read."""
+    at = torch.zeros_like(rows, dtype=torch.bool)
+    at[:, -1] = True
+    return at
 
 
 # Why a row stopped: the model's eos, the caller's stop check, or max_new_tokens.
@@ -93,31 +101,42 @@ def decode(
     device = model_device(model)
     outputs: list[list[int]] = [[] for _ in prompts]
     finish = ["length"] * len(prompts)
-    for batch in length_batches([len(p) for p, _ in fitted], batch_size):
-        rows = torch.tensor([fitted[i][0] for i in batch], device=device)  # (batch, prompt_len)
-        cache = model.new_cache(len(batch), rows.shape[1] + max_new_tokens) if use_cache else None
-        logits = model(rows, cache=cache)  # (batch, prompt_len, vocab)
+    batches = length_batches([len(p) for p, _ in fitted], batch_size)
+    # On a sharded model every rank runs as many forwards as the busiest one
+    # (memlm.evals.lockstep): a rank past its last batch runs idle forwards.
+    lock = Lockstep.of(model)
+    for i in range(lock.rounds(len(batches))):
+        batch = batches[i] if i < len(batches) else []
+        if batch:
+            rows = torch.tensor([fitted[j][0] for j in batch], device=device)  # (batch, prompt_len)
+            cache = model.new_cache(len(batch), rows.shape[1] + max_new_tokens) if use_cache else None
+            logits = model(rows, cache=cache, at=_last(rows))  # (batch, vocab): the head at the last position only
+        else:
+            lock.idle(model)
         done = [False] * len(batch)
         for step in range(max_new_tokens):
-            nxt = pick(logits[:, -1], batch)  # (batch,)
-            for r, token in enumerate(nxt.tolist()):
-                if done[r]:
-                    continue
-                if token == eos_id:
-                    done[r], finish[batch[r]] = True, "eos"
-                    continue
-                out = outputs[batch[r]]
-                out.append(token)
-                if should_stop is not None and should_stop(out):
-                    done[r], finish[batch[r]] = True, "stop"
-            if all(done) or step == max_new_tokens - 1:
+            if batch:
+                nxt = pick(logits, batch)  # (batch,)
+                for r, token in enumerate(nxt.tolist()):
+                    if done[r]:
+                        continue
+                    if token == eos_id:
+                        done[r], finish[batch[r]] = True, "eos"
+                        continue
+                    out = outputs[batch[r]]
+                    out.append(token)
+                    if should_stop is not None and should_stop(out):
+                        done[r], finish[batch[r]] = True, "stop"
+            if lock.all(all(done)) or step == max_new_tokens - 1:
                 break
-            if use_cache:
-                logits = model(nxt[:, None], cache=cache)
+            if not batch:
+                lock.idle(model)
+            elif use_cache:
+                logits = model(nxt[:, None], cache=cache)[:, -1]
             else:
                 rows = torch.cat([rows, nxt[:, None]], dim=1)
-                logits = model(rows)
-        if on_batch is not None:
+                logits = model(rows, at=_last(rows))
+        if on_batch is not None and batch:
             on_batch(len(batch))
     return Decoded(outputs, [t for _, t in fitted], finish)
 

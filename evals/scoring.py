@@ -5,7 +5,11 @@ last len(targets) input positions. Rows are batched by right-padding, which
 is exact for a causal model (no real position attends to a pad). Rows with
 identical inputs run once: the four single-token letters of an MMLU question
 share one forward pass. The output head is applied only at the scored
-positions (see `final_hidden`).
+positions (the model's `at`): over every position it would be most of the
+work and memory (16 rows x 300 positions x 32K vocab is 600 MB of logits for
+64 useful rows). tests/test_evals_decoding.py checks that the scores equal
+those from the full logits. On a sharded model the ranks' batch counts are
+matched (memlm.evals.lockstep).
 """
 
 from __future__ import annotations
@@ -15,20 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from memlm.evals.decoding import model_device
-
-
-def final_hidden(model, tokens: torch.Tensor) -> torch.Tensor:
-    """The model's final hidden states, without the output head: (batch, seq) -> (batch, seq, dim).
-
-    Scoring reads one or a few positions per row; the head over every position
-    would be most of the work and memory (16 rows x 300 positions x 32K vocab
-    is 600 MB of logits for 64 useful rows). tests/test_evals_decoding.py checks
-    that the scores equal those from `model(tokens)`."""
-    return model(tokens, head=False)
-
-
-def output_weight(model) -> torch.Tensor:
-    return model.output_weight()
+from memlm.evals.lockstep import Lockstep
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -85,7 +76,6 @@ def score_rows(
 ) -> list[tuple[float, bool]]:
     """(sum of target log-probs, every target is the argmax) per row."""
     device = model_device(model)
-    weight = output_weight(model)  # (vocab, dim)
     unique: dict[tuple[int, ...], list[int]] = {}
     for r, (inputs, targets) in enumerate(rows):
         if not targets or len(targets) > len(inputs):
@@ -93,19 +83,27 @@ def score_rows(
         unique.setdefault(tuple(inputs), []).append(r)
     keys = sorted(unique, key=len, reverse=True)  # similar lengths together: less padding
     results: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
-    for start in range(0, len(keys), batch_size):
-        batch = keys[start:start + batch_size]
+    starts = range(0, len(keys), batch_size)
+    lock = Lockstep.of(model)
+    for i in range(lock.rounds(len(starts))):
+        if i >= len(starts):
+            lock.idle(model)
+            continue
+        batch = keys[starts[i]:starts[i] + batch_size]
         width = len(batch[0])
         tokens = torch.zeros(len(batch), width, dtype=torch.long, device=device)  # right padding
+        scored = torch.zeros(len(batch), width, dtype=torch.bool, device=device)  # positions that predict a target
         for b, key in enumerate(batch):
             tokens[b, :len(key)] = torch.tensor(key, device=device)
-        hidden = final_hidden(model, tokens)  # (batch, width, dim)
+            longest = max(len(rows[r][1]) for r in unique[key])
+            scored[b, len(key) - longest:len(key)] = True
+        logits = model(tokens, at=scored)  # (scored positions, vocab), row-major
+        where = (scored.flatten().cumsum(0) - 1).view(len(batch), width)  # (batch, width): row of `logits`
         for b, key in enumerate(batch):
             for r in unique[key]:
                 targets = torch.tensor(rows[r][1], device=device)
-                positions = slice(len(key) - len(targets), len(key))
-                logits = hidden[b, positions] @ weight.t()  # (n_targets, vocab)
-                logprobs = torch.log_softmax(logits.float(), dim=-1)
+                positions = where[b, len(key) - len(targets):len(key)]
+                logprobs = torch.log_softmax(logits[positions].float(), dim=-1)  # (n_targets, vocab)
                 total = logprobs.gather(-1, targets[:, None]).sum().item()
                 greedy = bool((logprobs.argmax(-1) == targets).all())
                 results[r] = (total, greedy)

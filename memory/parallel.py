@@ -133,7 +133,27 @@ class ColumnParallelReader:
         local = table.to_local() if isinstance(table, DTensor) else table
         if dist.get_world_size(self.group) == 1:
             return ops.embedding_bag(local, indices, weights, kernel=kernel)
+        if not torch.is_grad_enabled():
+            return _inference_read(local, indices, weights, self.group, kernel)
         return _ColumnParallelBag.apply(None, local, indices, weights, self.group, kernel, None)
+
+
+def _inference_read(local: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                    group: dist.ProcessGroup, kernel: str) -> torch.Tensor:
+    """A read outside training, where the group's ranks may hold different
+    token counts (evaluation: each rank its own examples, memlm.evals.lockstep).
+    The column exchange needs equal blocks, so every rank pads its (B, K) rows
+    to the group's largest B with weight-0 reads of slot 0 and drops them from
+    the result. Training batches are equal by construction and skip this
+    exchange of counts (a collective and a host read)."""
+    count = torch.tensor([indices.shape[0]], device=indices.device)
+    most = int(_all_gather_rows(count, group).max())
+    pad = most - indices.shape[0]
+    if pad:
+        indices = torch.cat([indices, indices.new_zeros(pad, indices.shape[1])])
+        weights = torch.cat([weights, weights.new_zeros(pad, weights.shape[1])])
+    out = _ColumnParallelBag.apply(None, local, indices, weights, group, kernel, None)  # (most, v)
+    return out[:out.shape[0] - pad]
 
 
 def value_pools(model: nn.Module) -> list[nn.Module]:

@@ -2,6 +2,10 @@
 
 One preallocated buffer per layer; `Transformer.forward(tokens, cache=...)`
 writes the new positions and advances `cache.pos` once all layers have run.
+Without a dtype the buffers are allocated at the first write, in the dtype
+the attention computes in: float32 for a plain model, bfloat16 under autocast
+or an FSDP mixed-precision policy (whose sharded parameters stay float32, so
+their dtype says nothing about the keys).
 """
 
 from __future__ import annotations
@@ -18,20 +22,28 @@ class KVCache:
         head_dim: int,
         max_len: int,
         device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
     ):
-        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.device = device
+        self.k = self.v = None
+        if dtype is not None:
+            self._allocate(dtype)
         self.max_len = max_len
         self.pos = 0  # positions already stored (identical for every layer)
 
+    def _allocate(self, dtype: torch.dtype) -> None:
+        self.k = torch.zeros(self.shape, device=self.device, dtype=dtype)
+        self.v = torch.zeros(self.shape, device=self.device, dtype=dtype)
+
     @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return self.shape[1]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (batch, kv_heads, new, head_dim) after `pos`; return all keys/values so far."""
+        if self.k is None:
+            self._allocate(k.dtype)
         end = self.pos + k.shape[2]
         self.k[layer, :, :, self.pos:end] = k
         self.v[layer, :, :, self.pos:end] = v

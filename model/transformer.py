@@ -70,14 +70,15 @@ class Transformer(nn.Module):
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=out_std, a=-3 * out_std, b=3 * out_std)
 
     # -------------------------------------------------------------- forward
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *, head: bool = True,
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *, at: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (batch, seq) int64 -> logits (batch, seq, vocab).
 
         With a cache, `tokens` are the next positions after `cache.pos`; the
-        cache is filled and advanced. `head=False` returns the final normalized
-        hidden states (batch, seq, dim) instead: scoring a few positions needs
-        the output head only there (see `output_weight`). `doc_ids` (batch, seq),
+        cache is filled and advanced. `at` (batch, seq) bool selects positions:
+        the logits are then (n selected, vocab), row-major, and the output head
+        runs only there (scoring reads a few positions per row; the head over
+        every position would be most of its work and memory). `doc_ids` (batch, seq),
         non-decreasing along each row, number the documents of packed rows:
         attention then stays inside each document, and with `args.rope_restart`
         positions restart at each document (memlm.model.doc_mask)."""
@@ -102,8 +103,10 @@ class Transformer(nn.Module):
             h = block(h, cos, sin, cache, mask)
         if cache is not None:
             cache.advance(seq)
-        h = self.norm(h)
-        return h @ self.output_weight().t() if head else h
+        h = self.norm(h)  # (batch, seq, dim)
+        if at is not None:
+            h = h[at]  # (n selected, dim)
+        return h @ self.output_weight().t()
 
     def output_weight(self) -> torch.Tensor:
         """(vocab, dim): the output head, or the input embedding when tied."""
@@ -120,10 +123,10 @@ class Transformer(nn.Module):
         return torch.stack([loss.float() for loss in losses]).sum() if losses else None
 
     def new_cache(self, batch: int, max_len: int | None = None, device=None, dtype=None) -> KVCache:
-        ref = self.tok_embeddings.weight
+        """A cache on the model's device, in `dtype` or else the dtype of the first keys written."""
         return KVCache(
             self.args.n_layers, batch, self.args.kv_heads, self.args.head_dim,
-            max_len or self.args.max_seq_len, device or ref.device, dtype or ref.dtype,
+            max_len or self.args.max_seq_len, device or self.tok_embeddings.weight.device, dtype,
         )
 
     # ----------------------------------------------------------- accounting

@@ -28,7 +28,7 @@ from memlm.train.config import Config, to_yaml
 from memlm.train.data_source import build_train_loader, has_validation, model_batch
 from memlm.train.distributed import build_meshes, init_distributed, seed_everything, shard_index
 from memlm.train.hf_import import import_init, init_kind
-from memlm.train.load import keep_tokenizer
+from memlm.train.load import keep_tokenizer, run_tokenizer_path
 from memlm.train.loss import chunked_cross_entropy
 from memlm.train.metrics import MetricsLogger, check_tensorboard
 from memlm.train.optim import build_optimizer, build_scheduler, memory_value_params
@@ -333,7 +333,7 @@ class Trainer:
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     saved = self.save_checkpoint()
                 if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.steps:
-                    eval_results = self._evaluate(saved or self.save_checkpoint(), logger)
+                    eval_results = self._evaluate(logger, saved)
                 # Collective on several ranks, so only at logging steps (every rank
                 # reaches the same ones, so every rank stops after the same step);
                 # logging.every bounds how late a signal is seen.
@@ -350,7 +350,7 @@ class Trainer:
             if (cfg.checkpoint.at_end or cfg.eval.after_training) and self.step > first_step:
                 final = self.checkpointer.root / f"step_{self.step:08d}" if just_saved else self.save_checkpoint()
             if cfg.eval.after_training and final is not None and self.step == cfg.steps:
-                eval_results = self._evaluate(final, logger)
+                eval_results = self._evaluate(logger, final)
         finally:
             preemption.uninstall()
             profiler.close()
@@ -372,23 +372,25 @@ class Trainer:
             print(summary_line(summary), flush=True)
         return summary
 
-    def _evaluate(self, checkpoint: Path, logger: MetricsLogger) -> dict[str, Any]:
-        """Run the eval suite on a saved checkpoint: every rank loads the full
-        weights and scores its share of the examples (memlm.evals.run_suite)."""
+    def _evaluate(self, logger: MetricsLogger, checkpoint: Path | None) -> dict[str, Any]:
+        """Run the eval suite on the live model, sharded as it trains: each rank
+        scores its share of the examples and the ranks keep their forwards in
+        step (memlm.evals.lockstep). No second copy of the weights is loaded.
+        Compiled blocks run eagerly here: evaluation shapes vary by batch."""
         from memlm.data.tokenizer import Tokenizer
         from memlm.evals import run_suite
-        from memlm.train.load import load_model
 
-        self.checkpointer.finalize()
-        loaded = load_model(checkpoint, device=self.env.device)
-        results = run_suite(
-            loaded.model, Tokenizer(loaded.tokenizer_path), self.cfg.eval, self.step, self.dump_dir / "evals",
-            self.env.rank, self.env.world_size, data_cfg=self.cfg.data, meta={"checkpoint": str(checkpoint)},
-        )
+        tokenizer = Tokenizer(run_tokenizer_path(self.cfg))
+        meta = {"checkpoint": str(checkpoint)} if checkpoint is not None else {}
+        try:
+            with self._autocast(), torch.compiler.set_stance("force_eager"):
+                results = run_suite(self.model, tokenizer, self.cfg.eval, self.step, self.dump_dir / "evals",
+                                    self.env.rank, self.env.world_size, data_cfg=self.cfg.data, meta=meta)
+        finally:
+            reshard(self.model)  # the optimizer and checkpoints expect sharded parameters
         flat = {f"eval/{task}/{k}": v for task, metrics in results.items() for k, v in metrics.items()
                 if isinstance(v, (int, float))}
         logger.log({"step": self.step, **flat})
-        del loaded
         return results
 
     def _log_validation(self, logger: MetricsLogger) -> float | None:
