@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 
@@ -35,10 +36,12 @@ class Lockstep:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> Lockstep:
-        """Matching over all ranks when any parameter is a DTensor (sharded), else none."""
+        """Matching over all ranks when the model is sharded (an FSDP2 module, or
+        a DTensor parameter such as a memory-parallel table), else none. FSDP2
+        is asked by module: between forwards its root's parameters are plain tensors."""
         params = list(model.parameters())
-        sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \
-            and any(isinstance(p, DTensor) for p in params)
+        sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and (
+            any(isinstance(m, FSDPModule) for m in model.modules()) or any(isinstance(p, DTensor) for p in params))
         return cls(params[0].device) if sharded else cls()
 
     @property
