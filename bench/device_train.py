@@ -48,7 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the distributed test helpers (equivalence)
 
-from memlm.train.config import compose  # noqa: E402
+from memlm.config.run import compose  # noqa: E402
 from memlm.train.metrics import device_peak_flops  # noqa: E402
 from memlm.train.trainer import Trainer  # noqa: E402
 

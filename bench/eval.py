@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
+from memlm.config.run import compose
 from memlm.evals.decoding import greedy_generate
 from memlm.evals.scoring import score_rows
 from memlm.model import build_model
-from memlm.train.config import compose
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import machine_line, write_section  # noqa: E402

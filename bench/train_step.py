@@ -26,9 +26,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import machine_line, write_section  # noqa: E402
 
+from memlm.config.run import compose  # noqa: E402
+from memlm.distributed.clip import clip_group_  # noqa: E402
 from memlm.model import build_model  # noqa: E402
-from memlm.train.clip import clip_group_  # noqa: E402
-from memlm.train.config import compose  # noqa: E402
 from memlm.train.optim import build_optimizer  # noqa: E402
 from memlm.train.trainer import Trainer  # noqa: E402
 

@@ -27,7 +27,7 @@ Python API, used by the trainer during and after training:
   initialized; rank r evaluates examples r::world_size and the per-example
   results are gathered with `all_gather_object`, so every rank returns the same
   dict, equal to a one-process run. Every rank must call run_suite.
-- `data_cfg`: the run's `DataConfig` (`memlm.train.load.data_config(path)`
+- `data_cfg`: the run's `DataConfig` (`memlm.hf.load.data_config(path)`
   reads it from a checkpoint or an export); the synthetic_qa tasks ask the
   questions of the synthetic corpus the model was trained on, and are refused
   without one.
@@ -60,7 +60,7 @@ __all__ = ["EvalConfig", "TaskDataError", "run_suite"]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: memlm.train.config imports memlm.evals.config, which must not pull in
+    # Lazy: memlm.config.run imports memlm.evals.config, which must not pull in
     # torch, the model and the data pipeline through this package's __init__.
     if name == "run_suite":
         from memlm.evals.suite import run_suite

@@ -89,7 +89,7 @@ def check_paths(top: dict[str, str]) -> None:
     """Everything about the paths on the command line that is known before the
     (possibly long) model load: the checkpoint exists, out= is a .json file an
     export needs, the tokenizer file exists."""
-    from memlm.train.load import is_export_dir
+    from memlm.hf.load import is_export_dir
 
     checkpoint = Path(top["checkpoint"])
     if not checkpoint.exists():
@@ -138,9 +138,9 @@ def run_eval_config(checkpoint: str, overrides: list[str]):
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from memlm.train.checkpoint import CheckpointError, verify
-    from memlm.train.config import from_yaml
-    from memlm.train.load import resolve_checkpoint_dir
+    from memlm.checkpoint.checkpointer import CheckpointError, verify
+    from memlm.config.run import from_yaml
+    from memlm.hf.load import resolve_checkpoint_dir
 
     directory = resolve_checkpoint_dir(checkpoint)
     try:
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(USAGE.format(presets=", ".join(eval_presets()), tasks=known_tasks()))
         return 0
+    from memlm.checkpoint.checkpointer import CheckpointError
     from memlm.evals.formats import TaskDataError
-    from memlm.train.checkpoint import CheckpointError
 
     try:
         return _run(argv)
@@ -177,12 +177,12 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str]) -> int:
     import torch.distributed as dist
 
+    from memlm.config.run import compose
     from memlm.data.tokenizer import Tokenizer
+    from memlm.distributed.env import die_with_launcher
     from memlm.evals.suite import run_suite
     from memlm.evals.tasks import load_task
-    from memlm.train.config import compose
-    from memlm.train.distributed import die_with_launcher
-    from memlm.train.load import data_config, load_model
+    from memlm.hf.load import data_config, load_model
 
     start = time.perf_counter()
     top, overrides = parse_args(argv)

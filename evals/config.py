@@ -1,6 +1,6 @@
 """Typed configuration of the evaluation suite (the `eval/` Hydra config group).
 
-Imported by `memlm.train.config`, so it stays free of torch: task names are
+Imported by `memlm.config.run`, so it stays free of torch: task names are
 checked against `memlm.evals.registry` when the config is composed.
 """
 

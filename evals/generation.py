@@ -42,7 +42,7 @@ def load(path: str | Path, device: str = "cpu", tokenizer: str | Path | None = N
     file, a run's dump_dir or an export folder; `tokenizer` overrides the
     sentencepiece model the checkpoint names."""
     from memlm.data.tokenizer import Tokenizer
-    from memlm.train.load import load_model
+    from memlm.hf.load import load_model
 
     if not Path(path).exists():
         raise ConfigError("checkpoint", str(path), "an existing checkpoint folder, run dump_dir or export folder")

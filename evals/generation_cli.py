@@ -80,7 +80,7 @@ def read_prompt_file(path: str) -> tuple[list[str], int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # argparse: usage errors exit 2
-    from memlm.train.checkpoint_dir import CheckpointError
+    from memlm.checkpoint.folder import CheckpointError
 
     try:
         return _run(args)

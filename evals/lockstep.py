@@ -18,7 +18,7 @@ one `Lockstep` how many rounds to run and when to stop:
 For a model that every rank holds whole (the evals command line, one
 process), `Lockstep.of` returns one that never communicates: rounds(n) is n
 and all(flag) is flag. The memory-parallel read itself pads the ranks'
-token counts to the group's largest in inference (memlm.memory.parallel).
+token counts to the group's largest in inference (memlm.distributed.memory_parallel).
 """
 
 from __future__ import annotations

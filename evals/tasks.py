@@ -147,7 +147,7 @@ def _synthetic_qa(data_cfg: Any, task: str = "synthetic_qa") -> tuple[list[dict]
     if data_cfg is None:
         raise ConfigError("eval.tasks", task, "a model whose training corpus is known: a run checkpoint, or an "
                           "export that records the run's data config (memlm_data.json, written by "
-                          "python -m memlm.train.export; re-export an older export from its checkpoint); "
+                          "python -m memlm.hf.export; re-export an older export from its checkpoint); "
                           "in Python, run_suite(..., data_cfg=<the run's DataConfig>)")
     kind = getattr(data_cfg, "kind", "")
     synthetic = kind == "synthetic"

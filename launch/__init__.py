@@ -5,7 +5,7 @@
     python -m memlm.launch sweep 'key=a,b' ... [--nproc N | --slurm ...] -- <overrides>
 
 `multirun(argv)` (memlm.launch.multirun) runs `python -m memlm.train -m ...`;
-`install_preemption_handler` (memlm.launch.preemption) is the trainer's side of
+`install_preemption_handler` (memlm.train.preemption) is the trainer's side of
 Slurm preemption. This package imports no model code: configs are composed and
 described through memlm.train's public functions. See docs/launch.md.
 """

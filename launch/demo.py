@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
+from memlm.checkpoint.run_lock import RunLock, RunLockedError
+from memlm.config.run import compose
 from memlm.data.config import SourceConfig, SyntheticConfig
 from memlm.data.corpus import materialize_synthetic
 from memlm.data.prepare import prepare
 from memlm.errors import ConfigError
-from memlm.train.config import compose
-from memlm.train.export import export
-from memlm.train.run_lock import RunLock, RunLockedError
+from memlm.hf.export import export
 from memlm.train.trainer import Trainer
 
 

@@ -5,7 +5,7 @@ pick up later edits of the checkout) with the resolved config saved next to
 it, all under `<dump_dir>/launch/`. Preemption: Slurm signals the batch shell
 (SIGUSR1, `signal_seconds` before the time limit), the shell
 forwards it to the ranks through srun and torchrun, the ranks checkpoint and
-exit (memlm.launch.preemption), and the shell requeues the job, whose next
+exit (memlm.train.preemption), and the shell requeues the job, whose next
 attempt runs with resume=auto.
 """
 
@@ -99,7 +99,7 @@ def attempt_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def prepare_job(overrides: Sequence[str], opts: SlurmOptions, code_dir: Path | None = None) -> SlurmJob:
     """Validate everything and render the script; writes nothing."""
-    from memlm.train.config import to_yaml
+    from memlm.config.run import to_yaml
 
     check_options(opts)
     world = opts.nodes * opts.gpus_per_node

@@ -45,7 +45,7 @@ class _GroupOptions:
     """What Hydra's glob() asks a config loader for: the presets of a config group."""
 
     def get_group_options(self, group: str, results_filter=None, config_name=None, overrides=None) -> list[str]:
-        from memlm.train.config import GROUPS, group_options
+        from memlm.config.run import GROUPS, group_options
 
         if group not in GROUPS:
             raise ConfigError(group, "glob(...)", f"glob() only expands config groups: {', '.join(GROUPS)}")
@@ -142,7 +142,7 @@ def plan(sweep_args: Sequence[str], base: Sequence[str], world_size: int, world_
 
 def describe(point: SweepPoint) -> dict:
     """Parameter counts and forward FLOPs/token of a point (no model is allocated)."""
-    from memlm.train.describe import describe_row
+    from memlm.plan.describe import describe_row
 
     row = describe_row(point.overrides, None)
     return {"total": row["total"], "active": row["active"], "flops_per_token": row["flops_per_token"]}

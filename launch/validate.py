@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from memlm.errors import ConfigError
 
 if TYPE_CHECKING:
-    from memlm.train.config import Config
+    from memlm.config.run import Config
 
 
 class LaunchError(ValueError):
@@ -43,7 +43,7 @@ def compose_for_launch(overrides: Sequence[str], world_size: int, world_desc: st
     world_desc says where the world size comes from (e.g. "--nproc 3"), so the
     divisibility error names both the config value and the launcher option.
     """
-    from memlm.train.config import compose
+    from memlm.config.run import compose
 
     sweeps = split_sweeps(overrides)
     if sweeps:

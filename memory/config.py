@@ -2,7 +2,7 @@
 
 `kind` chooses what replaces the feed-forward network in the blocks listed by
 `layers`; `none` keeps every block dense. The defaults are the published
-Memory+ settings (see MEMORY_LAYERS.md section 2).
+Memory+ settings (see docs/memory.md, "The math, as implemented").
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def no_tf32() -> Iterator[None]:
     torch keeps this setting twice: the legacy flag
     (`torch.backends.cuda.matmul.allow_tf32`, also set by
     torch.set_float32_matmul_precision and by
-    memlm.train.precision.enable_tf32) and, from torch 2.9, the per-backend
+    memlm.distributed.precision.enable_tf32) and, from torch 2.9, the per-backend
     `torch.backends.cuda.matmul.fp32_precision`, which cuBLAS reads there. A
     legacy write sets both; a legacy read raises once a new-API write made
     them disagree. So this writes through the legacy flag, keeping the two

@@ -5,7 +5,7 @@ Both map (..., dim) -> (..., dim) and work in any PyTorch model:
     mem = MemoryPlus(dim=512, n_keys=256, heads=4, knn=32, k_dim=512)
     y = mem(x)  # x: (batch, seq, 512)
 
-The read (MEMORY_LAYERS.md sections 1-2), per token:
+The read (docs/memory.md, "The math, as implemented"), per token:
     weights, slots = product-key top-k per head (softmax in float32)
     y = sum over the H*knn reads of weight * V[slot]        (memory.ops.embedding_bag)
     Memory:     out = y, or W_o y with an output projection

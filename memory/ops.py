@@ -15,7 +15,7 @@ Gradient of the table. Only the rows that were read get a gradient:
 
     grad_values[s] = sum over (t, k) with indices[t, k] == s of weights[t, k] * grad_y[t]
 
-We compute it "by destination slot" (MEMORY_LAYERS.md section 5): a stable
+We compute it "by destination slot" (docs/memory.md, "Kernels"): a stable
 sort of the read slots groups the (t, k) pairs of each slot, and a second
 embedding bag over `grad_y` sums each group. The same sort orders the dot
 products of the weights' gradient, so that each table row is fetched once. That never materializes the

@@ -10,7 +10,7 @@ memory/search.py and memory/search_grad.py (re-exported here).
 The lookup computes in IEEE float32 whatever the model around it does: the
 query projection and the scores with autocast off and TF32 off
 (memlm.memory.exact), and, under FSDP, its parameters gathered in float32
-(`full_precision_params`, read by memlm.train.parallelize). Its selection is
+(`full_precision_params`, read by memlm.distributed.parallelize). Its selection is
 the float32 model's: at n_keys 1024, k_dim 512, knn 32 a bf16 query changes
 the selected set of ~20% of the lookups, TF32 scores ~3%
 (tests/test_precision.py). The cost: the forward's query projection in
@@ -76,7 +76,7 @@ class ProductKeys(nn.Module):
     decides); both may be changed between steps (see memory/schedule.py)
     without recompiling a compiled model (see _unspecialized)."""
 
-    # Read by memlm.train.parallelize: under FSDP this module is a unit of its
+    # Read by memlm.distributed.parallelize: under FSDP this module is a unit of its
     # own whose parameters are all-gathered in float32, not in the compute dtype.
     full_precision_params = True
 
@@ -185,7 +185,7 @@ class ProductKeys(nn.Module):
                 )
             # The softmax over each head's knn scores, exp(s - logsumexp(s)), ending in
             # an op that makes a fresh (T, H*knn) tensor: a view returned by an FSDP unit
-            # (this module is one; memlm.train.parallelize) makes FSDP2 warn every step.
+            # (this module is one; memlm.distributed.parallelize) makes FSDP2 warn every step.
             weights = (scores - scores.logsumexp(dim=-1, keepdim=True)).flatten(1).exp()
         return weights, slots.flatten(1), sub_scores
 

@@ -1,6 +1,6 @@
 """knn schedule: move the training knn of every memory layer over the first steps.
 
-"Dynamic sparsity" (MEMORY_LAYERS.md section 3): knn at training and at
+"Dynamic sparsity" (docs/memory.md, "knn schedule"): knn at training and at
 evaluation are separate (`knn`, `eval_knn`), and the training knn may follow a
 schedule. memlm's schedule is linear from `memory.knn_schedule_start` to
 `memory.knn` over `memory.knn_schedule_steps` steps, then constant; with

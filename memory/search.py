@@ -4,7 +4,7 @@ N = n_keys**2 slots; slot (i, j) has key [k1_i ; k2_j], so its score against a
 query [q1 ; q2] is s1[i] + s2[j]. The top-k of all N sums is found exactly at
 sqrt(N) cost: a pair in the overall top-k has each half in its own half's
 top-k, so scoring the candidates built from the two half top-k's suffices
-(Lample et al. 2019; MEMORY_LAYERS.md section 1).
+(Lample et al. 2019; docs/memory.md, "The math, as implemented").
 
 This module is the forward search, differentiable through autograd (dense).
 The layers call `memlm.memory.search_grad.product_key_search`: the same search

@@ -265,7 +265,7 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Te
     `max_norm`, for dense and sparse (COO) gradients alike; returns the norm
     before clipping. torch.nn.utils.clip_grad_norm_ rejects sparse gradients.
     Sparse gradients are coalesced in place first: the norm is the norm of
-    their sum. (Sharded tables: memlm.train.clip sums over the shards.)"""
+    their sum. (Sharded tables: memlm.distributed.clip sums over the shards.)"""
     grads = [g for p in params if (g := coalesce_table_grad_(p)) is not None]
     if not grads:
         return torch.zeros(())

@@ -1,4 +1,4 @@
-"""Triton kernels for the memory read (MEMORY_LAYERS.md section 5).
+"""Triton kernels for the memory read (docs/memory.md, "Kernels").
 
     y[b] = sum_k weights[b, k] * values[indices[b, k]]          values (N, V), indices/weights (B, K)
 

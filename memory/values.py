@@ -1,7 +1,7 @@
 """The value table of a memory: one (N, v_dim) parameter, possibly shared.
 
 A `ValuePool` is an ordinary module. Memory+ shares one pool between all the
-memory layers of a model (MEMORY_LAYERS.md section 2): the pool object is
+memory layers of a model (docs/memory.md, "The math, as implemented"): the pool object is
 passed to each layer, and whoever builds the layers registers it once as a
 submodule of a common parent (memlm's Transformer keeps it in
 `model.shared`). A layer that is given a pool keeps only a plain reference to
@@ -59,7 +59,7 @@ class ValuePool(nn.Module):
         # "uses" for the active-parameter count.
         self.reads_per_token = 0
         # How the table is read: None -> a local read through memory.ops.
-        # Memory parallelism (memory/parallel.py) installs a column-parallel
+        # Memory parallelism (distributed/memory_parallel.py) installs a column-parallel
         # reader here, called as reader(pool, indices, weights, sparse, kernel).
         self.reader = None
         self.init_weights()  # like torch.nn layers; init_weights() again after to_empty()

@@ -11,7 +11,6 @@ from memlm.model.args import ModelArgs
 from memlm.model.build import build_model
 from memlm.model.ffn import FFNContext, build_ffn, ffn_kinds, register_ffn
 from memlm.model.kv_cache import KVCache
-from memlm.model.pretrained import from_pretrained
 from memlm.model.transformer import Transformer, layer_ffn_kinds
 
 __all__ = [
@@ -22,7 +21,6 @@ __all__ = [
     "build_ffn",
     "build_model",
     "ffn_kinds",
-    "from_pretrained",
     "layer_ffn_kinds",
     "register_ffn",
 ]

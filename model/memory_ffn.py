@@ -41,7 +41,7 @@ class MemoryFFN(nn.Module):
         return out
 
     def init_weights(self, init_std: float, out_std: float) -> None:
-        # The memory keeps the published init (MEMORY_LAYERS.md section 2),
+        # The memory keeps the published init (docs/memory.md, "The math, as implemented"),
         # not the decoder's depth-scaled one; the dense FFN uses the decoder's.
         self.memory.init_weights()
         if self.dense is not None:

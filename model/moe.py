@@ -1,7 +1,6 @@
 """Mixture-of-experts FFN (kind "moe"): top-k routed SwiGLU experts.
 
-The MoE baseline of the memory-layer ablation table (MEMORY_LAYERS.md
-section 4). Each token is sent to the `top_k` experts with the highest router
+The MoE baseline of the memory-layer ablation table (docs/baselines.md). Each token is sent to the `top_k` experts with the highest router
 probability; its output is the gate-weighted sum of those experts' SwiGLU
 outputs.
 

@@ -1,7 +1,7 @@
 """PEER FFN (kind "peer"): product-key retrieval of single-neuron experts.
 
 He 2024, "Mixture of a Million Experts"; the PEER baseline of the
-memory-layer ablation table (MEMORY_LAYERS.md section 4). There are
+memory-layer ablation table (docs/baselines.md). There are
 N = n_keys**2 experts; expert i is one hidden neuron with a down vector u_i
 and an up vector v_i (both of size dim): e_i(x) = act(u_i . x) * v_i.
 

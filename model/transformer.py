@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memlm.memory.tables import sparse_tables
 from memlm.model.args import ModelArgs
 from memlm.model.block import Block
 from memlm.model.doc_mask import doc_attention_mask, doc_positions
@@ -132,23 +133,18 @@ class Transformer(nn.Module):
     # ----------------------------------------------------------- accounting
     def num_params(self) -> dict[str, int]:
         """Parameter counts split into embedding (input + untied output), memory
-        (parameters of modules whose `param_category` is "memory", e.g. value
+        (the sparse tables, memlm.memory.tables: value pools, PEER's expert
         tables) and dense (everything else). Shared tensors count once."""
-        seen: set[int] = set()
+        tables = {id(p) for p in sparse_tables(self)}
+        embedding = {id(p) for m in (self.tok_embeddings, self.output) if m is not None for p in m.parameters()}
         counts = {"dense": 0, "embedding": 0, "memory": 0}
-        embedding_modules = {id(self.tok_embeddings)}
-        if self.output is not None:
-            embedding_modules.add(id(self.output))
-        for module in self.modules():
-            if id(module) in embedding_modules:
-                category = "embedding"
-            else:
-                category = getattr(module, "param_category", "dense")
-            for p in module.parameters(recurse=False):
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                counts[category] += p.numel()
+        seen: set[int] = set()
+        for p in self.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            category = "memory" if id(p) in tables else "embedding" if id(p) in embedding else "dense"
+            counts[category] += p.numel()
         counts["total"] = counts["dense"] + counts["embedding"] + counts["memory"]
         # Active: what one token uses. Sparse modules (memory tables, MoE experts)
         # report the parameters a token does not touch via `inactive_params()`.

@@ -67,8 +67,8 @@ def _counts(dump: Path) -> dict:
     from today's configs/, which may have changed since the run)."""
     import torch
 
+    from memlm.config.run import from_yaml
     from memlm.model import Transformer
-    from memlm.train.config import from_yaml
 
     cfg = from_yaml((dump / "config.yaml").read_text())
     with torch.device("meta"):

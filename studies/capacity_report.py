@@ -52,8 +52,8 @@ def load_run(dump: Path) -> dict | None:
     """One row of a finished capacity run, or None for a run of another kind."""
     import torch
 
+    from memlm.config.run import from_yaml
     from memlm.model import Transformer
-    from memlm.train.config import from_yaml
 
     summary = json.loads((dump / "summary.json").read_text())
     result = (summary.get("evals") or {}).get("facts_bits")

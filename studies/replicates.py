@@ -30,7 +30,7 @@ def _with_defaults(config_yaml: str) -> dict:
     current schema cannot read (a field since removed) is taken as saved."""
     from omegaconf import OmegaConf
 
-    from memlm.train.config import Config
+    from memlm.config.run import Config
 
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(config_yaml))

@@ -14,8 +14,8 @@ import torch.distributed as dist
 def async_save_on(rank: int, backend: str, dump_dir: str, out_path: str) -> None:
     """Init the default group with `backend`, save a tiny model with
     checkpoint.async_save=true, and record what happened."""
-    from memlm.train.checkpoint import Checkpointer, CheckpointError
-    from memlm.train.config import CheckpointConfig
+    from memlm.checkpoint.checkpointer import Checkpointer, CheckpointError
+    from memlm.config.run import CheckpointConfig
 
     dist.init_process_group(backend)
     model = torch.nn.Linear(4, 4)
@@ -37,9 +37,9 @@ def async_save_on(rank: int, backend: str, dump_dir: str, out_path: str) -> None
 def hashed_bytes_per_rank(rank: int, dump_dir: str, out_path: str) -> None:
     """Save and resume-verify an FSDP2-sharded model; record the bytes this rank
     ran crc32 over in each, and the checkpoint's total."""
-    import memlm.train.checkpoint_dir as checkpoint_dir
-    from memlm.train.checkpoint import Checkpointer
-    from memlm.train.config import CheckpointConfig
+    import memlm.checkpoint.folder as checkpoint_dir
+    from memlm.checkpoint.checkpointer import Checkpointer
+    from memlm.config.run import CheckpointConfig
 
     dist.init_process_group("gloo")
     from torch.distributed.fsdp import fully_shard

@@ -12,8 +12,8 @@ torch.set_num_threads(1)
 
 def compose_and_build(overrides=(), seed: int = 0):
     """The trainer's path for one process: compose a config, build on meta, init."""
+    from memlm.config.run import compose
     from memlm.model import build_model
-    from memlm.train.config import compose
 
     cfg = compose(list(overrides))
     return build_model(cfg.model, cfg.memory, seed=seed), cfg

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from memlm.config.run import compose
 from memlm.model import Transformer
-from memlm.train.config import compose
 from memlm.train.trainer import Trainer
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from train_workers import full_state
 
-from memlm.train.config import compose
+from memlm.config.run import compose
 from memlm.train.trainer import Trainer
 
 

@@ -2,7 +2,7 @@
 
 Run as a module it replaces `python -m memlm.train` in the Slurm preemption
 test: it takes the same overrides, joins the process group, installs
-memlm.launch.preemption's handler and "trains" (one all-reduce per step)
+memlm.train.preemption's handler and "trains" (one all-reduce per step)
 until check() says stop; the callback writes `<dump_dir>/preempted_at_step`.
 The batch script, torchrun's forwarding and the handler are the real ones;
 only the training work (and srun) is stubbed. `stop_together` is the rank
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from memlm.launch.preemption import install_preemption_handler
-from memlm.train.config import compose
+from memlm.config.run import compose
+from memlm.train.preemption import install_preemption_handler
 
 
 def main(argv: list[str]) -> int:

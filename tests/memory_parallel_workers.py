@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from train_workers import full_state
 
+from memlm.config.run import compose
+from memlm.distributed.memory_parallel import shard_value_pools
 from memlm.memory import ops
-from memlm.memory.parallel import shard_value_pools
 from memlm.memory.sparse_adamw import table_grad
 from memlm.memory.values import ValuePool
-from memlm.train.config import compose
 from memlm.train.trainer import Trainer
 
 TABLE = "shared.memory_values.weight"
@@ -63,9 +63,9 @@ def reduction_paths(rank: int, overrides: list[str], out_path: str) -> None:
     # The hook starts the reduction during the second backward, not the first.
     trainer.optimizer.zero_grad(set_to_none=True)
     (trainer._forward_loss(*batches[0]) / 2).backward()
-    started_after_first = reduction.started_in_hook
+    started_after_first = len(reduction._pending)  # reductions the hook launched
     (trainer._forward_loss(*batches[1]) / 2).backward()
-    started_after_second = reduction.started_in_hook
+    started_after_second = len(reduction._pending)
     reduction.finish()
     hooked = _local(trainer.model.shared.memory_values.weight.grad).detach().clone()
     reduction.dtype = torch.bfloat16

@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from train_workers import full_state
 
-from memlm.train import value_grads
-from memlm.train.config import compose
-from memlm.train.memory_hooks import resolve_memory_parallel
+from memlm.config.run import compose
+from memlm.distributed import value_grads
+from memlm.distributed.memory_hooks import resolve_memory_parallel
 from memlm.train.trainer import Trainer
 
 # FSDP2 calls all_gather_single / reduce_scatter_single (torch >= 2.12) or the
@@ -94,7 +94,7 @@ def value_grad_traffic(rank: int, overrides: list[str], batches_path: str, steps
     """Each rank trains `steps` steps on its rows of fixed global batches, at
     the memory_parallel the trainer resolves, and records per step the bytes
     it sent for the value gradients (every collective the value-gradient
-    reduction issues: train/value_grads.py) and in the memory all-to-alls,
+    reduction issues: distributed/value_grads.py) and in the memory all-to-alls,
     and, for touched-row exchanges, the most rows any replica sent; rank 0
     also saves the metrics and the weights."""
     batches = torch.load(batches_path, weights_only=True)
@@ -131,7 +131,7 @@ def value_grad_traffic(rank: int, overrides: list[str], batches_path: str, steps
                 step[kind] = step.get(kind, 0) + _sent(name, args, kwargs)
             out = originals[name](*args, **kwargs)
             if inside["on"] and name == "all_gather":
-                if inside["gathers"] == 0:  # the first: the replicas' row counts (train/value_grads.py)
+                if inside["gathers"] == 0:  # the first: the replicas' row counts (distributed/value_grads.py)
                     counts = kwargs.get("tensor_list", args[0] if args else None)
                     step["rows_touched"] = max(step.get("rows_touched", 0), max(int(c) for c in counts))
                 inside["gathers"] += 1

@@ -18,7 +18,7 @@ def column_parallel_bf16_read(rank: int, n_slots: int, v_dim: int, bags: int, k:
     os.environ["TRITON_INTERPRET"] = "1"
     from torch.distributed.device_mesh import init_device_mesh
 
-    import memlm.memory.parallel as parallel
+    import memlm.distributed.memory_parallel as parallel
     from memlm.memory.values import ValuePool
 
     dist.init_process_group("gloo")

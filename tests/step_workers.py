@@ -76,7 +76,7 @@ def collectives_per_step(rank: int, runs: dict[str, list[str]], out_path: str, s
     before the last, counting collectives; rank 0 writes, per run, the calls
     made during non-logging step 2 (the loop body after step 2 and step 3's
     train_step), split into FSDP's and the others."""
-    from memlm.train.config import compose
+    from memlm.config.run import compose
     from memlm.train.trainer import Trainer
 
     out = {}
@@ -96,14 +96,16 @@ def nan_grad_step_on_ranks(rank: int, overrides: list[str], nan_param: str, out_
     """Two ranks (FSDP2 DTensors, fused AdamW with found_inf): step 2's gradient
     of `nan_param` is NaN. Rank 0 saves the full weights and optimizer state
     after step 1 and after step 2, and what a save of a poisoned model raised."""
+    from fault_injection import nan_grad_at
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from train_workers import full_optim_state
 
-    from memlm.train.checkpoint import CheckpointError
-    from memlm.train.config import compose
+    from memlm.checkpoint.checkpointer import CheckpointError
+    from memlm.config.run import compose
     from memlm.train.trainer import Trainer
 
-    trainer = Trainer(compose(overrides), nan_grad_at={2: nan_param})
+    trainer = Trainer(compose(overrides))
+    nan_grad_at(trainer, {2: nan_param})
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     trainer.train_step()
     after_1 = (get_model_state_dict(trainer.model, options=opts), full_optim_state(trainer))
@@ -134,7 +136,7 @@ def clip_on_two_meshes(rank: int, out_path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from memlm.train.clip import clip_group_
+    from memlm.distributed.clip import clip_group_
 
     torch.distributed.init_process_group("gloo")
     flat = init_device_mesh("cpu", (2,))

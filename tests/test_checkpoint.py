@@ -16,9 +16,9 @@ import torch
 from distributed_workers import run_ranks
 from train_workers import fit, full_state
 
-from memlm.train.checkpoint import CheckpointError, verify
-from memlm.train.checkpoint_dir import seal_meta
-from memlm.train.config import compose
+from memlm.checkpoint.checkpointer import CheckpointError, verify
+from memlm.checkpoint.folder import seal_meta
+from memlm.config.run import compose
 from memlm.train.trainer import Trainer
 
 BASE = ["model.vocab_size=128", "data.seq_len=16", "data.micro_batch=2", "optim.warmup=2",
@@ -164,8 +164,8 @@ def test_crafted_pickle_in_a_checkpoint_is_refused(tmp_path):
 
 KILL_SCRIPT = """
 import sys, time
-import memlm.train.checkpoint as ck
-from memlm.train.config import compose
+import memlm.checkpoint.checkpointer as ck
+from memlm.config.run import compose
 from memlm.train.trainer import Trainer
 real = ck.dcp.save
 def slow_save(*a, **k):

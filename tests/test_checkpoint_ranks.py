@@ -4,7 +4,7 @@ backend beside NCCL, and checksums are computed by every rank in parallel.
 dcp.async_save runs its collectives on host tensors. On CPU the closest
 emulation of an NCCL-only group is gloo registered for the cuda device type
 alone ("cuda:gloo"): DCP sees no CPU backend, as it would with NCCL. The
-trainer's backend string (memlm.train.distributed.process_group_backend),
+trainer's backend string (memlm.distributed.env.process_group_backend),
 with NCCL swapped for gloo since CPU has no NCCL, saves.
 """
 
@@ -15,7 +15,7 @@ import json
 from checkpoint_rank_workers import async_save_on, hashed_bytes_per_rank
 from distributed_workers import run_ranks
 
-from memlm.train.distributed import process_group_backend
+from memlm.distributed.env import process_group_backend
 
 
 def test_the_trainer_group_has_a_cpu_backend_beside_nccl():

@@ -8,9 +8,9 @@ import sys
 import pytest
 import yaml
 
+from memlm.config.run import compose, to_yaml
 from memlm.errors import ConfigError
 from memlm.train.cli import main
-from memlm.train.config import compose, to_yaml
 from memlm.train.show_config import split_cfg_flag
 
 OVERRIDES = ["model=tiny", "memory=memplus", "memory.layers=[1]", "steps=7"]

@@ -15,10 +15,11 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
+from memlm.config.run import compose
+
 # Importing memlm.memory registers the memlm:: ops (memory/ops.py, memory/search_grad.py).
 from memlm.memory import MemoryPlus, apply_knn_schedule, knn_at_step, ops
 from memlm.model import Transformer
-from memlm.train.config import compose
 from memlm.train.loss import chunk_tokens, chunked_cross_entropy
 
 SMALL = ["memory.n_keys=16", "memory.k_dim=16", "memory.heads=2", "memory.knn=4", "memory.eval_knn=4",

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
+from memlm.config.run import Config, compose, group_options
 from memlm.errors import ConfigError
 from memlm.model import ModelArgs
-from memlm.train.config import Config, compose, group_options
 
 
 def test_default_compose_is_typed():

@@ -152,7 +152,7 @@ def test_source_validation(corpus):
 
 
 def test_presets_compose():
-    from memlm.train.config import compose
+    from memlm.config.run import compose
 
     assert compose().data.kind == "random"
     syn = compose(["data=synthetic"]).data

@@ -264,7 +264,7 @@ def test_compile_section_fails_when_compiled_is_not_faster(monkeypatch, capsys):
 
 # ----------------------------------------------------------------------- nosync
 def _small_trainer(tmp_path, *extra):
-    from memlm.train.config import compose
+    from memlm.config.run import compose
     from memlm.train.trainer import Trainer
 
     return Trainer(compose([*device_train.COMMON, *device_train.TINY_MODEL, "model.n_layers=2", "data.seq_len=16",

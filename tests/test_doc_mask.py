@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import compose_and_build
 
+from memlm.config.run import compose
 from memlm.data.loader import build_loader, document_ids
 from memlm.errors import ConfigError
 from memlm.model.doc_mask import doc_attention_mask, doc_positions
-from memlm.train.config import compose
 from memlm.train.data_source import model_batch
 from memlm.train.loss import chunked_cross_entropy
 from memlm.train.trainer import Trainer

@@ -64,8 +64,8 @@ def test_cached_batched_greedy_equals_uncached_token_for_token(model, batch_size
 
 @pytest.fixture(scope="module")
 def memory_model():
+    from memlm.config.run import compose
     from memlm.model import build_model
-    from memlm.train.config import compose
 
     cfg = compose(["model.vocab_size=384", "model.max_seq_len=64", "data.seq_len=16", "memory=memplus",
                    "memory.n_keys=16", "memory.knn=4", "memory.eval_knn=4", "memory.heads=2",

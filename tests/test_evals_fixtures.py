@@ -8,10 +8,10 @@ import csv
 import json
 from pathlib import Path
 
+from memlm.config.run import compose
 from memlm.data.synthetic import generate
 from memlm.data.tokenizer import train_tokenizer
 from memlm.model import build_model
-from memlm.train.config import compose
 
 VOCAB = 384
 

@@ -8,12 +8,12 @@ import json
 import pytest
 from test_evals_fixtures import CHOICE_ROWS, MMLU_ROWS, QA_ROWS, write_jsonl, write_mmlu_csv
 
+from memlm.config.run import compose
 from memlm.errors import ConfigError
 from memlm.evals import prompts
 from memlm.evals.config import EvalConfig
 from memlm.evals.formats import TaskDataError
 from memlm.evals.tasks import load_task
-from memlm.train.config import compose
 
 
 def cfg(root, **kw) -> EvalConfig:

@@ -30,14 +30,22 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="install the dev extra: pip install -e '.[dev]'")
 
+from memlm.config.run import compose  # noqa: E402
 from memlm.data.tokenizer import Tokenizer  # noqa: E402
 from memlm.errors import ConfigError  # noqa: E402
 from memlm.evals.decoding import greedy_generate, prompt_ids  # noqa: E402
-from memlm.model import from_pretrained  # noqa: E402
-from memlm.train.config import compose  # noqa: E402
-from memlm.train.export import export  # noqa: E402
-from memlm.train.load import resolve_checkpoint_dir  # noqa: E402
+from memlm.hf import from_pretrained  # noqa: E402
+from memlm.hf.export import export  # noqa: E402
+from memlm.hf.load import resolve_checkpoint_dir  # noqa: E402
+from memlm.train.preflight import check_init_from  # noqa: E402
 from memlm.train.trainer import Trainer  # noqa: E402
+
+
+def composed(overrides):
+    """compose + the check of init_from a run makes before it starts (memlm.train.preflight)."""
+    cfg = compose(overrides)
+    check_init_from(cfg)
+    return cfg
 
 TESTS = Path(__file__).parent
 DOCS = TESTS.parent / "docs" / "checkpoints.md"
@@ -69,7 +77,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[list[str], Path, Path]]:
     for kind, extra in KINDS.items():
         root = tmp_path_factory.mktemp(kind)
         overrides = [*RUN, *extra, f"data.cache_dir={cache}"]
-        Trainer(compose([*overrides, "steps=3", f"dump_dir={root / 'run'}"])).fit()
+        Trainer(composed([*overrides, "steps=3", f"dump_dir={root / 'run'}"])).fit()
         out[kind] = (overrides, root / "run", export(root / "run", root / "export"))
     return out
 
@@ -121,6 +129,8 @@ def _documented_snippet() -> str:
 
 SNIPPET_CHILD = """
 import json, os, sys
+
+
 code = open(sys.argv[1]).read()
 for folder in sys.argv[2:]:  # each holds exports/try1, the path the snippet names
     os.chdir(folder)
@@ -162,7 +172,7 @@ def _batches(n: int = 2):
 
 def _start(overrides: list[str], init_from: str, dump_dir: Path) -> tuple[dict[str, torch.Tensor], float]:
     """The weights a run starts with, and its first training loss."""
-    t = Trainer(compose([*overrides, "steps=2", f"init_from={init_from}", f"dump_dir={dump_dir}"]),
+    t = Trainer(composed([*overrides, "steps=2", f"init_from={init_from}", f"dump_dir={dump_dir}"]),
                 train_loader=iter(_batches()))
     state = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
     loss = t.train_step()["loss"]
@@ -194,7 +204,7 @@ def test_a_mismatched_run_is_refused_with_every_difference_and_the_fix(runs):
     overrides, _, export_dir = runs["memplus"]
     for init_from in (str(export_dir), f"hf:{export_dir}"):
         with pytest.raises(ConfigError) as err:
-            compose([*overrides, "memory.n_keys=16", "memory.gate=sigmoid", "model.rope_theta=500000.0",
+            composed([*overrides, "memory.n_keys=16", "memory.gate=sigmoid", "model.rope_theta=500000.0",
                      f"init_from={init_from}"])
         msg = str(err.value)
         assert "\n" not in msg
@@ -204,20 +214,20 @@ def test_a_mismatched_run_is_refused_with_every_difference_and_the_fix(runs):
         assert "memory.n_keys=16 but the export's is 8" in msg and "memory.gate=sigmoid but the export's is swilu" in msg
         fix = "Run with the export's values: model.rope_theta=10000.0 memory.n_keys=8 memory.gate=swilu"
         assert msg.endswith(fix)
-        compose([*overrides, "memory.n_keys=16", "memory.gate=sigmoid", "model.rope_theta=500000.0",
+        composed([*overrides, "memory.n_keys=16", "memory.gate=sigmoid", "model.rope_theta=500000.0",
                  *fix.split(": ")[1].split(), f"init_from={init_from}"])  # the printed fix is a valid config
     # knn / eval_knn hold no weights: a run may change them
-    compose([*overrides, "memory.knn=2", "memory.eval_knn=2", f"init_from={export_dir}"])
+    composed([*overrides, "memory.knn=2", "memory.eval_knn=2", f"init_from={export_dir}"])
 
 
 def test_a_run_without_the_exports_memory_gets_the_whole_fix(runs):
     overrides, _, export_dir = runs["memplus"]
     dense = [o for o in overrides if not o.startswith("memory") and o != "model.n_layers=3"]
     with pytest.raises(ConfigError) as err:
-        compose([*dense, f"init_from={export_dir}"])
+        composed([*dense, f"init_from={export_dir}"])
     fix = str(err.value).split("Run with the export's values: ")[1]
     assert fix.startswith("model.n_layers=3 memory.kind=memplus memory.layers=[1] memory.n_keys=8"), fix
-    compose([*dense, *fix.split(), f"init_from={export_dir}"])
+    composed([*dense, *fix.split(), f"init_from={export_dir}"])
 
 
 def test_a_dense_export_takes_memory_layers_only_as_a_llama(runs):
@@ -225,8 +235,8 @@ def test_a_dense_export_takes_memory_layers_only_as_a_llama(runs):
     memory = ["model.n_layers=2", "memory=memplus", *PKM, "memory.eval_knn=4"]
     with pytest.raises(ConfigError, match=r"memory.kind=memplus but the export's is none.*"
                        rf"\(or init_from=hf:{re.escape(str(export_dir))}: a dense export is also a Llama"):
-        compose([*overrides, *memory, f"init_from={export_dir}"])
-    compose([*overrides, *memory, f"init_from=hf:{export_dir}"])  # the Llama import: memory layers new
+        composed([*overrides, *memory, f"init_from={export_dir}"])
+    composed([*overrides, *memory, f"init_from=hf:{export_dir}"])  # the Llama import: memory layers new
 
 
 def test_a_broken_export_is_named(runs, tmp_path):
@@ -236,10 +246,10 @@ def test_a_broken_export_is_named(runs, tmp_path):
     (broken / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match=rf"a memlm export .*weight file {re.escape(str(broken))}/model.safetensors "
                        "is missing"):
-        compose([*overrides, f"init_from={broken}"])
+        composed([*overrides, f"init_from={broken}"])
     (broken / "memlm_config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"memlm_config.json or its index is not an export's"):
-        compose([*overrides, f"init_from=hf:{broken}"])
+        composed([*overrides, f"init_from=hf:{broken}"])
 
 
 @pytest.mark.slow
@@ -258,7 +268,7 @@ def test_two_ranks_with_split_value_tables_load_the_export(runs, tmp_path):
     exported = from_pretrained(export_dir).state_dict()
     assert set(out["state"]) == set(exported)
     assert all(torch.equal(out["state"][k], v) for k, v in exported.items())
-    single = Trainer(compose([*overrides, "data.micro_batch=4", f"init_from={export_dir}",
+    single = Trainer(composed([*overrides, "data.micro_batch=4", f"init_from={export_dir}",
                               f"dump_dir={tmp_path / 'one'}"]), train_loader=iter([(tokens[0][:, :-1], tokens[0][:, 1:])]))
     ref = single.train_step()["loss"]
     single.close()

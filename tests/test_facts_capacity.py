@@ -49,7 +49,7 @@ def test_values_are_uniform_over_v_candidates_per_attribute():
     ("data.facts.values", 1, "[2,"), ("data.facts.attributes", 17, "[1, 16]"), ("data.facts.entities", 0, "[1,"),
 ])
 def test_bad_sizes_name_the_key_and_the_valid_range(key, value, valid):
-    from memlm.train.config import compose
+    from memlm.config.run import compose
 
     with pytest.raises(ConfigError, match=rf"{re.escape(key)}={value}.*{re.escape(valid)}"):
         compose(["data.kind=facts", f"{key}={value}"])
@@ -99,8 +99,8 @@ def test_a_model_overfit_on_a_handful_of_facts_stores_about_log2v_bits_each(tmp_
 
 
 def test_facts_bits_on_a_run_of_another_corpus_names_the_data_kind():
+    from memlm.config.run import compose
     from memlm.evals.tasks import load_task
-    from memlm.train.config import compose
 
     cfg = compose(["data=synthetic", "eval.tasks=[facts_bits]"])
     with pytest.raises(ConfigError, match="data.kind=facts.*'synthetic'"):

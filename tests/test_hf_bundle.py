@@ -25,16 +25,16 @@ transformers = pytest.importorskip("transformers", reason="install the dev extra
 
 from hf_bundle_checker import check  # noqa: E402
 
+from memlm.config.run import compose  # noqa: E402
 from memlm.data.tokenizer import Tokenizer  # noqa: E402
 from memlm.errors import ConfigError  # noqa: E402
 from memlm.evals.config import EvalConfig  # noqa: E402
 from memlm.evals.decoding import generate_texts, greedy_generate, prompt_ids  # noqa: E402
 from memlm.evals.prompts import qa_prompt  # noqa: E402
 from memlm.evals.tasks import load_task  # noqa: E402
-from memlm.train.config import compose  # noqa: E402
-from memlm.train.export import export  # noqa: E402
-from memlm.train.hf_bundle import tokenizer_json  # noqa: E402
-from memlm.train.load import load_model  # noqa: E402
+from memlm.hf.bundle import tokenizer_json  # noqa: E402
+from memlm.hf.export import export  # noqa: E402
+from memlm.hf.load import load_model  # noqa: E402
 from memlm.train.trainer import Trainer  # noqa: E402
 
 CHECKER = Path(__file__).with_name("hf_bundle_checker.py")

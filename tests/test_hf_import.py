@@ -13,12 +13,20 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="install the dev extra: pip install -e '.[dev]'")
 
+from memlm.config.run import compose  # noqa: E402
 from memlm.errors import ConfigError  # noqa: E402
+from memlm.hf.importer import check_hf_tokenizer  # noqa: E402
+from memlm.hf.mapping import from_hf_json, hf_names  # noqa: E402
 from memlm.model.args import ModelArgs  # noqa: E402
-from memlm.model.hf import from_hf_json, hf_names  # noqa: E402
-from memlm.train.config import compose  # noqa: E402
-from memlm.train.hf_import import check_hf_tokenizer  # noqa: E402
+from memlm.train.preflight import check_init_from  # noqa: E402
 from memlm.train.trainer import Trainer  # noqa: E402
+
+
+def composed(overrides):
+    """compose + the check of init_from a run makes before it starts (memlm.train.preflight)."""
+    cfg = compose(overrides)
+    check_init_from(cfg)
+    return cfg
 
 VOCAB, SEQ = 128, 16
 # name -> (LlamaConfig extras, save_pretrained kwargs, memlm overrides for the same architecture)
@@ -73,7 +81,7 @@ def _batches(n: int, seed: int = 0):
 
 
 def _trainer(tmp_path, directory, overrides, batches=None):
-    cfg = compose([*ARCH, *RUN, f"init_from=hf:{directory}", f"dump_dir={tmp_path}", *overrides])
+    cfg = composed([*ARCH, *RUN, f"init_from=hf:{directory}", f"dump_dir={tmp_path}", *overrides])
     return Trainer(cfg, train_loader=iter(batches) if batches is not None else None)
 
 
@@ -112,7 +120,7 @@ def test_memory_layer_keeps_the_rest_bitwise_and_gets_fresh_memory(tmp_path, lla
     for key, hf_key in kept.items():
         assert torch.equal(ours[key], theirs[hf_key]), key
     # New: exactly what a fresh run with the same seed initializes (the memory's own init).
-    fresh = Trainer(compose([*ARCH, *RUN, *LLAMAS["untied"][2], *MEMORY, f"dump_dir={tmp_path / 'b'}"]),
+    fresh = Trainer(composed([*ARCH, *RUN, *LLAMAS["untied"][2], *MEMORY, f"dump_dir={tmp_path / 'b'}"]),
                     train_loader=iter(batches))
     fresh_state = fresh.model.state_dict()
     fresh.close()
@@ -144,10 +152,10 @@ def test_parallel_placement_keeps_the_mlp_beside_the_memory(tmp_path, llamas):
 def test_run_from_the_command_line_path_starts_at_the_hf_loss(tmp_path, llamas):
     """The real loader (data.kind=random) and fit(): metrics.jsonl's first loss."""
     directory, hf = llamas["untied"]
-    cfg = compose([*ARCH, *RUN, *LLAMAS["untied"][2], f"init_from=hf:{directory}", f"dump_dir={tmp_path / 'run'}",
+    cfg = composed([*ARCH, *RUN, *LLAMAS["untied"][2], f"init_from=hf:{directory}", f"dump_dir={tmp_path / 'run'}",
                    "steps=2", "logging.every=1", "val_batches=0"])
+    from memlm.distributed.env import DistEnv
     from memlm.train.data_source import build_train_loader
-    from memlm.train.distributed import DistEnv
 
     env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
     inputs, targets = next(iter(build_train_loader(cfg, env)))
@@ -163,11 +171,11 @@ def test_run_from_the_command_line_path_starts_at_the_hf_loss(tmp_path, llamas):
 def test_the_run_stays_loadable_without_the_hf_folder(tmp_path, llamas):
     """config.yaml keeps init_from=hf:<dir>; reading it back (load_model,
     export) must not need that folder any more."""
-    from memlm.train.load import load_model
+    from memlm.hf.load import load_model
 
     directory = tmp_path / "llama"
     shutil.copytree(llamas["untied"][0], directory)
-    cfg = compose([*ARCH, *RUN, *LLAMAS["untied"][2], f"init_from=hf:{directory}", f"dump_dir={tmp_path / 'run'}",
+    cfg = composed([*ARCH, *RUN, *LLAMAS["untied"][2], f"init_from=hf:{directory}", f"dump_dir={tmp_path / 'run'}",
                    "steps=1", "checkpoint.at_end=true", "val_batches=0"])
     t = Trainer(cfg, train_loader=iter(_batches(1)[1]))
     t.fit()
@@ -181,7 +189,7 @@ def test_the_run_stays_loadable_without_the_hf_folder(tmp_path, llamas):
 def test_mismatched_config_names_every_difference_and_the_fix(llamas):
     directory, _ = llamas["untied"]
     with pytest.raises(ConfigError) as err:
-        compose([*ARCH, *RUN, "model.dim=32", "model.n_layers=3", "model.n_kv_heads=1",
+        composed([*ARCH, *RUN, "model.dim=32", "model.n_layers=3", "model.n_kv_heads=1",
                  "model.rope_theta=10000.0", "model.tie_embeddings=true",
                  f"init_from=hf:{directory}"])
     msg = str(err.value)
@@ -192,7 +200,7 @@ def test_mismatched_config_names_every_difference_and_the_fix(llamas):
     assert "model.tie_embeddings=true but tie_word_embeddings=false" in msg
     fix = "model.dim=64 model.n_layers=2 model.n_kv_heads=2 model.rope_theta=20000.0 model.tie_embeddings=false"
     assert msg.endswith(fix)
-    compose([*ARCH, *RUN, *fix.split(), f"init_from=hf:{directory}"])  # the printed fix is a valid config
+    composed([*ARCH, *RUN, *fix.split(), f"init_from=hf:{directory}"])  # the printed fix is a valid config
     assert "ffn_hidden_dim" not in msg  # only what differs
 
 
@@ -200,31 +208,31 @@ def test_bad_sources_fail_before_the_run_with_the_reason(tmp_path, llamas):
     directory, _ = llamas["untied"]
     run = [*ARCH, *RUN, *LLAMAS["untied"][2]]
     with pytest.raises(ConfigError, match=r"init_from='hf:/no/such'.*/no/such is not a directory"):
-        compose([*run, "init_from=hf:/no/such"])
+        composed([*run, "init_from=hf:/no/such"])
     with pytest.raises(ConfigError, match=r"init_from='hf:'.*hf:<dir>"):
-        compose([*run, "init_from=hf:"])
+        composed([*run, "init_from=hf:"])
     other = tmp_path / "gpt2"
     shutil.copytree(directory, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     with pytest.raises(ConfigError, match=r"model_type='gpt2', memlm imports model_type='llama' only"):
-        compose([*run, f"init_from=hf:{other}"])
+        composed([*run, f"init_from=hf:{other}"])
     (other / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
     with pytest.raises(ConfigError, match=r"hidden_act='gelu' is not supported"):
-        compose([*run, f"init_from=hf:{other}"])
+        composed([*run, f"init_from=hf:{other}"])
     (other / "config.json").write_text(json.dumps(config))
     (other / "model.safetensors.index.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"model.safetensors.index.json is not a safetensors index"):
-        compose([*run, f"init_from=hf:{other}"])
+        composed([*run, f"init_from=hf:{other}"])
     (other / "model.safetensors.index.json").unlink()
     (other / "model.safetensors").rename(other / "pytorch_model.bin")
     with pytest.raises(ConfigError, match=r"neither model.safetensors nor .*pytorch_model.bin.*safetensors only"):
-        compose([*run, f"init_from=hf:{other}"])
+        composed([*run, f"init_from=hf:{other}"])
     (other / "config.json").unlink()
     with pytest.raises(ConfigError, match=r"config.json does not exist"):
-        compose([*run, f"init_from=hf:{other}"])
+        composed([*run, f"init_from=hf:{other}"])
     with pytest.raises(ConfigError, match=r"model.ffn='moe'.*dense with init_from"):
-        compose([*run, "model.ffn=moe", f"init_from=hf:{directory}"])
+        composed([*run, "model.ffn=moe", f"init_from=hf:{directory}"])
 
 
 def test_missing_shard_names_the_file(tmp_path, llamas):
@@ -234,7 +242,7 @@ def test_missing_shard_names_the_file(tmp_path, llamas):
     shard = sorted(copy.glob("model-*.safetensors"))[0]
     shard.unlink()
     with pytest.raises(ConfigError, match=rf"weight file .*{shard.name} is missing"):
-        compose([*ARCH, *RUN, *LLAMAS["tied_sharded"][2], f"init_from=hf:{copy}"])
+        composed([*ARCH, *RUN, *LLAMAS["tied_sharded"][2], f"init_from=hf:{copy}"])
 
 
 def test_config_json_of_transformers_4_and_5_read_alike():
@@ -273,7 +281,7 @@ def test_model_args_round_trip_of_the_checked_fields():
     misses would let a differing checkpoint load."""
     args = ModelArgs(dim=48, n_layers=3, n_heads=6, n_kv_heads=3, vocab_size=77, ffn_hidden_dim=40,
                      rope_theta=1234.0, norm_eps=1e-4, tie_embeddings=True)
-    from memlm.model.hf import to_hf_config
+    from memlm.hf.mapping import to_hf_config
 
     back = from_hf_json(to_hf_config(args).to_dict())
     for key in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "hidden_dim", "rope_theta", "norm_eps",
@@ -299,7 +307,7 @@ def test_two_fsdp_ranks_load_the_same_weights_and_loss(tmp_path, llamas, init, m
     run_ranks(import_and_step, 2, overrides, str(tmp_path / "batches.pt"), str(tmp_path / "out.pt"))
     out = torch.load(tmp_path / "out.pt", weights_only=True)
     theirs = _hf_state(hf)
-    names = {k: v for k, v in hf_names(compose([*ARCH, *LLAMAS["untied"][2]]).model).items() if k in out["state"]}
+    names = {k: v for k, v in hf_names(composed([*ARCH, *LLAMAS["untied"][2]]).model).items() if k in out["state"]}
     assert len(names) == (18 if memory else 21)
     for key, hf_key in names.items():
         assert torch.equal(out["state"][key], theirs[hf_key]), key

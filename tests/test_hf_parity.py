@@ -7,8 +7,8 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="install the dev extra: pip install -e '.[dev]'")
 
+from memlm.hf.mapping import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict  # noqa: E402
 from memlm.model import ModelArgs, build_model  # noqa: E402
-from memlm.model.hf import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict  # noqa: E402
 
 ARGS = dict(dim=64, n_layers=3, n_heads=4, vocab_size=101, multiple_of=16, max_seq_len=64, rope_theta=5000.0)
 
@@ -68,7 +68,7 @@ def test_memory_models_are_refused():
     class _Mem:
         kind = "memplus"
 
-    from memlm.model.hf import _check_dense
+    from memlm.hf.mapping import _check_dense
 
     with pytest.raises(ValueError, match="only dense models"):
         _check_dense(args, _Mem())

@@ -1,6 +1,6 @@
 """Non-dense exports in transformers: the trust_remote_code modeling file against memlm.
 
-The modeling file (model/hf_remote/modeling_memlm.py) re-implements memlm's
+The modeling file (hf/remote/modeling_memlm.py) re-implements memlm's
 decoder and every FFN kind in plain PyTorch; these tests keep the two equal:
 - logits within 1e-5 of memlm's for each kind and its variants (gates, shared
   or own value tables, qk-norm, parallel placement, bf16 tables, v_dim != dim,
@@ -29,9 +29,10 @@ transformers = pytest.importorskip("transformers", reason="install the dev extra
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from memlm.hf import remote as hf_remote  # noqa: E402
+from memlm.hf.remote.modeling_memlm import MemlmForCausalLM  # noqa: E402
 from memlm.memory.config import MemoryConfig  # noqa: E402
-from memlm.model import ModelArgs, build_model, ffn_kinds, hf_remote  # noqa: E402
-from memlm.model.hf_remote.modeling_memlm import MemlmForCausalLM  # noqa: E402
+from memlm.model import ModelArgs, build_model, ffn_kinds  # noqa: E402
 
 TOL = 1e-5
 ARGS = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=101, multiple_of=16, max_seq_len=64,
@@ -70,7 +71,7 @@ def _memlm_model(args_kw: dict, mem_kw: dict | None, seed: int = 0):
 
 
 def _bundle(tmp_path: Path, model, args, memory) -> Path:
-    """What train/export.py writes for a non-dense model, minus the checkpoint round trip."""
+    """What hf/export.py writes for a non-dense model, minus the checkpoint round trip."""
     out = tmp_path / "bundle"
     out.mkdir()
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"),
@@ -142,15 +143,15 @@ def test_every_config_field_and_ffn_kind_is_covered():
     memory_mapped = set(hf_remote.MEMORY_INFERENCE) | set(hf_remote.MEMORY_LAYER_CHOICE)
     memory_known = memory_mapped | set(hf_remote.MEMORY_TRAINING_ONLY)
     assert model_fields <= model_known, (
-        f"ModelArgs fields neither mapped nor training-only in model/hf_remote: {sorted(model_fields - model_known)}")
+        f"ModelArgs fields neither mapped nor training-only in hf/remote: {sorted(model_fields - model_known)}")
     assert memory_fields <= memory_known, (
-        f"MemoryConfig fields neither mapped nor training-only in model/hf_remote: "
+        f"MemoryConfig fields neither mapped nor training-only in hf/remote: "
         f"{sorted(memory_fields - memory_known)}")
     # What the remote config is built from must exist.
     assert set(hf_remote.MODEL_TO_CONFIG) <= model_fields
     assert memory_mapped <= memory_fields
     assert set(hf_remote.REMOTE_KINDS) == set(ffn_kinds()), "an FFN kind without Hugging Face modeling code"
-    from memlm.model.hf_remote.configuration_memlm import FFN_KINDS, MEMORY_KEYS
+    from memlm.hf.remote.configuration_memlm import FFN_KINDS, MEMORY_KEYS
 
     assert set(FFN_KINDS) == set(hf_remote.REMOTE_KINDS)
     written = hf_remote.remote_config(ModelArgs(**ARGS), MemoryConfig(**CASES["memplus_shared_swilu"][1]))
@@ -199,9 +200,9 @@ print("memlm installed:", memlm_installed, "| transformers", transformers.__vers
 
 @pytest.fixture(scope="module")
 def memplus_export(tmp_path_factory):
-    """A trained tiny Memory+ run exported by train/export.py, and the trained model."""
-    from memlm.train.config import compose
-    from memlm.train.export import export
+    """A trained tiny Memory+ run exported by hf/export.py, and the trained model."""
+    from memlm.config.run import compose
+    from memlm.hf.export import export
     from memlm.train.trainer import Trainer
 
     tmp = tmp_path_factory.mktemp("remote_export")
@@ -242,7 +243,7 @@ def test_export_loads_with_auto_model_where_memlm_cannot_be_imported(memplus_exp
 
 
 def test_sharded_export_loads_in_transformers(memplus_export):
-    from memlm.train.export import main
+    from memlm.hf.export import main
 
     export_dir, ours, tmp = memplus_export
     sharded = tmp / "sharded"

@@ -1,4 +1,4 @@
-"""memlm.launch.preemption: SIGUSR1 sets a flag; check() agrees across ranks,
+"""memlm.train.preemption: SIGUSR1 sets a flag; check() agrees across ranks,
 runs the checkpoint callback once and tells the loop to stop."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from distributed_workers import run_ranks
 from launch_preempt_train import stop_together
 
-from memlm.launch.preemption import install_preemption_handler
+from memlm.train.preemption import install_preemption_handler
 
 
 def test_signal_sets_a_flag_and_check_runs_the_callback_once(capsys):

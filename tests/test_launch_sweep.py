@@ -74,7 +74,7 @@ def test_points_get_their_own_dump_dir_and_name(tmp_path):
     assert points[0].dump_dir == tmp_path / "model.n_layers=1,optim.lr=0.001"
     assert points[0].overrides[-1] == "name='sw/model.n_layers=1,optim.lr=0.001'"
     assert len({p.dump_dir for p in points}) == 4
-    from memlm.train.config import compose
+    from memlm.config.run import compose
 
     cfg = compose(points[3].overrides)  # the quoted values reach the trainer unchanged
     assert (cfg.model.n_layers, cfg.optim.lr, cfg.name) == (2, 3e-3, "sw/model.n_layers=2,optim.lr=0.003")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from memlm.config.run import compose
 from memlm.errors import ConfigError
-from memlm.train.config import compose
 
 SMALL = ["memory=memplus", "memory.n_keys=16", "memory.spread=0", "memory.layers=[1]",
          "memory.knn=4", "memory.eval_knn=4"]

@@ -158,8 +158,8 @@ def test_value_init_scale_scales_the_published_std():
 
 
 def test_value_init_scale_reaches_the_shared_pool():
+    from memlm.config.run import compose
     from memlm.model.build import build_model
-    from memlm.train.config import compose
 
     cfg = compose(["model=tiny", "memory=memplus", "memory.layers=[0,1]", "memory.n_keys=8", "memory.knn=4",
                    "memory.eval_knn=4", "memory.k_dim=8", "memory.value_init_scale=0"])

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from memlm.config.run import compose
 from memlm.memory import (
     SparseRowAdamW,
     apply_knn_schedule,
@@ -13,7 +14,6 @@ from memlm.memory import (
     value_parameters,
 )
 from memlm.model import Transformer, build_model
-from memlm.train.config import compose
 
 # 16**2 = 256 slots, small enough for CPU tests.
 SMALL = ["memory.n_keys=16", "memory.k_dim=16", "memory.heads=2", "memory.knn=4", "memory.eval_knn=4"]

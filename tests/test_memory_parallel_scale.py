@@ -11,9 +11,9 @@ from distributed_workers import run_ranks
 from memory_parallel_workers import column_parallel_read, reduction_paths, sharded_init
 from test_train_equivalence import MEMPLUS, SEQ, _assert_same, _batches, _distributed, _reference
 
+from memlm.config.run import compose
 from memlm.errors import ConfigError
 from memlm.memory.values import TILE_COLS, TILE_ROWS, seeded_normal_
-from memlm.train.config import compose
 from memlm.train.trainer import Trainer
 
 # Short runs: a 4-rank gloo test costs seconds per step on a loaded machine.
@@ -147,7 +147,7 @@ def test_fsdp_shards_a_parameter_smaller_than_the_group_on_its_largest_dim():
     Shard(0) would pad dim 0 128x and every all-gather would move the padding."""
     from torch.distributed.tensor import Shard
 
-    from memlm.train.parallelize import _shard_placement
+    from memlm.distributed.parallelize import _shard_placement
 
     placement = _shard_placement(512)
     assert placement(torch.nn.Parameter(torch.empty(4, 2, 1024, 256, device="meta"))) == Shard(2)

@@ -70,7 +70,7 @@ def _rss_bytes() -> int:
 
 
 def test_meta_construction_allocates_no_memory():
-    from memlm.train.config import compose
+    from memlm.config.run import compose
 
     cfg = compose(["model=8b"])
     before = _rss_bytes()

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from memlm.config.run import compose
 from memlm.errors import ConfigError
 from memlm.model import Transformer
 from memlm.model.moe import DENSE, GROUPED, MoE, expert_counts, expert_path
-from memlm.train.config import compose
 
 
 def _moe(dim=8, hidden=12, n_experts=5, top_k=2, coef=0.0, seed=0) -> MoE:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from test_step_sync import ALLOWED, BASE, MOE, _count_host_reads
 
+from memlm.config.run import compose
 from memlm.model.moe import GROUPED, MoE
-from memlm.train.config import compose
 from memlm.train.trainer import Trainer
 
 AUTOCAST_BF16 = ["parallel.dtype=bf16", "device=cpu", "parallel.memory_parallel=1"]

@@ -21,11 +21,11 @@ def test_non_editable_install_imports_and_finds_configs(tmp_path):
     )
     assert (target / "memlm" / "configs" / "model" / "373m.yaml").is_file()
     assert (target / "memlm" / "memory" / "topk_rows.c").is_file()  # built on first use
-    assert (target / "memlm" / "model" / "hf_remote" / "modeling_memlm.py").is_file()  # copied into exports
+    assert (target / "memlm" / "hf" / "remote" / "modeling_memlm.py").is_file()  # copied into exports
     assert not (target / "memlm" / "tests").exists(), "tests must not be installed"
     script = (
         "import memlm, memlm.model, memlm.memory\n"
-        "from memlm.train.config import compose\n"
+        "from memlm.config.run import compose\n"
         f"assert memlm.__file__.startswith({str(target)!r}), memlm.__file__\n"
         "print(compose(['model=373m']).model.dim)\n"
     )

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memlm.config.run import compose
 from memlm.model import Transformer
-from memlm.train.config import compose
 
 
 def _meta(preset: str) -> Transformer:
@@ -61,7 +61,7 @@ def test_flops_per_token_373m():
 
 
 def test_describe_command_prints_counts(capsys):
-    from memlm.train import describe
+    from memlm.plan import describe
 
     describe.main(["--all-presets"])
     out = capsys.readouterr().out

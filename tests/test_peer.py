@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from memlm.config.run import compose
 from memlm.errors import ConfigError
 from memlm.model import Transformer
 from memlm.model.peer import PEER
-from memlm.train.config import compose
 
 
 def _peer(query_norm=False, activation="gelu", dim=8, n_keys=6, heads=3, knn=4, k_dim=6) -> PEER:

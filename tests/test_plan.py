@@ -1,4 +1,4 @@
-"""The scale planner (memlm.train.plan): its bytes and communication volumes
+"""The scale planner (memlm.plan.planner): its bytes and communication volumes
 equal what real gloo ranks hold and send; the training shape it plans a
 preset at; its CLI, the --fit table and its errors."""
 
@@ -12,8 +12,8 @@ import pytest
 from distributed_workers import run_ranks
 from plan_workers import held_bytes
 
-from memlm.train.config import compose, group_options
-from memlm.train.plan import TRAINING_SHAPES, format_plan, main, plan, planning_config
+from memlm.config.run import compose, group_options
+from memlm.plan.planner import TRAINING_SHAPES, format_plan, main, plan, planning_config
 
 # Vocabulary 509: the embedding and output rows do not split evenly over 4
 # ranks, so ranks hold different FSDP shards (and FSDP pads its collectives).
@@ -148,7 +148,7 @@ def test_8b_preset_plans_at_its_training_shape(capsys):
     assert main(["model=8b", "--world", "8"]) == 0
     out = capsys.readouterr().out
     assert ("shape: seq_len 8,192 x micro_batch 1 per GPU, both from the 8b preset's training shape "
-            "in TRAINING_SHAPES (memlm/train/plan.py)") in out
+            "in TRAINING_SHAPES (memlm/plan/planner.py)") in out
     assert "train at this shape with data.seq_len=8192 data.micro_batch=1" in out
     assert "65,536 tokens/step" in out  # 8 GPUs x 8,192 tokens
     # At the data config's 128 x 4 tokens the estimate was 14.7% (0.9% with
@@ -178,7 +178,7 @@ def test_docs_list_the_training_shapes():
     (["model=8b", "data.micro_batch=2", "++data.seq_len=2048"], 2048, 2, "your override ++data.seq_len=2048",
      "your override data.micro_batch=2"),
     (["model=8b", "model.max_seq_len=2048"], 2048, 1, "the 8b preset's training shape in TRAINING_SHAPES "
-     "(memlm/train/plan.py), 8192, capped at model.max_seq_len=2048", "the 8b preset's"),
+     "(memlm/plan/planner.py), 8192, capped at model.max_seq_len=2048", "the 8b preset's"),
     (["model=tiny", "data=synthetic"], 128, 8, "the tiny preset's", "the tiny preset's"),  # a data preset is no shape
     (["experiment=capacity_memplus"], 128, 32, "set by experiment=capacity_memplus",
      "set by experiment=capacity_memplus"),

@@ -1,4 +1,4 @@
-"""Mixed precision (memlm.train.precision): parallel.dtype=bf16 computes in
+"""Mixed precision (memlm.distributed.precision): parallel.dtype=bf16 computes in
 bf16 on one process too, the product-key scores, top-k and softmax stay
 float32, weights and optimizer state stay float32, and memory.value_dtype=bf16
 stores the value table in bf16 with float32 optimizer moments."""
@@ -17,12 +17,12 @@ from torch import nn
 import memlm.memory.exact as exact
 import memlm.memory.product_keys as product_keys
 import memlm.memory.search_grad as search_grad
+from memlm.config.run import compose
+from memlm.distributed.precision import enable_tf32
 from memlm.errors import ConfigError
 from memlm.memory import ProductKeys
 from memlm.memory.exact import no_tf32
 from memlm.memory.sparse_adamw import SparseRowAdamW
-from memlm.train.config import compose
-from memlm.train.precision import enable_tf32
 from memlm.train.trainer import Trainer
 
 BASE = ["model.vocab_size=128", "data.seq_len=16", "data.micro_batch=4", "optim.warmup=0", "optim.lr=3e-3",
@@ -334,8 +334,8 @@ def test_fsdp_gathers_the_lookup_in_fp32_and_selects_the_fp32_slots(one_rank_gro
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from memlm.train.distributed import Meshes
-    from memlm.train.parallelize import apply_fsdp
+    from memlm.distributed.env import Meshes
+    from memlm.distributed.parallelize import apply_fsdp
 
     model, cfg = compose_and_build(MEMPLUS_1M)
     lookup = next(m for m in model.modules() if isinstance(m, ProductKeys))
@@ -370,11 +370,11 @@ def test_fsdp_plan_at_8b_gathers_every_lookup_in_fp32():
     (query projection and sub-keys), inside blocks gathered in bf16."""
     from torch.distributed.fsdp import FSDPModule
 
+    from memlm.distributed.env import DistEnv, build_meshes
+    from memlm.distributed.memory_hooks import resolve_memory_parallel
+    from memlm.distributed.parallelize import apply_fsdp
     from memlm.model import Transformer
-    from memlm.train.distributed import DistEnv, build_meshes
-    from memlm.train.memory_hooks import resolve_memory_parallel
-    from memlm.train.parallelize import apply_fsdp
-    from memlm.train.plan import fake_process_group
+    from memlm.plan.planner import fake_process_group
 
     cfg = compose(["model=8b", "memory=memplus"])
     with fake_process_group(64, 0):
@@ -588,7 +588,7 @@ def test_two_fsdp_ranks_compute_in_bf16_with_fp32_scores_and_state(tmp_path):
 
 
 def test_bf16_value_table_checkpoint_loads_for_evaluation_as_stored(tmp_path):
-    from memlm.train.load import load_model
+    from memlm.hf.load import load_model
 
     t = _trainer([*VALUES_BF16, "steps=2", "checkpoint.at_end=true", "parallel.dtype=bf16"], tmp_path, "run",
                  _batches(2))

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
+from memlm.config.run import compose
 from memlm.errors import ConfigError
-from memlm.train.config import compose
 from memlm.train.trainer import Trainer
 
 BASE = ["model.vocab_size=128", "data.seq_len=16", "data.micro_batch=2", "optim.warmup=0",

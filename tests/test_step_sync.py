@@ -20,7 +20,7 @@ import torch
 from distributed_workers import run_ranks
 from step_workers import collectives_per_step
 
-from memlm.train.config import compose
+from memlm.config.run import compose
 from memlm.train.trainer import Trainer
 
 BASE = ["model.vocab_size=128", "data.seq_len=16", "data.micro_batch=2", "optim.warmup=0", "data.kind=random",
@@ -146,7 +146,7 @@ def test_clip_over_gradients_on_two_meshes_equals_plain_clipping(tmp_path):
 def test_clip_group_equals_torch_clip_grad_norm(max_norm):
     """clip_group_ on plain gradients against torch.nn.utils.clip_grad_norm_
     (the reference), and a sparse gradient against its dense equal."""
-    from memlm.train.clip import clip_group_
+    from memlm.distributed.clip import clip_group_
 
     gen = torch.Generator().manual_seed(0)
     shapes = [(5, 3), (7,), (2, 2, 2)]

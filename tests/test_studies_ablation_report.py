@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from memlm.config.run import compose, to_yaml
 from memlm.studies.ablation_report import BEGIN, END, main
-from memlm.train.config import compose, to_yaml
 
 VARIANTS = ["ablation_dense", "ablation_moe", "ablation_peer", "ablation_memory", "ablation_memplus"]
 

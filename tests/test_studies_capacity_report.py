@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from memlm.config.run import compose, to_yaml
 from memlm.studies import capacity_report as report
-from memlm.train.config import compose, to_yaml
 
 
 def _run(root, name, experiment, entities, stored, tokens=40_000, extra=(), steps=100):

@@ -10,7 +10,7 @@ import torch
 from distributed_workers import run_ranks
 from train_workers import full_state, train_on_slices
 
-from memlm.train.config import compose
+from memlm.config.run import compose
 from memlm.train.trainer import Trainer
 
 GLOBAL_BATCH, SEQ, STEPS = 4, 16, 3

@@ -10,9 +10,10 @@ import sys
 
 import pytest
 import torch
+from fault_injection import nonfinite_loss_at
 
+from memlm.config.run import compose
 from memlm.errors import ConfigError
-from memlm.train.config import compose
 from memlm.train.optim import lr_multiplier
 from memlm.train.trainer import NonFiniteLossError, Trainer
 
@@ -47,7 +48,7 @@ def test_global_batch_not_divisible_fails_before_training(tmp_path):
 
 
 def test_world_size_not_divisible_by_memory_parallel():
-    from memlm.train.distributed import DistEnv, build_meshes
+    from memlm.distributed.env import DistEnv, build_meshes
 
     env = DistEnv(rank=0, world_size=3, local_rank=0, local_world_size=3, device=torch.device("cpu"))
     with pytest.raises(ConfigError, match=r"parallel.memory_parallel=2.*world size 3"):
@@ -55,8 +56,8 @@ def test_world_size_not_divisible_by_memory_parallel():
 
 
 def test_nonfinite_loss_is_skipped_counted_and_stops(tmp_path):
-    t = Trainer(compose([*BASE, "data.micro_batch=2", "max_nonfinite_steps=2", f"dump_dir={tmp_path}"]),
-                nonfinite_at=frozenset({2, 4, 5}))
+    t = Trainer(compose([*BASE, "data.micro_batch=2", "max_nonfinite_steps=2", f"dump_dir={tmp_path}"]))
+    nonfinite_loss_at(t, {2, 4, 5})
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
     t.train_step()
     after_1 = {k: v.clone() for k, v in t.model.state_dict().items()}

@@ -1,7 +1,7 @@
 """Value-table layouts (issue 28): `parallel.memory_parallel=auto` takes the
 memory_parallel whose value-table traffic takes the least time, by the rule
-the planner shows for every layout (memlm.train.memory_hooks,
-memlm.train.plan_cost.value_layouts); on 2 and 4 gloo ranks the bytes the
+the planner shows for every layout (memlm.distributed.memory_hooks,
+memlm.plan.cost.value_layouts); on 2 and 4 gloo ranks the bytes the
 value-gradient exchange sends equal the planner's count and the losses equal
 one process's; a run that would all-reduce a large whole table every step is
 warned at start-up."""
@@ -16,18 +16,18 @@ from distributed_workers import run_ranks
 from plan_workers import value_grad_traffic
 from test_train_equivalence import GLOBAL_BATCH, MEMPLUS, STEPS, _assert_same, _batches, _reference
 
-from memlm.errors import ConfigError
-from memlm.model import Transformer
-from memlm.train.config import compose
-from memlm.train.memory_hooks import (
+from memlm.config.run import compose
+from memlm.distributed.memory_hooks import (
     WHOLE_TABLE_WARNING_BYTES,
     resolve_memory_parallel,
     value_grad_warning,
     value_layouts_of,
     value_tables,
 )
-from memlm.train.plan import model_value_tables, plan
-from memlm.train.plan_cost import least_traffic, value_traffic
+from memlm.distributed.value_layout import least_traffic, value_traffic
+from memlm.errors import ConfigError
+from memlm.model import Transformer
+from memlm.plan.planner import model_value_tables, plan
 
 GiB = 2**30
 # The issue's case: 8B with 1M slots (n_keys 1024) on 64 GPUs, 8 per node, at the 8b training shape.

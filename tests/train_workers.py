@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from memlm.train.config import compose
+from memlm.config.run import compose
 from memlm.train.trainer import Trainer
 
 

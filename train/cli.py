@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
+from memlm.config.run import GROUPS, compose, group_options
 from memlm.errors import ConfigError
-from memlm.train.config import GROUPS, compose, group_options
 from memlm.train.show_config import render, split_cfg_flag
 
 USAGE = """usage: python -m memlm.train [key=value ...]
@@ -42,10 +42,6 @@ def main(argv: list[str] | None = None) -> int:
         groups = "\n".join(f"  {g:<11} {', '.join(group_options(g))}" for g in GROUPS)
         print(USAGE.format(groups=groups))
         return 0
-    if any(a in ("-m", "--multirun") for a in argv):
-        from memlm.launch.multirun import multirun
-
-        return multirun(argv)  # one run per sweep point, one after another
     try:
         show, overrides = split_cfg_flag(argv)
         if show is not None:
@@ -55,11 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         _error(err)
         return 2
+    from memlm.checkpoint.checkpointer import CheckpointError
+    from memlm.checkpoint.run_lock import RunLockedError
     from memlm.data.stats import DataError
+    from memlm.distributed.env import shutdown
     from memlm.evals.formats import TaskDataError
-    from memlm.train.checkpoint import CheckpointError
-    from memlm.train.distributed import shutdown
-    from memlm.train.run_lock import RunLockedError
     from memlm.train.trainer import Trainer
 
     try:

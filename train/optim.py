@@ -1,7 +1,7 @@
-"""Optimizer, parameter groups and learning-rate schedules (clipping: train/clip.py).
+"""Optimizer, parameter groups and learning-rate schedules (clipping: distributed/clip.py).
 
 Groups: weights with decay; norms, biases and other vectors without decay;
-memory value tables (parameters of modules with `param_category == "memory"`)
+the sparse tables (memlm.memory.tables: value pools and PEER's expert tables)
 with their own fixed base lr, weight decay and gradient-norm clip. The
 schedule multiplier applies to every group.
 """
@@ -14,20 +14,12 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from memlm.train.config import Config, OptimConfig
-
-
-def memory_value_params(model: nn.Module) -> list[nn.Parameter]:
-    seen: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        if getattr(module, "param_category", None) == "memory":
-            for p in module.parameters(recurse=False):
-                seen[id(p)] = p
-    return list(seen.values())
+from memlm.config.run import Config, OptimConfig
+from memlm.memory.tables import sparse_tables
 
 
 def param_groups(model: nn.Module, cfg: Config) -> list[dict]:
-    values = {id(p) for p in memory_value_params(model)}
+    values = {id(p) for p in sparse_tables(model)}
     decay, no_decay, value = [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:

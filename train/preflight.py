@@ -1,7 +1,8 @@
 """A run's inputs, checked before anything starts: data files, tokenizer, eval task files.
 
-    check_run_inputs(cfg)     # raises ConfigError / TaskDataError naming the file (+ init_from's checkpoint)
+    check_run_inputs(cfg)     # raises ConfigError / TaskDataError naming the file
     check_eval_inputs(cfg)    # the eval part only (the trainer, whose loader checks the data)
+    check_init_from(cfg)      # what init_from points at: a checkpoint, an export or a Llama
 
 `compose` validates values; this reads what the values point at, without
 tokenizing or generating a corpus, so `python -m memlm.launch local` can
@@ -14,12 +15,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from memlm.checkpoint.folder import CheckpointError, read_meta
+from memlm.config.run import Config
 from memlm.data.corpus import check_inputs
 from memlm.errors import ConfigError
 from memlm.evals.tasks import load_task
-from memlm.train.checkpoint_dir import CheckpointError, read_meta
-from memlm.train.config import Config
-from memlm.train.hf_import import init_kind
+from memlm.hf.importer import check_import_source, init_kind
 
 
 def check_eval_inputs(cfg: Config) -> None:
@@ -36,19 +37,23 @@ def check_eval_inputs(cfg: Config) -> None:
         load_task(name, e, cfg.data)
 
 
-def check_init_checkpoint(cfg: Config) -> None:
-    """An `init_from` that is neither an export nor hf:<dir> (compose checks
-    those) must be a complete memlm checkpoint folder."""
-    if not cfg.init_from or init_kind(cfg.init_from) != "checkpoint":
+def check_init_from(cfg: Config) -> None:
+    """An export or a Llama (hf:<dir>) must describe the run's architecture
+    (every difference is named with its fix); any other `init_from` must be a
+    complete memlm checkpoint folder."""
+    if not cfg.init_from:
+        return
+    if init_kind(cfg.init_from) != "checkpoint":
+        check_import_source(cfg)
         return
     try:
         read_meta(Path(cfg.init_from))
     except CheckpointError as err:
         raise ConfigError("init_from", cfg.init_from, f"a memlm checkpoint folder (<dump_dir>/checkpoints/step_N), "
-                          f"a memlm export (python -m memlm.train.export) or hf:<Llama dir>; {err}") from None
+                          f"a memlm export (python -m memlm.hf.export) or hf:<Llama dir>; {err}") from None
 
 
 def check_run_inputs(cfg: Config) -> None:
     check_inputs(cfg.data)
     check_eval_inputs(cfg)
-    check_init_checkpoint(cfg)
+    check_init_from(cfg)

@@ -17,9 +17,9 @@ from typing import Any
 
 from torch import nn
 
-from memlm.train import memory_hooks
-from memlm.train.config import Config
-from memlm.train.distributed import DistEnv
+from memlm.config.run import Config
+from memlm.distributed import memory_hooks
+from memlm.distributed.env import DistEnv
 from memlm.train.metrics import device_peak_flops, format_eta, peak_memory_gib
 
 

@@ -5,7 +5,7 @@
 
 Hydra apps built on @hydra.main print, for --cfg: job = the app's config,
 hydra = Hydra's own config, all = both (the latter under a `hydra:` key).
-memlm composes with Hydra's compose API (memlm.train.config.compose), not
+memlm composes with Hydra's compose API (memlm.config.run.compose), not
 @hydra.main, so Hydra's runtime settings (run/sweep output folders, job
 logging, launcher, sweeper) are never used: a run writes into its dump_dir
 and logs through memlm. What memlm prints:
@@ -61,11 +61,11 @@ def split_cfg_flag(argv: Sequence[str]) -> tuple[str | None, list[str]]:
 
 def hydra_section(overrides: Sequence[str]) -> dict:
     """What Hydra records about composing configs/ with these overrides (call
-    after memlm.train.config.compose accepted them)."""
+    after memlm.config.run.compose accepted them)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from memlm.train.config import CONFIG_DIR
+    from memlm.config.run import CONFIG_DIR
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="memlm"):
         hydra = compose(config_name="config", overrides=list(overrides), return_hydra_config=True).hydra
@@ -87,7 +87,7 @@ def render(mode: str, overrides: Sequence[str]) -> str:
     saying what memlm leaves out). Raises ConfigError for invalid overrides."""
     from omegaconf import OmegaConf
 
-    from memlm.train.config import compose, to_yaml
+    from memlm.config.run import compose, to_yaml
 
     if mode not in CFG_MODES:
         raise ConfigError("--cfg", mode, f"one of: {', '.join(CFG_MODES)}")

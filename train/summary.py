@@ -1,7 +1,8 @@
 """summary.json: what a finished (or preempted) run reports.
 
-    summary = run_summary(cfg, step, tokens, metrics, val_loss, evals, nonfinite, preempted, seconds, dump_dir)
-    write_summary(dump_dir, summary, trained=bool(metrics))
+    summary = run_summary(name=cfg.name, steps=step, tokens=tokens, metrics=last, val_loss=val_loss, evals=evals,
+                          nonfinite_skipped=skipped, preempted=False, seconds=elapsed, dump_dir=dump_dir)
+    write_summary(dump_dir, summary, trained=bool(last))
     print(summary_line(summary))   # one readable line; the numbers are in summary.json
 
 A requeue of a run that had already finished trains no step, so it cannot
@@ -19,10 +20,11 @@ from typing import Any
 from memlm.files import atomic_write_json
 
 
-def run_summary(name: str, step: int, tokens: int, metrics: dict, val_loss: float | None,
+def run_summary(*, name: str, steps: int, tokens: int, metrics: dict, val_loss: float | None,
                 evals: dict[str, Any], nonfinite_skipped: int, preempted: bool, seconds: float,
                 dump_dir: Path) -> dict[str, Any]:
-    return {"name": name, "steps": step, "tokens": tokens, "final_loss": metrics.get("loss"),
+    """The summary of a run; `metrics` are the last logged step's (its loss is the final loss)."""
+    return {"name": name, "steps": steps, "tokens": tokens, "final_loss": metrics.get("loss"),
             "val_loss": val_loss, "evals": evals, "nonfinite_skipped": nonfinite_skipped,
             "preempted": preempted, "seconds": round(seconds, 2), "dump_dir": str(dump_dir)}
 

@@ -3,9 +3,11 @@
     python -m memlm.train model=tiny memory=memplus steps=200
     torchrun --nproc_per_node 2 -m memlm.train parallel.memory_parallel=2 ...
 
-Order of construction: process group and meshes -> model (full init on CPU,
-or meta for sharded init) -> memory parallelism -> activation checkpointing
--> compile -> FSDP2 -> optimizer and schedule -> data -> loop.
+Order of construction: process group and meshes (memory_parallel resolved)
+-> data loaders and the run's input checks (nothing written yet) -> the run
+folder's lock -> model (full init on CPU, or meta for sharded init; memory
+parallelism, activation checkpointing, compile, FSDP2) -> value-gradient
+reduction -> optimizer and schedule -> checkpointer and restore -> loop.
 """
 
 from __future__ import annotations
@@ -17,32 +19,33 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from memlm.errors import ConfigError
-from memlm.files import atomic_write_text
-from memlm.launch.preemption import install_preemption_handler
-from memlm.model import Transformer
-from memlm.train import memory_hooks
-from memlm.train.checkpoint import Checkpointer
-from memlm.train.clip import clip_group_
-from memlm.train.config import Config, to_yaml
-from memlm.train.data_source import build_train_loader, has_validation, model_batch
-from memlm.train.distributed import build_meshes, init_distributed, seed_everything, shard_index
-from memlm.train.hf_import import import_init, init_kind
-from memlm.train.load import keep_tokenizer, run_tokenizer_path
-from memlm.train.loss import chunked_cross_entropy
-from memlm.train.metrics import MetricsLogger, check_tensorboard
-from memlm.train.optim import build_optimizer, build_scheduler, memory_value_params
-from memlm.train.parallelize import (
+from memlm.checkpoint.checkpointer import Checkpointer
+from memlm.checkpoint.run_lock import RunLock, lock_run_dir
+from memlm.config.run import Config, to_yaml
+from memlm.distributed import memory_hooks
+from memlm.distributed.clip import clip_group_
+from memlm.distributed.env import build_meshes, init_distributed, seed_everything, shard_index
+from memlm.distributed.parallelize import (
     apply_activation_checkpointing,
     apply_compile,
     apply_fsdp,
     reshard,
 )
-from memlm.train.precision import autocast, enable_tf32
-from memlm.train.preflight import check_eval_inputs, check_init_checkpoint
+from memlm.distributed.precision import autocast, enable_tf32
+from memlm.errors import ConfigError
+from memlm.files import atomic_write_text
+from memlm.hf.importer import import_init, init_kind
+from memlm.hf.load import keep_tokenizer, run_tokenizer_path
+from memlm.memory.tables import split_params
+from memlm.model import Transformer
+from memlm.train.data_source import build_train_loader, has_validation, model_batch
+from memlm.train.loss import chunked_cross_entropy
+from memlm.train.metrics import MetricsLogger, check_tensorboard
+from memlm.train.optim import build_optimizer, build_scheduler
+from memlm.train.preemption import install_preemption_handler
+from memlm.train.preflight import check_eval_inputs, check_init_from
 from memlm.train.profiling import StepProfiler
 from memlm.train.progress import Progress
-from memlm.train.run_lock import RunLock, lock_run_dir
 from memlm.train.step_guard import NonFiniteLossError, StepGuard, step_if_finite, step_ok
 from memlm.train.summary import run_summary, summary_line, write_summary
 
@@ -63,17 +66,15 @@ def accumulation_steps(cfg: Config, world_size: int) -> int:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, train_loader: Any = None, val_loader: Any = None,
-                 nonfinite_at: frozenset[int] = frozenset(), nan_grad_at: dict[int, str] | None = None):
+    def __init__(self, cfg: Config, train_loader: Any = None, val_loader: Any = None):
         self.run_lock: RunLock | None = None
         try:
-            self._init(cfg, train_loader, val_loader, nonfinite_at, nan_grad_at)
+            self._init(cfg, train_loader, val_loader)
         except BaseException:
             self.close()  # a run that failed to start gives its dump_dir back
             raise
 
-    def _init(self, cfg: Config, train_loader: Any, val_loader: Any, nonfinite_at: frozenset[int],
-              nan_grad_at: dict[int, str] | None) -> None:
+    def _init(self, cfg: Config, train_loader: Any, val_loader: Any) -> None:
         self.cfg = cfg
         self.env = init_distributed(cfg.device)
         enable_tf32(self.env.device)
@@ -92,12 +93,13 @@ class Trainer:
             val_loader = self._default_loader("val")
         self.val_loader = val_loader
         check_eval_inputs(cfg)
-        check_init_checkpoint(cfg)
+        check_init_from(cfg)
         if self.env.is_main:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
         # One run per dump_dir, taken before anything in it is written, cleaned or resumed.
         self.run_lock = lock_run_dir(self.dump_dir, self.env.is_main, self.env.distributed, self.env.device)
         self.model = self._build_model()
+        self.params = split_params(self.model)  # (dense, sparse tables): clipped apart (memlm.memory.tables)
         self.value_grads = memory_hooks.value_grad_reduction(self.model, self.meshes, self.env, self.accum, cfg)
         self.optimizer = build_optimizer(self.model, cfg, self.env.device)
         self.scheduler = build_scheduler(self.optimizer, cfg)
@@ -107,8 +109,6 @@ class Trainer:
         self.guard = StepGuard(cfg.max_nonfinite_steps, self._print_main)
         # Test hooks: steps whose loss is replaced by NaN; steps whose gradient of
         # the named parameter is made NaN after backward (the loss stays finite).
-        self._nonfinite_at = nonfinite_at
-        self._nan_grad_at = dict(nan_grad_at or {})
         self.checkpointer = Checkpointer(self.dump_dir, cfg.checkpoint)
         self._last_saved_step = -1
         self.checkpointer.recover()  # finish or undo a save a kill interrupted, before choosing one
@@ -123,7 +123,7 @@ class Trainer:
     def _restore(self):
         """resume: everything (model, optimizer, schedule, counters, data, RNG);
         init_from: weights only (a memlm checkpoint; an export or hf:<dir>, a Hugging Face Llama:
-        train/hf_import.py),
+        hf/importer.py),
         for a run with no checkpoint of its own (with resume=auto, one in dump_dir wins)."""
         cfg = self.cfg
         path = self.checkpointer.resolve(cfg.resume)
@@ -208,7 +208,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- step
     def _autocast(self):
-        """bf16 compute on one process (parallel.dtype; see train/precision.py)."""
+        """bf16 compute on one process (parallel.dtype; see distributed/precision.py)."""
         return autocast(self.cfg.parallel, self.env.device, fsdp=self.meshes.fsdp is not None)
 
     def _forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor,
@@ -233,22 +233,17 @@ class Trainer:
             if hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(sync)
             loss = self._forward_loss(inputs, targets, doc_ids) / self.accum
-            if self.step + 1 in self._nonfinite_at:
-                loss = loss * float("nan")
             loss.backward()
             loss_sum += loss.detach()
         self.value_grads.finish()  # started by a hook during the last backward
-        self._inject_nan_grad()
         if self.env.distributed:
             dist.all_reduce(loss_sum)  # every rank must agree on skipping: the global loss decides
             loss_sum /= self.env.world_size
         self.tokens += self.accum * self.cfg.data.micro_batch * self.cfg.data.seq_len * self.env.world_size
         lr = self.scheduler.get_last_lr()[0]
-        values = memory_value_params(self.model)
-        value_ids = {id(p) for p in values}
-        dense = [p for p in self.model.parameters() if id(p) not in value_ids]
+        dense, tables = self.params
         gnorm = clip_group_(dense, self.cfg.optim.clip)
-        vnorm = clip_group_(values, self.cfg.memory.value_grad_clip) if values else torch.zeros_like(gnorm)
+        vnorm = clip_group_(tables, self.cfg.memory.value_grad_clip) if tables else torch.zeros_like(gnorm)
         ok = step_ok(loss_sum, gnorm, vnorm)  # norms are global: every rank gets the same flag
         step_if_finite(self.optimizer, ok)
         self.optimizer.zero_grad(set_to_none=True)
@@ -257,19 +252,6 @@ class Trainer:
         self.guard.record(self.step, lr, loss_sum, gnorm, vnorm, ok)
         return self.guard.read() if read else {}
 
-    def _inject_nan_grad(self) -> None:
-        """Test hook (nan_grad_at): fill one parameter's gradient with NaN."""
-        name = self._nan_grad_at.get(self.step + 1)
-        if name is None:
-            return
-        params = dict(self.model.named_parameters())
-        if name not in params:
-            raise KeyError(f"nan_grad_at: no parameter {name!r}; valid: {', '.join(params)}")
-        grad = params[name].grad
-        with torch.no_grad():
-            (grad._values() if grad.is_sparse else grad).fill_(float("nan"))
-
-    @torch.no_grad()
     def validate(self) -> float | None:
         if self.val_loader is None or self.cfg.val_batches == 0:
             return None
@@ -364,8 +346,9 @@ class Trainer:
             self.run_lock.release()
 
     def _finish(self, seconds: float, last: dict, val_loss, eval_results: dict, preempted: bool = False) -> dict:
-        summary = run_summary(self.cfg.name, self.step, self.tokens, last, val_loss, eval_results,
-                              self.nonfinite_total, preempted, seconds, self.dump_dir)
+        summary = run_summary(name=self.cfg.name, steps=self.step, tokens=self.tokens, metrics=last,
+                              val_loss=val_loss, evals=eval_results, nonfinite_skipped=self.nonfinite_total,
+                              preempted=preempted, seconds=seconds, dump_dir=self.dump_dir)
         if self.env.is_main:
             # nothing trained (a requeue of a finished run): keep the results already reported
             summary = write_summary(self.dump_dir, summary, trained=bool(last))

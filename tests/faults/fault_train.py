@@ -2,7 +2,7 @@
 
     MEMLM_FAULT_KILL_AT=rename:8 python tests/faults/fault_train.py <overrides>
 
-Points, in the order a save passes them (memlm.train.checkpoint):
+Points, in the order a save passes them (memlm.checkpoint.checkpointer):
 
     begin    the temporary folder exists, no shard written yet
     shards   DCP wrote every shard into .tmp_step_N, no meta.json yet

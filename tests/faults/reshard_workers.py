@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from memlm.train.config import compose
+from memlm.config.run import compose
 from memlm.train.trainer import Trainer
 
 

@@ -17,8 +17,8 @@ import pytest
 from launch_helpers import TINY
 from test_checkpoint import _corrupt
 
-from memlm.train.checkpoint import CheckpointError, verify
-from memlm.train.config import compose
+from memlm.checkpoint.checkpointer import CheckpointError, verify
+from memlm.config.run import compose
 from memlm.train.trainer import Trainer
 
 BASE = [o for o in TINY if not o.startswith("steps=")] + ["logging.every=1"]
@@ -171,9 +171,9 @@ def test_kill_inside_a_resave_is_recovered(tmp_path, monkeypatch, capsys):
     """A kill between the two renames of a re-save (old copy moved aside, new
     copy not yet in place): readers still load the step, and the next start
     finishes the swap and removes the leftovers."""
-    import memlm.train.checkpoint as ck
-    from memlm.train.export import export
-    from memlm.train.load import load_model
+    import memlm.checkpoint.checkpointer as ck
+    from memlm.hf.export import export
+    from memlm.hf.load import load_model
 
     run = tmp_path / "run"
     trainer = Trainer(compose([*BASE, "steps=2", f"dump_dir={run}"]))
@@ -218,7 +218,7 @@ def test_requeue_of_a_finished_run_keeps_its_summary(tmp_path):
 def test_checkpoint_error_names_the_exception_not_dcps_tuple():
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
-    from memlm.train.checkpoint import _dcp
+    from memlm.checkpoint.checkpointer import _dcp
 
     def failing(*args, **kwargs):
         try:
@@ -233,7 +233,7 @@ def test_checkpoint_error_names_the_exception_not_dcps_tuple():
 
 @pytest.mark.parametrize("damage", ["missing", "corrupt"])
 def test_export_cli_prints_one_line_for_a_bad_checkpoint(run, tmp_path, capsys, damage):
-    from memlm.train.export import main
+    from memlm.hf.export import main
 
     ckpt = run / "checkpoints" / "step_00000004"
     if damage == "missing":

@@ -14,11 +14,12 @@ import sys
 import pytest
 import torch
 from distributed_workers import run_ranks
+from fault_injection import nan_grad_at
 from step_workers import nan_grad_step_on_ranks
 
-from memlm.train.checkpoint import CheckpointError
-from memlm.train.config import compose
-from memlm.train.optim import memory_value_params
+from memlm.checkpoint.checkpointer import CheckpointError
+from memlm.config.run import compose
+from memlm.memory.tables import sparse_tables
 from memlm.train.trainer import NonFiniteLossError, Trainer
 
 BASE = ["model.vocab_size=128", "data.seq_len=16", "data.micro_batch=2", "optim.warmup=0", "data.kind=random",
@@ -32,7 +33,7 @@ def _all_finite(model) -> bool:
 
 
 def _value_name(trainer) -> str:
-    values = {id(p) for p in memory_value_params(trainer.model)}
+    values = {id(p) for p in sparse_tables(trainer.model)}
     return next(n for n, p in trainer.model.named_parameters() if id(p) in values)
 
 
@@ -42,7 +43,7 @@ def test_lr_1e6_skips_counts_stops_and_saves_only_finite_checkpoints(tmp_path, c
     such step is skipped and counted, the run stops after max_nonfinite_steps
     in a row (found at the next host read: the save of step 6), the weights
     stay finite, and every checkpoint written holds only finite tensors."""
-    from memlm.train.load import load_model
+    from memlm.hf.load import load_model
 
     cfg = compose([*BASE, *MEMPLUS, "optim.lr=1e6", "max_nonfinite_steps=3", "steps=20", "logging.every=1000",
                    "checkpoint.every=2", "checkpoint.keep=100", f"dump_dir={tmp_path}"])
@@ -69,7 +70,7 @@ def test_nan_gradient_step_is_bitwise_a_no_op(tmp_path, sparse, where):
     overrides = [*BASE, *MEMPLUS, "optim.schedule=constant", f"memory.sparse_updates={str(sparse).lower()}"]
     hit = Trainer(compose([*overrides, f"dump_dir={tmp_path / 'a'}"]), train_loader=iter(batches))
     name = _value_name(hit) if where == "values" else "layers.0.attention.wq.weight"
-    hit._nan_grad_at = {3: name}
+    nan_grad_at(hit, {3: name})
     skip = Trainer(compose([*overrides, f"dump_dir={tmp_path / 'b'}"]),
                    train_loader=iter([batches[0], batches[1], batches[3]]))
     for _ in range(2):
@@ -125,10 +126,10 @@ def test_save_refuses_nonfinite_tensors_and_writes_nothing(tmp_path):
 def test_export_refuses_nonfinite_weights_with_one_line(tmp_path, monkeypatch):
     trainer = _poisoned(tmp_path)
     # Write the poisoned checkpoint the way an older memlm (without the save check) did.
-    monkeypatch.setattr("memlm.train.checkpoint.check_finite_state", lambda *a, **k: None)
+    monkeypatch.setattr("memlm.checkpoint.checkpointer.check_finite_state", lambda *a, **k: None)
     checkpoint = trainer.save_checkpoint()
     out_dir = tmp_path / "export"
-    proc = subprocess.run([sys.executable, "-m", "memlm.train.export", str(checkpoint), str(out_dir)],
+    proc = subprocess.run([sys.executable, "-m", "memlm.hf.export", str(checkpoint), str(out_dir)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()

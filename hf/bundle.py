@@ -1,6 +1,6 @@
 """The Hugging Face side files of an export: tokenizer, generation defaults, a portable config.json.
 
-    from memlm.train.hf_bundle import write_hf_side_files, hf_token_ids, portable_config_json
+    from memlm.hf.bundle import write_hf_side_files, hf_token_ids, portable_config_json
     write_hf_side_files(out_dir, "tok.model", model_max_length=2048)
     # -> tokenizer.json, tokenizer_config.json, special_tokens_map.json, generation_config.json
     LlamaConfig(..., **hf_token_ids("tok.model")).save_pretrained(out_dir)   # bos = eos = 2, pad = 3

@@ -1,6 +1,6 @@
 """Memory parallelism: the value table sharded by columns over a group of ranks.
 
-MEMORY_LAYERS.md section 6. Rank r of a memory-parallel group of P ranks
+docs/training.md, "Value tables on several ranks". Rank r of a memory-parallel group of P ranks
 holds `V[:, r*v/P:(r+1)*v/P]` for every slot. One read:
 
 forward   all-gather every rank's (indices, weights)        (P*B, K) each
@@ -18,7 +18,7 @@ them (the Triton kernels read float32 weights and accumulate in float32).
 The table parameter is a DTensor on the memory mesh ("mem_replica",
 "mem_parallel") with placements (Replicate, Shard(1)), so checkpoints store
 it once and reshard freely. Gradients on a replica are partial sums over the
-group's tokens; the trainer sums them over replicas (memlm.train.value_grads).
+group's tokens; the trainer sums them over replicas (memlm.distributed.value_grads).
 `init_value_tables` draws each shard from the seed alone, so replicas agree.
 """
 
@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from memlm.memory import ops
 from memlm.memory.sparse_adamw import add_local_sparse_grad
+from memlm.memory.tables import value_pools
 from memlm.memory.values import seeded_normal_, tile_seed
 
 
@@ -154,14 +155,6 @@ def _inference_read(local: torch.Tensor, indices: torch.Tensor, weights: torch.T
         weights = torch.cat([weights, weights.new_zeros(pad, weights.shape[1])])
     out = _ColumnParallelBag.apply(None, local, indices, weights, group, kernel, None)  # (most, v)
     return out[:out.shape[0] - pad]
-
-
-def value_pools(model: nn.Module) -> list[nn.Module]:
-    seen: dict[int, nn.Module] = {}
-    for module in model.modules():
-        if getattr(module, "param_category", None) == "memory" and hasattr(module, "reader"):
-            seen[id(module)] = module
-    return list(seen.values())
 
 
 def shard_value_pools(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:

@@ -5,7 +5,7 @@
 
 What `init_from` names is read from the folder's files (`init_kind`):
 
-- a memlm export (`python -m memlm.train.export`: `memlm_config.json` and
+- a memlm export (`python -m memlm.hf.export`: `memlm_config.json` and
   safetensors), named with or without `hf:`: the run's model and memory config
   must describe the export's model (`check_export_source`, the values in
   `architecture`), and every tensor is loaded, bitwise. A dense export is
@@ -14,10 +14,10 @@ What `init_from` names is read from the folder's files (`init_kind`):
 - `hf:<dir>`, what `LlamaForCausalLM.save_pretrained` writes: `config.json`
   (model_type llama) and `model.safetensors`, or the shards listed in
   `model.safetensors.index.json`;
-- any other `<dir>`: a memlm checkpoint (weights only, train/checkpoint.py).
+- any other `<dir>`: a memlm checkpoint (weights only, checkpoint/checkpointer.py).
 
-The run's model config must describe the same architecture: `check_init_from`
-(called by `compose`, before anything starts) names every difference with
+The run's model config must describe the same architecture: `check_import_source`
+(called by memlm.train.preflight before anything starts) names every difference with
 both values and prints the overrides that fix it. The model config is not
 derived silently: the run's config.yaml is then what ran, and a preset cannot
 quietly hide a changed width.
@@ -54,11 +54,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from memlm.errors import ConfigError
+from memlm.hf.mapping import from_hf_json, from_hf_state_dict
+from memlm.hf.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, read_config, weight_files
+from memlm.hf.remote import MEMORY_INFERENCE, remote_config
 from memlm.memory.config import MemoryConfig
 from memlm.model.args import ModelArgs
-from memlm.model.hf import from_hf_json, from_hf_state_dict
-from memlm.model.hf_remote import MEMORY_INFERENCE, remote_config
-from memlm.model.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, read_config, weight_files
 from memlm.model.transformer import layer_ffn_kinds
 
 HF_PREFIX = "hf:"
@@ -101,7 +101,7 @@ def _export_layout(directory: Path) -> str | None:
 def init_kind(init_from: str) -> str:
     """What `init_from` names, from the folder's files: "export" (memlm_config.json; with `hf:` only
     an export in memlm's own layout, since a dense export is a Llama), "hf" (a Hugging Face Llama)
-    or "checkpoint" (a memlm checkpoint, loaded by train/checkpoint.py)."""
+    or "checkpoint" (a memlm checkpoint, loaded by checkpoint/checkpointer.py)."""
     layout = _export_layout(init_dir(init_from))
     if init_from.startswith(HF_PREFIX):
         return "export" if layout == "memlm" else "hf"
@@ -274,12 +274,12 @@ def import_hf(cfg: Any, model: torch.nn.Module, tokenizer: Any, log: Callable[[s
 
 # ------------------------------------------------------------------ exports
 def _export_fail(init_from: str, what: str) -> ConfigError:
-    return ConfigError("init_from", init_from, f"a memlm export (python -m memlm.train.export: {CONFIG_NAME} "
+    return ConfigError("init_from", init_from, f"a memlm export (python -m memlm.hf.export: {CONFIG_NAME} "
                        f"+ safetensors), a memlm checkpoint, or hf:<dir> with a Hugging Face Llama; {what}")
 
 
 def read_export(init_from: str) -> tuple[ModelArgs, MemoryConfig, dict[str, Any]]:
-    """The model and memory config of an export (memlm.model.pretrained.read_config), after checking
+    """The model and memory config of an export (memlm.hf.pretrained.read_config), after checking
     its weight files are there (ConfigError naming what is wrong)."""
     directory = init_dir(init_from)
     try:
@@ -304,7 +304,7 @@ def architecture(args: ModelArgs, memory: MemoryConfig) -> dict[str, Any]:
     """What decides a model's tensors and its forward math, keyed by the override that sets it, with
     resolved values (n_kv_heads 0 -> n_heads, the SwiGLU size, memory.layers from spread, v_dim,
     expert_hidden_dim); memory settings only for a model with non-dense blocks. Not in it:
-    model.max_seq_len (RoPE is computed) and the training-only settings (model/hf_remote:
+    model.max_seq_len (RoPE is computed) and the training-only settings (hf/remote:
     MODEL_TRAINING_ONLY, MEMORY_TRAINING_ONLY)."""
     values: dict[str, Any] = {f"model.{key}": get(args) for key, get, _ in _ARCH}  # what a Llama's check reads
     values.update({"model.ffn": args.ffn, "memory.kind": memory.kind,
@@ -356,8 +356,8 @@ def import_export(cfg: Any, model: torch.nn.Module, tokenizer: Any, log: Callabl
     return summary
 
 
-def check_init_from(cfg: Any) -> None:
-    """What `compose` checks of `init_from` before a run starts: a Llama's or an export's architecture
+def check_import_source(cfg: Any) -> None:
+    """What the preflight checks of an `init_from` export or Llama before a run starts: a Llama's or an export's architecture
     against the run's (a memlm checkpoint is checked when it is loaded)."""
     kind = init_kind(cfg.init_from)
     if kind == "hf":

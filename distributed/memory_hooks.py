@@ -15,18 +15,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from memlm.memory.parallel import init_value_tables as _init_pool_tables
-from memlm.memory.parallel import shard_value_pools, value_pools
+from memlm.distributed.env import DistEnv, Meshes
+from memlm.distributed.memory_parallel import init_value_tables as _init_pool_tables
+from memlm.distributed.memory_parallel import shard_value_pools
+from memlm.distributed.value_grads import REDUCE_DTYPES, ValueGradReduction
+from memlm.distributed.value_layout import ValueTables, least_traffic, value_layouts
 from memlm.memory.schedule import apply_knn_schedule
+from memlm.memory.tables import value_pools
 from memlm.memory.usage import usage_metrics
 from memlm.memory.values import VALUE_DTYPES
-from memlm.train.distributed import DistEnv, Meshes
-from memlm.train.plan_cost import ValueTables, least_traffic, value_layouts
-from memlm.train.value_grads import REDUCE_DTYPES, ValueGradReduction
 
 # A whole-table all-reduce this large per step (bytes one rank sends) is
 # worth a warning at start-up: about 27 ms a step over a 400 Gb/s NIC.
@@ -57,7 +57,7 @@ def tokens_per_rank(cfg: Any, world: int) -> int:
 
 def value_layouts_of(cfg: Any, world: int, gpus_per_node: int) -> list[dict]:
     """Every memory_parallel this run could take on `world` ranks, with its
-    value-table traffic and seconds (memlm.train.plan_cost.value_layouts);
+    value-table traffic and seconds (memlm.plan.cost.value_layouts);
     [] without value tables."""
     values = value_tables(cfg)
     if values is None:
@@ -96,7 +96,7 @@ def value_grad_warning(cfg: Any, world: int, gpus_per_node: int) -> str | None:
         line += (f"; parallel.memory_parallel={best['memory_parallel']} (what auto takes here) sends "
                  f"{_gib(best['value_grad'])} of value gradients and {_gib(best['memory_all_to_all'])} in the "
                  "memory all-to-alls")
-    return line + f" (python -m memlm.train.plan ... --world {world} shows every layout)"
+    return line + f" (python -m memlm.plan ... --world {world} shows every layout)"
 
 
 def _gib(n: int) -> str:
@@ -114,7 +114,7 @@ def shard_memory_values(model: nn.Module, meshes: Meshes, env: DistEnv) -> None:
 def init_value_tables(model: nn.Module, seed: int) -> None:
     """Draw every value table (or this rank's shard) from `seed` alone: the
     same numbers on every replica, for init=full and init=sharded, on any
-    number of ranks (memlm.memory.parallel.init_value_tables)."""
+    number of ranks (memlm.distributed.memory_parallel.init_value_tables)."""
     _init_pool_tables(value_pools(model), seed)
 
 
@@ -126,7 +126,7 @@ class _NoReduction:
 def value_grad_reduction(model: nn.Module, meshes: Meshes, env: DistEnv, accum: int, cfg: Any):
     """What sums the value tables' gradients over replicas; call `.finish()`
     after the last micro-batch's backward, before clipping. The dense
-    reduction starts from a hook during that backward (train/value_grads.py)."""
+    reduction starts from a hook during that backward (distributed/value_grads.py)."""
     pools = value_pools(model)
     if meshes.memory is None or not pools:
         return _NoReduction()
@@ -144,7 +144,3 @@ def health_metrics(model: nn.Module) -> dict[str, float]:
     if dist.is_initialized():
         return usage_metrics(model, reduce=lambda t: dist.all_reduce(t))
     return usage_metrics(model)
-
-
-def value_table_params(model: nn.Module) -> list[torch.Tensor]:
-    return [pool.weight for pool in value_pools(model)]

@@ -1,6 +1,6 @@
 """Summing the value tables' gradients over memory-parallel replicas.
 
-A column-sharded value table (memlm.memory.parallel) has one copy per
+A column-sharded value table (memlm.distributed.memory_parallel) has one copy per
 replica group ("mem_replica"); each copy's gradient sums over its own group's
 tokens, so the global gradient is the sum over replicas, divided by the
 world size (every rank's loss is a mean over its own tokens).
@@ -54,7 +54,6 @@ class ValueGradReduction:
         self.dtype = REDUCE_DTYPES[reduce_dtype]
         self._backwards: dict[int, int] = {}  # per table: backwards since the last finish()
         self._pending: dict[int, tuple[dist.Work, torch.Tensor, torch.Tensor]] = {}
-        self.started_in_hook = 0  # reductions launched from the hook (tests read it)
         if self.replicas > 1:
             for pool in pools:
                 pool.weight.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -71,7 +70,6 @@ class ValueGradReduction:
         calls = self._backwards[id(param)] = self._backwards.get(id(param), 0) + 1
         if calls == self.accum:
             self._pending[id(param)] = self._start(_local(param.grad))
-            self.started_in_hook += 1
 
     def _start(self, grad: torch.Tensor) -> tuple[dist.Work, torch.Tensor, torch.Tensor]:
         buf = grad if grad.dtype == self.dtype else grad.to(self.dtype)

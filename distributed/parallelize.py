@@ -2,7 +2,7 @@
 
 Model code has no distributed code: everything here wraps the model from
 the outside (the torchtitan split). Memory value tables are excluded from
-FSDP; `memlm.train.memory_parallel` shards them by columns instead.
+FSDP; `memlm.distributed.memory_parallel` (through `memlm.distributed.memory_hooks`) shards them by columns instead.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from memlm.memory.parallel import value_pools
+from memlm.config.run import ParallelConfig
+from memlm.distributed.env import Meshes
+from memlm.distributed.precision import compute_dtype
+from memlm.memory.tables import table_modules, value_pools
 from memlm.model import Transformer
-from memlm.train.config import ParallelConfig
-from memlm.train.distributed import Meshes
-from memlm.train.precision import compute_dtype
 
 # The policy of the product-key lookups (query projection + sub-keys): gathered
 # and computing in float32, so that the top-k selects what the float32 model
@@ -28,7 +28,7 @@ FULL_PRECISION = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=to
 
 
 def _is_memory_block(block: nn.Module) -> bool:
-    return any(getattr(m, "param_category", None) == "memory" for m in block.modules()) or block.ffn_kind in (
+    return bool(table_modules(block)) or block.ffn_kind in (
         "memory", "memplus",
     )
 
@@ -57,11 +57,11 @@ def apply_compile(model: Transformer) -> None:
 
 def apply_fsdp(model: Transformer, meshes: Meshes, cfg: ParallelConfig, device: torch.device) -> None:
     """fully_shard every block, then the root; parameters all-gathered in the
-    compute dtype (memlm.train.precision: bf16 with parallel.dtype=bf16, and
+    compute dtype (memlm.distributed.precision: bf16 with parallel.dtype=bf16, and
     by default on GPU), gradients reduced in fp32, fp32 shards. One process has
-    no mesh and gets its bf16 from autocast instead (train/precision.py says
+    no mesh and gets its bf16 from autocast instead (distributed/precision.py says
     why). Memory value pools are left out: they are column-sharded by
-    memlm.memory.parallel (other sparse tables, such as PEER's experts, stay
+    memlm.distributed.memory_parallel (other sparse tables, such as PEER's experts, stay
     under FSDP). Modules that ask for it (`full_precision_params`: the
     product-key lookups) are units of their own inside their block, gathered
     in float32 (FULL_PRECISION)."""

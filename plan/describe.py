@@ -1,7 +1,7 @@
 """Print a model's parameter counts and FLOPs per token without allocating it.
 
-    python -m memlm.train.describe model=373m memory=memplus
-    python -m memlm.train.describe --all-presets
+    python -m memlm.plan.describe model=373m memory=memplus
+    python -m memlm.plan.describe --all-presets
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 
 import torch
 
+from memlm.config.run import compose, group_options
 from memlm.model import Transformer
-from memlm.train.config import compose, group_options
 
 
 def describe_row(overrides: list[str], seq_len: int | None) -> dict:
@@ -43,7 +43,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m memlm.train.describe", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m memlm.plan.describe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--all-presets", action="store_true", help="one row per configs/model preset")
     parser.add_argument("--seq-len", type=int, default=None, help="context for attention FLOPs (default: data.seq_len)")

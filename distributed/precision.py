@@ -8,7 +8,7 @@
 Weights, gradients and optimizer state stay float32 either way ("master
 weights"); only the matmuls' inputs are rounded. Two mechanisms, one result:
 
-- more than one rank: FSDP2's MixedPrecisionPolicy (train/parallelize.py)
+- more than one rank: FSDP2's MixedPrecisionPolicy (distributed/parallelize.py)
   all-gathers the float32 shards as bf16, so the unsharded weights and the
   blocks compute in bf16 and the all-gathers move half the bytes; gradients
   are reduced in float32.
@@ -25,10 +25,10 @@ and fp32 matmuls on CUDA use TF32 (enable_tf32). The product-key lookup goes
 further, so that it selects the slots the float32 model selects: its query
 projection runs in float32 too, both its matmuls with TF32 off
 (memlm.memory.exact.no_tf32, the caller's setting restored after), and under
-FSDP its parameters are gathered in float32 (train/parallelize.py,
+FSDP its parameters are gathered in float32 (distributed/parallelize.py,
 FULL_PRECISION). A bf16 query changes the selected set of ~20% of the lookups
 at n_keys 1024, k_dim 512, knn 32, TF32 scores ~2% (tests/test_precision.py).
-Evaluation loads a float32 model and runs without autocast (memlm.train.load).
+Evaluation loads a float32 model and runs without autocast (memlm.hf.load).
 docs/training.md, "Precision", has the trade-offs.
 """
 
@@ -38,7 +38,7 @@ import contextlib
 
 import torch
 
-from memlm.train.config import ParallelConfig
+from memlm.config.run import ParallelConfig
 
 
 def compute_dtype(cfg: ParallelConfig, device: torch.device) -> torch.dtype:

@@ -1,11 +1,11 @@
 """Hugging Face `trust_remote_code` bundle for memlm models with memory, MoE or PEER layers.
 
-Dense models export as a plain Llama (model/hf.py). Every other model gets,
+Dense models export as a plain Llama (hf/mapping.py). Every other model gets,
 beside its memlm-named safetensors, the two source files of this folder
 (configuration_memlm.py, modeling_memlm.py: torch + transformers only) and a
 `config.json` whose `auto_map` points at them:
 
-    write_remote_code(out_dir, cfg.model, memory)   # called by train/export.py
+    write_remote_code(out_dir, cfg.model, memory)   # called by hf/export.py
     # then, anywhere (memlm not needed):
     AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True)
 

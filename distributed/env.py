@@ -130,7 +130,7 @@ def shard_index(meshes: Meshes, env: DistEnv) -> int:
 def build_meshes(env: DistEnv, memory_parallel: int, fsdp_mode: str) -> Meshes:
     if isinstance(memory_parallel, bool) or not isinstance(memory_parallel, int):
         raise TypeError(f"build_meshes takes memory_parallel as an integer, not {memory_parallel!r}: resolve "
-                        "parallel.memory_parallel=auto first (memlm.train.memory_hooks.resolve_memory_parallel)")
+                        "parallel.memory_parallel=auto first (memlm.distributed.memory_hooks.resolve_memory_parallel)")
     if env.world_size % memory_parallel:
         raise ConfigError(
             "parallel.memory_parallel", memory_parallel,

@@ -16,7 +16,7 @@ Layout of `dump_dir/checkpoints/`:
 A save writes into `.tmp_<name>`, then renames it, then rewrites `latest`
 (each an atomic rename), so a crash at any moment leaves the previous
 checkpoint usable; `recover()` finishes or undoes an interrupted re-save.
-The names and integrity rules live in memlm.train.checkpoint_dir. Loading
+The names and integrity rules live in memlm.checkpoint.folder. Loading
 checks the manifest before DCP reads anything. No load path unpickles tensor
 data: DCP loads tensors with weights_only, and every non-tensor value is JSON.
 """
@@ -45,8 +45,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from memlm.files import atomic_write_text
-from memlm.train.checkpoint_dir import (
+from memlm.checkpoint.finite import check_finite_state
+from memlm.checkpoint.folder import (
     OLD,
     PREFIX,
     TMP,
@@ -63,8 +63,8 @@ from memlm.train.checkpoint_dir import (
     verify,
     write_latest,
 )
-from memlm.train.config import CheckpointConfig
-from memlm.train.finite import check_finite_state
+from memlm.config.run import CheckpointConfig
+from memlm.files import atomic_write_text
 
 __all__ = ["CheckpointError", "Checkpointer", "check_shapes", "complete_checkpoints", "verify"]
 
@@ -91,7 +91,7 @@ def check_async_backend() -> None:
             raise CheckpointError(
                 f"checkpoint.async_save=true needs a CPU backend in the default process group, which has one "
                 f"for {', '.join(types)} only: initialize it with backend='cpu:gloo,cuda:nccl' (memlm's trainer "
-                f"does, memlm.train.distributed.process_group_backend), or set checkpoint.async_save=false")
+                f"does, memlm.distributed.env.process_group_backend), or set checkpoint.async_save=false")
 
 
 def _checkpoint_error(err: CheckpointException, checkpoint_id) -> CheckpointError:

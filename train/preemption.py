@@ -8,7 +8,7 @@ So the handler only sets a flag, and the training loop asks at agreed steps
 (the trainer: every logging step, so a non-logging step has no collective
 and no host read for it; on one process every step, which costs nothing):
 
-    from memlm.launch.preemption import install_preemption_handler
+    from memlm.train.preemption import install_preemption_handler
 
     preemption = install_preemption_handler(self.save_checkpoint)   # in Trainer.fit, before the loop
     while self.step < last_step:

@@ -1,11 +1,11 @@
 """Load an exported model: `memlm.model.from_pretrained(out_dir)`.
 
-An export directory (written by `python -m memlm.train.export`) holds
+An export directory (written by `python -m memlm.hf.export`) holds
 `memlm_config.json` (model + memory config and the weight layout),
 `model.safetensors` or shards listed in `model.safetensors.index.json`, and
 for dense models a Hugging Face `config.json` (their weights use the HF Llama
 names, so `transformers` loads the same directory); other models get a
-`config.json` with `auto_map` and the modeling files of model/hf_remote/
+`config.json` with `auto_map` and the modeling files of hf/remote/
 (`AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`).
 """
 
@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from memlm.hf.mapping import from_hf_state_dict
 from memlm.memory.config import MemoryConfig
 from memlm.model.args import ModelArgs
 from memlm.model.build import build_model
-from memlm.model.hf import from_hf_state_dict
 from memlm.model.transformer import Transformer
 
 CONFIG_NAME = "memlm_config.json"

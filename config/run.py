@@ -1,0 +1,315 @@
+"""The run configuration: typed dataclasses + Hydra config groups, composed in one place.
+
+`compose(overrides)` is the single entry point used by the trainer, the tools
+and the tests. It merges `configs/` with Hydra overrides, converts the result
+into `Config` dataclasses and validates every value, so a bad value fails here,
+before any process group, file or tensor is created.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf
+
+import memlm.model  # noqa: F401  (registers the FFN kinds that validation lists)
+from memlm.config.keys import unknown_key_error
+from memlm.data.config import KINDS as DATA_KINDS
+from memlm.data.config import DataConfig
+from memlm.errors import ConfigError
+from memlm.evals.config import EvalConfig
+from memlm.memory.config import MemoryConfig
+from memlm.model.args import ModelArgs
+from memlm.model.ffn import ffn_kinds
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def check_number(key: str, value: float, zero: str = "") -> None:
+    """An optimizer number must be finite and positive; `zero` (what 0 means)
+    makes 0 valid too. A NaN or inf here would reach the weights at the first step."""
+    if math.isfinite(value) and (value > 0 or (zero and value == 0)):
+        return
+    raise ConfigError(key, value, f"a finite number > 0{f' (or 0: {zero})' if zero else ''}")
+GROUPS = ("model", "memory", "data", "optim", "parallel", "eval", "experiment")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    schedule: str = "cosine"  # cosine | linear | constant | wsd
+    warmup: int = 10
+    min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2  # wsd: share of the steps spent in the final decay
+    clip: float = 1.0  # global gradient-norm clip of all non-memory-value weights; 0 -> off
+
+    def validate(self, prefix: str = "optim") -> None:
+        check_number(f"{prefix}.lr", self.lr)
+        check_number(f"{prefix}.eps", self.eps)
+        check_number(f"{prefix}.clip", self.clip, zero="no clipping")
+        check_number(f"{prefix}.weight_decay", self.weight_decay, zero="no weight decay")
+        if self.schedule not in ("cosine", "linear", "constant", "wsd"):
+            raise ConfigError(f"{prefix}.schedule", self.schedule, "one of: cosine, linear, constant, wsd")
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"{prefix}.{key}", getattr(self, key), "a number in [0, 1)")
+        if self.warmup < 0:
+            raise ConfigError(f"{prefix}.warmup", self.warmup, "an integer >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"{prefix}.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError(f"{prefix}.decay_fraction", self.decay_fraction, "a number in (0, 1]")
+
+
+@dataclass
+class ParallelConfig:
+    # Ranks sharing one column-sharded value table: an integer, or auto (the
+    # layout with the least value-table traffic for the world size the run
+    # starts with; 1 on one rank or without value tables; memlm.distributed.memory_hooks).
+    memory_parallel: Any = "auto"
+    fsdp: str = "full"  # full | hybrid (shard within a node, replicate across nodes)
+    activation_checkpoint: str = "none"  # none | full | selective
+    compile: bool = False
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    # full: every rank initializes the whole model on CPU (identical weights for
+    # any world size), then shards it; sharded: initialize each shard in place
+    # on the device (for models too large for host memory).
+    init: str = "full"
+
+    def validate(self, prefix: str = "parallel") -> None:
+        mp = self.memory_parallel
+        if mp != "auto" and (isinstance(mp, bool) or not isinstance(mp, int) or mp < 1):
+            raise ConfigError(f"{prefix}.memory_parallel", mp, "auto or an integer >= 1")
+        choices = {
+            "fsdp": ("full", "hybrid"),
+            "activation_checkpoint": ("none", "full", "selective"),
+            "dtype": ("auto", "bf16", "fp32"),
+            "init": ("full", "sharded"),
+        }
+        for key, valid in choices.items():
+            if getattr(self, key) not in valid:
+                raise ConfigError(f"{prefix}.{key}", getattr(self, key), f"one of: {', '.join(valid)}")
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "memlm"
+    entity: str = ""
+    tags: list[str] = field(default_factory=list)
+
+    def validate(self, prefix: str = "logging.wandb") -> None:
+        if self.mode not in ("offline", "online", "disabled"):
+            raise ConfigError(f"{prefix}.mode", self.mode, "one of: offline, online, disabled")
+
+
+@dataclass
+class LoggingConfig:
+    every: int = 10  # steps between console / metrics.jsonl lines
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    # Also write every metrics record's scalars (those wandb gets) as TensorBoard
+    # events to dump_dir/tensorboard (needs the tensorboard package: memlm[tensorboard]).
+    tensorboard: bool = False
+
+    def validate(self, prefix: str = "logging") -> None:
+        if self.every < 1:
+            raise ConfigError(f"{prefix}.every", self.every, "an integer >= 1")
+        self.wandb.validate(f"{prefix}.wandb")
+
+
+@dataclass
+class ProfileConfig:
+    # [first, last] training steps (as logged, from 1; inclusive) to record with
+    # torch.profiler (+ a CUDA memory snapshot) into dump_dir/profile/; [] -> off.
+    steps: list[int] = field(default_factory=list)
+
+    def validate(self, total_steps: int, prefix: str = "profile") -> None:
+        s = list(self.steps)
+        if s and not (len(s) == 2 and 1 <= s[0] <= s[1] <= total_steps):
+            raise ConfigError(f"{prefix}.steps", s, f"[] (off) or [first, last] with 1 <= first <= last <= "
+                              f"steps={total_steps}")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 -> only at the end
+    keep: int = 2  # newest checkpoints kept
+    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this; 0 -> none
+    # Integrity data written with each checkpoint and checked before loading:
+    # checksum (crc32 of every file) | size (file sizes only, for huge runs).
+    verify: str = "checksum"
+    at_end: bool = True
+    # Stage tensors in host memory and write them in a background thread: training
+    # is blocked only for the copy (for GPU runs with large states).
+    async_save: bool = False
+
+    def validate(self, prefix: str = "checkpoint") -> None:
+        for key in ("every", "keep_every"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{prefix}.{key}", getattr(self, key), "an integer >= 0")
+        if self.keep < 1:
+            raise ConfigError(f"{prefix}.keep", self.keep, "an integer >= 1 (the newest checkpoint is always kept)")
+        if self.verify not in ("checksum", "size"):
+            raise ConfigError(f"{prefix}.verify", self.verify, "one of: checksum, size")
+
+
+@dataclass
+class Config:
+    model: ModelArgs = field(default_factory=ModelArgs)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    # auto (default: the newest complete checkpoint in dump_dir, if any; else a fresh start)
+    # | none (start over: existing checkpoints are moved aside) | a checkpoint directory
+    resume: str = "auto"
+    # A checkpoint directory or a memlm export: load its weights only, fresh optimizer.
+    # `hf:<dir>`: a Hugging Face Llama checkpoint, or an export (hf/importer.py;
+    # docs/checkpoints.md).
+    init_from: str = ""
+    name: str = "run"
+    dump_dir: str = "runs/${name}"
+    steps: int = 100
+    seed: int = 0
+    # Tokens per optimizer step over all ranks; 0 -> one micro-batch per rank
+    # (no accumulation). Must be a multiple of micro_batch * seq_len * dp ranks.
+    global_batch_tokens: int = 0
+    val_every: int = 0  # steps between validation losses; 0 -> only at the end
+    val_batches: int = 4
+    # Stop after this many consecutive non-finite losses (each is skipped and counted).
+    max_nonfinite_steps: int = 5
+    device: str = "auto"  # auto (cuda if available) | cpu | cuda
+
+    def validate(self) -> None:
+        self.model.validate(ffn_kinds())
+        self.memory.validate(self.model.n_layers)
+        if self.memory.kind != "none" and self.memory.kind not in ffn_kinds():
+            raise ConfigError("memory.kind", self.memory.kind, f"none or one of the FFN kinds: {', '.join(ffn_kinds())}")
+        v_dim = self.memory.v_dim or self.model.dim
+        mp = self.parallel.memory_parallel
+        if self.memory.kind != "none" and mp != "auto" and v_dim % mp:
+            raise ConfigError(
+                "memory.v_dim", v_dim,
+                f"a multiple of parallel.memory_parallel={self.parallel.memory_parallel} "
+                "(the value table is split by columns over the memory-parallel ranks)",
+            )
+        if self.memory.kind != "none":
+            # The value group's own optimizer numbers (memlm.train.optim.param_groups).
+            check_number("memory.value_lr", self.memory.value_lr)
+            check_number("memory.value_grad_clip", self.memory.value_grad_clip, zero="no clipping")
+            check_number("memory.value_weight_decay", self.memory.value_weight_decay, zero="no weight decay")
+        self.data.validate()
+        if self.model.doc_mask and self.data.kind == "random":
+            raise ConfigError("model.doc_mask", True, "false with data.kind=random (random tokens have no "
+                              "documents); or a data kind with documents: " + ", ".join(
+                                  k for k in DATA_KINDS if k != "random"))
+        self.optim.validate()
+        self.parallel.validate()
+        self.eval.validate()
+        self.logging.validate()
+        self.checkpoint.validate()
+        self.profile.validate(self.steps)
+        if self.init_from and self.resume not in ("none", "auto"):
+            # resume=auto + init_from: a checkpoint in dump_dir wins, init_from starts a run that has
+            # none (a requeued or restarted fine-tune continues instead of starting over).
+            raise ConfigError("resume", self.resume, f"none or auto with init_from={self.init_from} (a checkpoint "
+                              "named by resume restores the weights itself; leave init_from empty for it)")
+        if self.init_from.startswith("hf:") and not self.init_from[3:].strip():
+            raise ConfigError("init_from", self.init_from, "hf:<dir>, the folder of a Hugging Face Llama "
+                              "checkpoint or of a memlm export")
+        if self.steps < 0:
+            raise ConfigError("steps", self.steps, "an integer >= 0")
+        for key in ("global_batch_tokens", "val_every", "val_batches"):
+            if getattr(self, key) < 0:
+                raise ConfigError(key, getattr(self, key), "an integer >= 0")
+        if self.max_nonfinite_steps < 1:
+            raise ConfigError("max_nonfinite_steps", self.max_nonfinite_steps, "an integer >= 1")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError("device", self.device, "one of: auto, cpu, cuda")
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                "data.seq_len", self.data.seq_len,
+                f"at most model.max_seq_len={self.model.max_seq_len}",
+            )
+
+
+def _register_schemas() -> None:
+    """Register the dataclasses as Hydra structured configs (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="memlm_config_schema", node=Config)
+
+
+def group_options(group: str) -> list[str]:
+    """The presets of one config group, e.g. group_options("model") -> ["134m", ...]."""
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def compose_dict(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:
+    """Compose the raw (typed, resolved) DictConfig; `compose` is what most callers want."""
+    _register_schemas()
+    overrides = list(overrides)
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="memlm"):
+            cfg = hydra_compose(config_name=config_name, overrides=overrides)
+    except MissingConfigException as err:
+        raise _missing_option_error(overrides, err) from None
+    except HydraException as err:
+        if (unknown := unknown_key_error(overrides, Config, GROUPS)) is not None:
+            raise unknown from None
+        detail = f"{err} ({err.__cause__})" if err.__cause__ else str(err)
+        detail = " ".join(detail.split())  # one line
+        raise ConfigError("overrides", overrides, f"a valid Hydra override list; Hydra said: {detail}") from None
+    # `+key=value` adds a key Hydra accepts and the typed config then drops: refuse it too.
+    if (unknown := unknown_key_error(overrides, Config, GROUPS)) is not None:
+        raise unknown
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def compose(overrides: Sequence[str] = (), config_name: str = "config") -> Config:
+    """Compose configs/ + overrides into a validated `Config`."""
+    cfg = compose_dict(overrides, config_name)
+    config = OmegaConf.to_object(cfg)
+    assert isinstance(config, Config)
+    config.validate()
+    # What init_from points at (a checkpoint, an export, a Llama) is read by
+    # memlm.train.preflight.check_init_from, before a run starts: composing
+    # reads no files, so a saved run's config stays loadable after that folder is gone.
+    return config
+
+
+def _missing_option_error(overrides: list[str], err: MissingConfigException) -> ConfigError:
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key in GROUPS and value and value not in group_options(key):
+            return ConfigError(key, value, f"one of the presets in configs/{key}/: {', '.join(group_options(key))}")
+    return ConfigError("overrides", overrides, str(err))
+
+
+def to_yaml(config: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def from_yaml(text: str) -> Config:
+    """A Config saved with `to_yaml` (e.g. in a checkpoint), validated again."""
+    merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text))
+    config = OmegaConf.to_object(merged)
+    assert isinstance(config, Config)
+    config.validate()
+    return config

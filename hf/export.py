@@ -1,0 +1,153 @@
+"""Export a checkpoint to safetensors (+ the Hugging Face Llama layout for dense models).
+
+    python -m memlm.hf.export runs/demo/checkpoints/step_00000300 exports/demo
+    python -m memlm.hf.export runs/demo/checkpoints/latest exports/demo --max-shard-size 2GB
+
+Writes `model.safetensors` (or shards + `model.safetensors.index.json` above
+--max-shard-size), `memlm_config.json`, `generation_config.json`, and the
+tokenizer when the run used one: the sentencepiece `tokenizer.model` plus
+the Hugging Face `tokenizer.json` / `tokenizer_config.json` converted from it
+(hf/bundle.py: `AutoTokenizer.from_pretrained(out_dir, trust_remote_code=False)`
+gives memlm's ids, eos first). Dense models are written with Hugging Face Llama tensor names and a HF
+`config.json`, so `transformers.LlamaForCausalLM.from_pretrained(out_dir)`
+loads the same directory. Other models (memory, MoE, PEER layers) get a
+`config.json` with `auto_map` and the modeling files of memlm/hf/remote/,
+so `AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True)`
+loads them without memlm installed; every export loads with
+`memlm.model.from_pretrained(out_dir)` and starts a new run with
+`python -m memlm.train init_from=out_dir ...` (hf/importer.py).
+
+A checkpoint holding a NaN or inf tensor is refused before anything is
+written (ExportError naming the tensors; the command exits 1 with one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+import memlm
+from memlm.checkpoint.checkpointer import Checkpointer, CheckpointError, verify
+from memlm.checkpoint.finite import check_finite
+from memlm.config.run import from_yaml
+from memlm.errors import ConfigError
+from memlm.hf.bundle import hf_token_ids, portable_config_json, write_hf_side_files
+from memlm.hf.load import resolve_checkpoint_dir, run_tokenizer_path
+from memlm.hf.mapping import to_hf_config, to_hf_state_dict
+from memlm.hf.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
+from memlm.hf.remote import write_remote_code
+from memlm.model import build_model
+
+UNITS = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+
+
+class ExportError(RuntimeError):
+    pass
+
+
+def parse_size(text: str) -> int:
+    for unit, factor in UNITS.items():
+        if text.upper().endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--max-shard-size {text!r}: a byte count or a size like 500MB, 5GB") from None
+
+
+def shard_state(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9) -> Path:
+    checkpoint = resolve_checkpoint_dir(Path(checkpoint))
+    meta = verify(checkpoint)
+    cfg = from_yaml(meta["config"])
+    memory = cfg.memory if cfg.memory.kind != "none" else None
+    model = build_model(cfg.model, memory)
+    Checkpointer.load_weights(checkpoint, model)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    check_finite(state, f"export of {checkpoint}", ExportError)
+    dense = cfg.model.ffn == "dense" and memory is None
+    if dense:
+        state = to_hf_state_dict(state, cfg.model)
+        if cfg.model.tie_embeddings:
+            state.pop("lm_head.weight")  # safetensors stores a tensor once; HF re-ties it
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards = shard_state(state, max_shard_size)
+    if len(shards) == 1:
+        save_file(shards[0], str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        (out_dir / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    memlm_config = {
+        "memlm_version": memlm.__version__, "step": meta["step"],
+        "weights_layout": "hf_llama" if dense else "memlm",
+        "model": dataclasses.asdict(cfg.model), "memory": dataclasses.asdict(cfg.memory),
+    }
+    (out_dir / CONFIG_NAME).write_text(json.dumps(memlm_config, indent=2))
+    write_data_config(cfg, out_dir)
+    tokenizer = run_tokenizer_path(cfg, checkpoint)
+    tokenizer = tokenizer if tokenizer and Path(tokenizer).is_file() else None
+    if not dense:  # config.json + trust_remote_code modeling files for the memlm-named weights above
+        write_remote_code(out_dir, cfg.model, memory, extra=hf_token_ids(tokenizer))
+    if dense:
+        to_hf_config(cfg.model, torch_dtype="float32", architectures=["LlamaForCausalLM"],
+                     **hf_token_ids(tokenizer)).save_pretrained(str(out_dir))
+        portable_config_json(out_dir / "config.json", cfg.model.rope_theta)
+    if tokenizer:
+        shutil.copy(tokenizer, out_dir / "tokenizer.model")
+    write_hf_side_files(out_dir, tokenizer, cfg.model.max_seq_len)
+    return out_dir
+
+
+# -------------------------------------------------------------- data config
+def write_data_config(cfg, out_dir: Path) -> None:
+    """The run's data config as memlm_data.json: evaluations that ask about the
+    training corpus (synthetic_qa) read it (memlm.hf.load.data_config)."""
+    from memlm.hf.load import DATA_CONFIG_NAME
+
+    payload = {"memlm_version": memlm.__version__, "data": dataclasses.asdict(cfg.data)}
+    (out_dir / DATA_CONFIG_NAME).write_text(json.dumps(payload, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m memlm.hf.export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="checkpoint directory, its `latest` file, or a run's dump_dir")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"))
+    args = parser.parse_args(argv)
+    try:
+        out = export(args.checkpoint, args.out_dir, args.max_shard_size)
+    except (ExportError, CheckpointError, ConfigError) as err:  # a missing, bad or non-finite checkpoint: one line
+        print(f"error: cannot export {args.checkpoint}: {err}", file=sys.stderr)
+        return 1
+    files = sorted(p.name for p in out.iterdir())
+    print(f"[export] {resolve_checkpoint_dir(args.checkpoint)} -> {out}: {', '.join(files)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

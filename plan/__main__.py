@@ -1,0 +1,5 @@
+"""`python -m memlm.plan`: the scale planner (memlm/plan/planner.py)."""
+
+from memlm.plan.planner import main
+
+raise SystemExit(main())

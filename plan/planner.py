@@ -1,0 +1,641 @@
+"""Scale planner: memory, communication and step time of a run on N GPUs,
+computed on one CPU without data or a GPU.
+
+    python -m memlm.plan model=8b memory=memplus memory.n_keys=1024 --world 64  # memory_parallel auto
+    python -m memlm.plan model=8b memory=memplus memory.n_keys=4096 \\
+        parallel.memory_parallel=64 --world 64 --gpu H200       # at the 8b preset's shape, 8192 x 1
+    python -m memlm.plan model=8b data.seq_len=4096 --world 8   # an explicit shape wins
+    python -m memlm.plan model=1b memory=memplus --world 64 --fit   # the layouts that fit, fastest first
+    python -m memlm.plan --paper                                     # docs/scaling-plan.md tables
+
+A model preset is planned at the sequence length and micro-batch it is meant
+to train with (TRAINING_SHAPES below, with the reason for each), not at the
+data config's CPU-sized default; data.seq_len=... / data.micro_batch=... (or
+an experiment=... preset) win over it. The plan says which shape it used and
+where each number came from.
+
+It joins a fake process group of N ranks (torch's "fake" backend: collectives
+do nothing), then builds the model exactly as the trainer does: the
+Transformer on the meta device, the meshes (`build_meshes`), the value
+tables column-sharded (`shard_memory_values`), activation checkpointing and
+FSDP2 (`apply_fsdp`), and the trainer's optimizer (`build_optimizer`), which
+takes one step on meta gradients shaped like the parameters (what the
+backward leaves) so its state tensors exist. Parameter, gradient and
+optimizer-state bytes are read from those sharded tensors (local shards,
+value tables included); activations, communication and step time are
+estimates from `memlm.plan.cost`. `parallel.memory_parallel=auto` is
+resolved as the trainer resolves it (`memory_hooks.resolve_memory_parallel`),
+and a plan on several ranks of a model with value tables ends with every
+memory_parallel the run could take: the bytes of its memory all-to-alls and
+of its value-gradient exchange (all-reduce, or touched rows under
+memory.sparse_updates) per step, the seconds they add, and which one auto takes.
+
+`--fit` plans every power-of-two memory_parallel and, unless the overrides
+set them, both parallel.fsdp modes (hybrid only on more than one node) and
+the least activation checkpointing that fits (none, then selective, then
+full); it ends with one table of the layouts that fit, fastest first, and the
+overrides of the fastest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from memlm.config.run import Config, compose
+from memlm.distributed.env import DistEnv, build_meshes
+from memlm.distributed.memory_hooks import (
+    resolve_memory_parallel,
+    shard_memory_values,
+    value_layouts_of,
+)
+from memlm.distributed.parallelize import apply_activation_checkpointing, apply_fsdp
+from memlm.distributed.precision import compute_dtype
+from memlm.distributed.value_grads import REDUCE_DTYPES
+from memlm.distributed.value_layout import (
+    GPUS,
+    ValueTables,
+    least_traffic,
+    memory_parallel_candidates,
+    spans_nodes,
+)
+from memlm.errors import ConfigError
+from memlm.memory import sparse_adamw
+from memlm.memory.tables import value_pools
+from memlm.model import Transformer
+from memlm.plan.cost import HBM_HEADROOM, Layout, activation_bytes, comm_volume, gpu_spec, step_time
+from memlm.train.optim import build_optimizer
+from memlm.train.trainer import accumulation_steps
+
+GiB = 2**30
+
+# The shape each model preset is meant to train with: (sequence length,
+# micro-batch = sequences per GPU per forward, why). The planner's default for
+# that preset: configs/data/ presets carry a CPU-sized 128 tokens, at which an
+# 8B model plans at a meaningless MFU. data.seq_len= / data.micro_batch= (or an
+# experiment= preset) win. The trainer does not read this table: train at the
+# planned shape with the overrides the plan prints.
+TRAINING_SHAPES: dict[str, tuple[int, int, str]] = {
+    "tiny": (128, 8, "the CPU demo's, configs/experiment/demo.yaml"),
+    "134m": (4096, 8, "4,096 tokens, the preset's max_seq_len; 8 sequences keep activations and logits "
+                      "near 20 GiB per GPU without activation checkpointing"),
+    "373m": (4096, 4, "4,096 tokens, the preset's max_seq_len; 4 sequences keep activations and logits "
+                      "near 20 GiB per GPU without activation checkpointing"),
+    "1b": (4096, 2, "4,096 tokens, the preset's max_seq_len; 2 sequences keep activations and logits "
+                    "near 20 GiB per GPU without activation checkpointing; the --paper table's 1.3B rows "
+                    "use the same"),
+    "8b": (8192, 1, "8,192 tokens, Llama 3 8B's pretraining sequence length and the preset's max_seq_len; "
+                    "one sequence per GPU"),
+}
+SHAPE_KEYS = {"seq_len": "data.seq_len", "micro_batch": "data.micro_batch"}
+TABLE = "TRAINING_SHAPES (memlm/plan/planner.py)"
+
+# The settings of the memory-layer paper (Berges et al., "Memory Layers at
+# Scale", 2024): 1.3B base (the 1b preset) with 1M and 64M slots, 8B with 1M
+# and 16M slots.
+PAPER = [
+    ("1.3B + 1M", ["model=1b", "memory=memplus", "memory.n_keys=1024", "data.micro_batch=2"]),
+    ("1.3B + 64M", ["model=1b", "memory=memplus", "memory.n_keys=8192", "data.micro_batch=2"]),
+    ("8B + 1M", ["model=8b", "memory=memplus", "memory.n_keys=1024", "data.micro_batch=1",
+                 "parallel.activation_checkpoint=full"]),
+    ("8B + 16M", ["model=8b", "memory=memplus", "memory.n_keys=4096", "data.micro_batch=1",
+                  "parallel.activation_checkpoint=full"]),
+]
+PAPER_COMMON = ["data.seq_len=4096", "memory.spread=3"]
+PAPER_WORLDS = (8, 64, 512)
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes of this rank's part of a tensor (a DTensor's local shard)."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+@contextlib.contextmanager
+def fake_process_group(world: int, rank: int) -> Iterator[None]:
+    """A process group of `world` ranks whose collectives do nothing, as rank `rank`."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("the planner needs its own (fake) process group; one is already initialized")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def check_args(cfg: Config, world: int, rank: int, gpus_per_node: int, gpu: str) -> None:
+    if world < 1:
+        raise ConfigError("--world", world, "an integer >= 1 (the number of GPUs)")
+    if not 0 <= rank < world:
+        raise ConfigError("--rank", rank, f"an integer in [0, {world - 1}] (--world {world})")
+    if gpus_per_node < 1:
+        raise ConfigError("--gpus-per-node", gpus_per_node, "an integer >= 1")
+    gpu_spec(gpu)
+    p = cfg.parallel.memory_parallel
+    if p != "auto" and world % p:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ConfigError("parallel.memory_parallel", p,
+                          f"a divisor of --world {world}: one of {', '.join(map(str, divisors))}")
+
+
+def _fsdp_units(model: torch.nn.Module, gather_dtype: torch.dtype, skip: set[int]) -> list[tuple[int, int, bool]]:
+    """(all-gather bytes, reduce bytes, resharded after forward) per FSDP unit:
+    each fully_shard module's own parameters (not those of nested units)."""
+    units = []
+    nested: set[int] = set()
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in reversed(modules):  # innermost first
+        own = [p for p in module.parameters() if id(p) not in nested and id(p) not in skip]
+        nested.update(id(p) for p in own)
+        # FSDP2 pads the sharded dim of every parameter to a multiple of the shard group.
+        numel = sum(_padded_numel(p) for p in own)
+        # apply_fsdp keeps the root unsharded after forward; blocks reshard.
+        units.append((numel * gather_dtype.itemsize, numel * 4, module is not model))
+    return units
+
+
+def _padded_numel(p: torch.Tensor) -> int:
+    if not isinstance(p, DTensor):
+        return p.numel()
+    mesh = p.device_mesh
+    shards = mesh.size(mesh.ndim - 1)  # the "shard" dimension (hybrid: the last)
+    placement = p.placements[-1]
+    dim = placement.dim if placement.is_shard() else 0  # apply_fsdp may shard another dim than 0
+    size = p.shape[dim]
+    padded = -(-size // shards) * shards
+    return padded * (p.numel() // size) if size else 0
+
+
+def _override_keys(overrides: list[str]) -> dict[str, str]:
+    """{key: override} of the key=value overrides (`+`, `++`, `~` prefixes dropped)."""
+    keys = {}
+    for override in overrides:
+        key, eq, _ = override.partition("=")
+        if eq:
+            keys[key.lstrip("+~")] = override
+    return keys
+
+
+def planning_config(overrides: list[str]) -> tuple[Config, dict[str, Any]]:
+    """The config to plan and its shape: `overrides` composed, with the model
+    preset's training shape (TRAINING_SHAPES) for data.seq_len and
+    data.micro_batch unless an override or an experiment preset sets them.
+    The shape dict says where each number came from, and which overrides the
+    trainer needs to run at it (its own default is the data config's)."""
+    cfg = compose(overrides)
+    given = _override_keys(overrides)
+    preset = TRAINING_SHAPES.get(cfg.model.name)
+    origin: dict[str, str] = {}
+    to_train: list[str] = []
+    for index, (field, key) in enumerate(SHAPE_KEYS.items()):
+        if key in given:
+            origin[field] = f"your override {given[key]}"
+        elif "experiment" in given:
+            origin[field] = f"set by {given['experiment']}"
+        elif preset is None:
+            origin[field] = (f"configs/data/{cfg.data.name}.yaml: no training shape for model {cfg.model.name!r} "
+                             f"in {TABLE}, which has {', '.join(TRAINING_SHAPES)}")
+        else:
+            value = preset[index]
+            origin[field] = f"the {cfg.model.name} preset's training shape in {TABLE}: {preset[2]}"
+            if field == "seq_len" and value > cfg.model.max_seq_len:
+                value = cfg.model.max_seq_len
+                origin[field] = (f"the {cfg.model.name} preset's training shape in {TABLE}, {preset[0]}, capped at "
+                                 f"model.max_seq_len={value}")
+            setattr(cfg.data, field, value)
+            to_train.append(f"{key}={value}")
+    if to_train:
+        cfg.validate()
+    return cfg, {"seq_len": cfg.data.seq_len, "micro_batch": cfg.data.micro_batch, "from": origin,
+                 "train_with": to_train}
+
+
+def plan(cfg: Config, world: int, rank: int = 0, gpu: str = "H200", gpus_per_node: int = 8,
+         shape: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Build the run's model and layout as rank `rank` of `world` and return
+    its plan. `shape`: where data.seq_len and data.micro_batch came from
+    (`planning_config`); without it, "the config"."""
+    check_args(cfg, world, rank, gpus_per_node, gpu)
+    accum = accumulation_steps(cfg, world)
+    env = DistEnv(rank, world, rank % gpus_per_node, min(world, gpus_per_node), torch.device("cpu"))
+    memory_parallel = resolve_memory_parallel(cfg, world, env.local_world_size)
+    # Even one rank joins a (1-rank) fake group: the layout code may build a 1-rank mesh.
+    with fake_process_group(world, rank):
+        target = torch.device("cuda")  # the precision policy of a GPU run
+        meshes = build_meshes(env, memory_parallel, cfg.parallel.fsdp)
+        with torch.device("meta"):
+            model = Transformer(cfg.model, cfg.memory)
+        shard_memory_values(model, meshes, env)
+        apply_activation_checkpointing(model, cfg.parallel.activation_checkpoint)
+        apply_fsdp(model, meshes, cfg.parallel, target)
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = torch.zeros_like(p)  # the backward leaves a gradient shaped like its parameter
+        optimizer = build_optimizer(model, cfg, target)
+        _state_step(optimizer)
+        bytes_ = {
+            "params": sum(local_bytes(p) for p in model.parameters()),
+            "grads": sum(local_bytes(p.grad) for p in params),
+            "optimizer": sum(local_bytes(v) for s in optimizer.state.values() for v in s.values()
+                             if isinstance(v, torch.Tensor)),
+        }
+        tables = [pool.weight for pool in value_pools(model)]
+        table_ids = {id(t) for t in tables}
+        layout = _layout(cfg, model, meshes, env, accum, memory_parallel, tables, table_ids, target)
+    act = activation_bytes(model, layout, cfg.parallel.activation_checkpoint)
+    comm = comm_volume(layout)
+    timing = step_time(layout, comm, gpu_spec(gpu), cfg.parallel.activation_checkpoint)
+    state = bytes_["params"] + bytes_["grads"] + bytes_["optimizer"]
+    total = state + act["saved"] + act["recompute"] + act["transient"]
+    counts = model.num_params()
+    return {
+        "world": world, "rank": rank, "gpu": gpu, "memory_parallel": memory_parallel,
+        "memory_parallel_setting": cfg.parallel.memory_parallel, "fsdp": cfg.parallel.fsdp,
+        "activation_checkpoint": cfg.parallel.activation_checkpoint,
+        "shape": shape or {"seq_len": cfg.data.seq_len, "micro_batch": cfg.data.micro_batch,
+                           "from": {"seq_len": "the config", "micro_batch": "the config"}, "train_with": []},
+        "model": cfg.model.name, "memory_kind": cfg.memory.kind,
+        "memory_sparse_updates": cfg.memory.sparse_updates,
+        "slots": sum(t.shape[0] for t in tables),  # value-table rows (0 without memory layers)
+        "params_total": counts["total"], "params_active": counts["active"],
+        "params_memory": counts["memory"],  # every sparse table (memlm.memory.tables), pools or not
+        "bytes": {**bytes_, "value_tables": sum(local_bytes(t) for t in tables),
+                  "activations": act, "total": total},
+        "fits": total <= GPUS[gpu].hbm_bytes * HBM_HEADROOM,
+        "comm_bytes": comm, "time": timing,
+        # Each memory_parallel the run could take, with its value-table traffic (gpus_per_node as
+        # env.local_world_size: the trainer's view); auto takes the one of least seconds.
+        "value_layouts": value_layouts_of(cfg, world, env.local_world_size),
+        "tokens_per_step": layout.tokens * layout.accum * world,
+    }
+
+
+def _state_step(optimizer: torch.optim.Optimizer) -> None:
+    """One step on meta parameters: what creates the optimizer's state."""
+    for group in optimizer.param_groups:
+        # The fused kernel has no meta implementation; the foreach path
+        # creates the same state (its step counters live on the host,
+        # the fused kernel's on the device: 4 bytes per tensor either way).
+        if group.get("fused"):
+            group["fused"] = False
+    if not isinstance(optimizer, sparse_adamw.SparseRowAdamW):
+        optimizer.step()
+        return
+    # The row-wise AdamW (sparse updates, bf16 tables) creates its state
+    # before updating; the update copies the step count to the host, which a
+    # meta tensor cannot: leave it out.
+    update, sparse_adamw._adamw = sparse_adamw._adamw, lambda *args, **kwargs: None
+    try:
+        optimizer.step()
+    finally:
+        sparse_adamw._adamw = update
+
+
+def _layout(cfg: Config, model, meshes, env: DistEnv, accum: int, memory_parallel: int, tables, table_ids,
+            target) -> Layout:
+    world, gpn = env.world_size, env.local_world_size
+    layout = Layout(
+        world=world, rank=env.rank, gpus_per_node=gpn, memory_parallel=memory_parallel,
+        tokens=cfg.data.micro_batch * cfg.data.seq_len, accum=accum, seq_len=cfg.data.seq_len,
+        flops_per_token=model.flops_per_token(cfg.data.seq_len),
+        compute_bytes=compute_dtype(cfg.parallel, target).itemsize,
+        fsdp_size=1, fsdp_replicas=1, fsdp_spans_nodes=False,
+        values=model_value_tables(model, cfg), value_local_bytes=sum(local_bytes(t) for t in tables),
+        dense_local_bytes=sum(local_bytes(p) for p in model.parameters() if id(p) not in table_ids),
+    )
+    if meshes.fsdp is not None:
+        mesh = meshes.fsdp
+        shard = mesh["shard"] if mesh.ndim == 2 else mesh
+        layout.fsdp_size = shard.size()
+        layout.fsdp_replicas = mesh.size(0) if mesh.ndim == 2 else 1
+        layout.fsdp_spans_nodes = spans_nodes(shard.mesh.flatten().tolist(), gpn)
+        gather = compute_dtype(cfg.parallel, target)
+        layout.fsdp_units = _fsdp_units(model, gather, table_ids)
+        layout.fsdp_local_bytes = layout.dense_local_bytes
+    if meshes.memory is not None:
+        grid = meshes.memory.mesh  # (replicas, memory_parallel) rank ids
+        row = next(r for r in grid.tolist() if env.rank in r)
+        col = grid[:, row.index(env.rank)].tolist()
+        layout.value_replicas = len(col)
+        layout.memory_spans_nodes = spans_nodes(row, gpn)
+        layout.replicas_span_nodes = spans_nodes(col, gpn)
+    return layout
+
+
+def model_value_tables(model: torch.nn.Module, cfg: Config) -> ValueTables | None:
+    """The value tables of a built model and how a step reads them, read from
+    its modules (what `memory_hooks.value_tables` derives from the config)."""
+    from memlm.memory.layers import ProductKeyMemory
+
+    tables = [pool.weight for pool in value_pools(model)]
+    if not tables:
+        return None
+    reads = [m for m in model.modules() if isinstance(m, ProductKeyMemory)]
+    return ValueTables(
+        tables=len(tables), rows=tables[0].shape[0], v_dim=tables[0].shape[1],
+        value_bytes=tables[0].element_size(),
+        grad_bytes=REDUCE_DTYPES[cfg.memory.value_grad_reduce_dtype].itemsize,
+        reads=len(reads), reads_per_token=reads[0].lookup.heads * reads[0].knn,
+        sparse_updates=cfg.memory.sparse_updates,
+    )
+
+
+# ------------------------------------------------------------------- output
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def _size(n: float) -> str:
+    """`12.34 GiB (13,249,999,872 B)`: readable, and the exact count."""
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:8.2f} {unit} ({int(n):,} B)"
+    return f"{int(n):8d} B"
+
+
+def format_shape(shape: dict[str, Any]) -> str:
+    """`shape: seq_len 8192 x micro_batch 1 per GPU (where each came from)`."""
+    origin = shape["from"]
+    if origin["seq_len"] == origin["micro_batch"]:
+        why = f"both from {origin['seq_len']}"
+    else:
+        why = f"seq_len from {origin['seq_len']}; micro_batch from {origin['micro_batch']}"
+    line = f"shape: seq_len {shape['seq_len']:,} x micro_batch {shape['micro_batch']} per GPU, {why}"
+    if shape["train_with"]:
+        line += (f"\n  (the trainer's own default is the data config's: train at this shape with "
+                 f"{' '.join(shape['train_with'])})")
+    return line
+
+
+def format_plan(p: dict[str, Any]) -> str:
+    b, t, c = p["bytes"], p["time"], p["comm_bytes"]
+    act = b["activations"]
+    lines = [
+        f"plan: {p['model']} + {p['memory_kind']} ({p['slots']:,} slots), {p['params_total']:,} params "
+        f"({p['params_active']:,} active), {p['world']} x {p['gpu']}, memory_parallel {p['memory_parallel']}"
+        f"{' (auto)' if p['memory_parallel_setting'] == 'auto' else ''}, "
+        f"fsdp {p['fsdp']}, activation_checkpoint {p['activation_checkpoint']}, "
+        f"rank {p['rank']}, {p['tokens_per_step']:,} tokens/step",
+        format_shape(p["shape"]),
+        "per rank, read from the sharded tensors:",
+        f"  parameters        {_size(b['params'])}, value tables {_size(b['value_tables']).strip()}",
+        f"  gradients         {_size(b['grads'])}",
+        f"  optimizer state   {_size(b['optimizer'])}",
+        "per rank, estimated:",
+        f"  activations       {_size(act['saved'] + act['recompute'])}, transient peak "
+        f"{_size(act['transient']).strip()}",
+        f"  total             {_size(b['total'])} of {_gib(GPUS[p['gpu']].hbm_bytes)} GiB: "
+        f"{'fits' if p['fits'] else 'does NOT fit'} (keeping {1 - HBM_HEADROOM:.0%} free)",
+        "communication per optimizer step, sent by one rank:",
+        *(f"  {kind:<20}{_size(v)}" for kind, v in c.items()),
+        f"estimated step time on {p['gpu']} (s):",
+        f"  compute {t['compute_s']:.4f}, fsdp comm {t['fsdp_comm_s']:.4f} (overlapped with compute), "
+        f"memory read {t['memory_read_s']:.4f}, optimizer {t['optimizer_s']:.4f}, memory comm "
+        f"{t['memory_comm_s']:.4f}, value reduce {t['value_reduce_s']:.4f}",
+        f"  step {t['step_s']:.4f} s, {t['tokens_per_s']:,.0f} tokens/s per GPU, MFU {t['mfu']:.1%}",
+        *format_value_layouts(p),
+    ]
+    return "\n".join(lines)
+
+
+VALUE_COLUMNS = ("memory_parallel", "replicas", "memory all-to-all", "value-grad all-reduce",
+                 "value-grad touched rows", "comm s")
+
+
+def format_value_layouts(p: dict[str, Any]) -> list[str]:
+    """The value-table layouts the run could take on this world, one row
+    each: bytes one rank sends per step and the seconds they add; the
+    config's layout and auto's choice marked ([] without value tables or on
+    one rank)."""
+    layouts = p["value_layouts"]
+    if p["world"] == 1 or not layouts:
+        return []
+    best = least_traffic(layouts)["memory_parallel"]
+    used = "touched rows (memory.sparse_updates=true)" if p["memory_sparse_updates"] else "all-reduce"
+    rows = [VALUE_COLUMNS]
+    for row in layouts:
+        marks = [m for m, on in (("this plan", row["memory_parallel"] == p["memory_parallel"]),
+                                 ("auto", row["memory_parallel"] == best)) if on]
+        rows.append((str(row["memory_parallel"]), str(row["replicas"]), _short(row["memory_all_to_all"]),
+                     _short(row["value_grad_all_reduce"]), "~" + _short(row["value_grad_rows"]),
+                     f"{row['seconds']:.4f}", *(["<- " + ", ".join(marks)] if marks else [])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(VALUE_COLUMNS))]
+    table = ["  " + "  ".join(v.rjust(w) if i < len(widths) else v for i, (v, w) in
+                              enumerate(zip(r, [*widths, 0]))).rstrip() for r in rows]
+    return [
+        f"value-table layouts on {p['world']} ranks, bytes one rank sends per step (touched rows: expected "
+        "for reads spread evenly over the table):",
+        *table,
+        f"  this plan: memory_parallel {p['memory_parallel']}, value gradients by {used}, "
+        f"{_short(p['comm_bytes']['value_grad_reduce'])} per step; parallel.memory_parallel=auto (the "
+        f"default) takes {best}",
+    ]
+
+
+def fit_candidates(cfg: Config, world: int) -> list[int]:
+    """memory_parallel values to try: powers of two dividing the world and the
+    value width (only 1 without memory layers: nothing to shard)."""
+    if cfg.memory.kind == "none":
+        return [1]
+    return memory_parallel_candidates(world, cfg.memory.v_dim or cfg.model.dim)
+
+
+CHECKPOINTS = ("none", "selective", "full")  # least recompute (fastest) first
+
+
+def with_layout(cfg: Config, memory_parallel: int, fsdp: str, checkpoint: str) -> Config:
+    """A validated copy of `cfg` with these parallel settings."""
+    layout = copy.deepcopy(cfg)
+    layout.parallel.memory_parallel, layout.parallel.fsdp = memory_parallel, fsdp
+    layout.parallel.activation_checkpoint = checkpoint
+    layout.validate()
+    return layout
+
+
+def fit(cfg: Config, world: int, gpu: str = "H200", gpus_per_node: int = 8, fsdp_modes: tuple[str, ...] = (),
+        checkpoints: tuple[str, ...] = (), shape: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The plans of every layout tried: each candidate memory_parallel
+    (smallest first) x each of `fsdp_modes`, at the first of `checkpoints` that
+    fits (more recompute is never faster) or, when none does, at each of them.
+    Empty `fsdp_modes` / `checkpoints`: the config's own. Without value tables
+    memory_parallel changes nothing, so only the first candidate is planned."""
+    fsdp_modes = fsdp_modes or (cfg.parallel.fsdp,)
+    checkpoints = checkpoints or (cfg.parallel.activation_checkpoint,)
+    check_args(with_layout(cfg, 1, cfg.parallel.fsdp, cfg.parallel.activation_checkpoint), world, 0,
+               gpus_per_node, gpu)
+    plans = []
+    for p in fit_candidates(cfg, world):
+        for mode in fsdp_modes:
+            for checkpoint in checkpoints:
+                layout = with_layout(cfg, p, mode, checkpoint)
+                plans.append(plan(layout, world, 0, gpu, gpus_per_node, shape))
+                if plans[-1]["fits"]:
+                    break
+        if plans[-1]["slots"] == 0:
+            break
+    return plans
+
+
+def _short(n: float) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+FIT_COLUMNS = ("memory_parallel", "fsdp", "activation_checkpoint", "GiB/GPU", "step s", "tokens/s/GPU", "MFU",
+               "memory all-to-all/step", "value-grad reduce/step")
+
+
+def layout_overrides(p: dict[str, Any]) -> str:
+    return (f"parallel.memory_parallel={p['memory_parallel']} parallel.fsdp={p['fsdp']} "
+            f"parallel.activation_checkpoint={p['activation_checkpoint']}")
+
+
+def format_fit(plans: list[dict[str, Any]]) -> str:
+    """The layouts that did not fit (one line), one table of those that fit,
+    fastest first, and a last line naming the fastest and its overrides."""
+    first = plans[0]
+    where = f"{first['world']} x {first['gpu']}"
+    fitting = sorted((p for p in plans if p["fits"]),
+                     key=lambda p: (p["time"]["step_s"], p["bytes"]["total"], p["memory_parallel"]))
+    lines = []
+    if first["slots"] == 0 and first["memory_kind"] != "none":
+        lines.append(f"memory={first['memory_kind']} has no value tables: memory_parallel changes nothing, "
+                     "planned at 1 only")
+    fitted = {(p["memory_parallel"], p["fsdp"]) for p in fitting}
+    missed: dict[str, list[str]] = {}
+    for p in plans:
+        sizes = missed.setdefault(p["fsdp"], [])
+        if (p["memory_parallel"], p["fsdp"]) not in fitted and str(p["memory_parallel"]) not in sizes:
+            sizes.append(str(p["memory_parallel"]))
+    missed = {mode: sizes for mode, sizes in missed.items() if sizes}
+    if missed:
+        tried = "/".join(dict.fromkeys(p["activation_checkpoint"] for p in plans))
+        lines.append(f"does not fit at any activation_checkpoint tried ({tried}): "
+                     + "; ".join(f"fsdp {mode} with memory_parallel {', '.join(ps)}" for mode, ps in missed.items()))
+    if not fitting:
+        best = min(plans, key=lambda p: p["bytes"]["total"])
+        lines.append(f"nothing fits on {where}: the smallest is {_gib(best['bytes']['total'])} GiB per GPU "
+                     f"({layout_overrides(best)}) of {_gib(GPUS[best['gpu']].hbm_bytes * HBM_HEADROOM)} GiB usable; "
+                     "try more GPUs (--world), a larger --gpu, a smaller data.micro_batch or data.seq_len, "
+                     "or fewer memory slots")
+        return "\n".join(lines)
+    rows = [FIT_COLUMNS]
+    for p in fitting:
+        t, c = p["time"], p["comm_bytes"]
+        rows.append((str(p["memory_parallel"]), p["fsdp"], p["activation_checkpoint"], _gib(p["bytes"]["total"]),
+                     f"{t['step_s']:.4g}", f"{t['tokens_per_s']:,.0f}", f"{t['mfu']:.1%}",
+                     _short(c["memory_all_to_all"]), _short(c["value_grad_reduce"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(FIT_COLUMNS))]
+    lines.append(f"{len(fitting)} {'layout fits' if len(fitting) == 1 else 'layouts fit'} on {where}, "
+                 f"fastest first (estimated; GiB/GPU of {_gib(GPUS[first['gpu']].hbm_bytes * HBM_HEADROOM)} "
+                 "usable):")
+    lines += ["  " + "  ".join(v.rjust(w) if i in (0, 3, 4, 5, 6) else v.ljust(w)
+                               for i, (v, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
+    best = fitting[0]
+    train_with = " ".join([layout_overrides(best), *best["shape"]["train_with"]])
+    t = best["time"]
+    lines.append(f"use: memory_parallel {best['memory_parallel']}, fsdp {best['fsdp']}, activation_checkpoint "
+                 f"{best['activation_checkpoint']} ({t['step_s']:.4g} s/step, MFU {t['mfu']:.1%}): add {train_with}")
+    return "\n".join(lines)
+
+
+def paper_table(gpu: str, gpus_per_node: int, extra: list[str] = ()) -> str:
+    """The docs/scaling-plan.md table: each paper setting on 8, 64 and 512 GPUs.
+    Memory columns at the smallest memory_parallel that fits (or the largest
+    tried); every power-of-two memory_parallel that fits; the fastest of them."""
+    rows = ["| setting | GPUs | smallest P that fits | params | grads | optimizer | activations | total | "
+            "memory_parallel that fit | fastest P | step s | MFU |", "|" + "---|" * 12]
+    for name, overrides in PAPER:
+        for world in PAPER_WORLDS:
+            plans = fit(compose([*PAPER_COMMON, *overrides, *extra]), world, gpu, gpus_per_node)
+            fitting = [p for p in plans if p["fits"]]
+            p = fitting[0] if fitting else plans[-1]
+            fast = min(fitting or plans, key=lambda q: q["time"]["step_s"])
+            b, act = p["bytes"], p["bytes"]["activations"]
+            fit_list = ", ".join(str(q["memory_parallel"]) for q in fitting) or "none"
+            rows.append(
+                f"| {name} | {world} | {p['memory_parallel'] if fitting else 'none'} | {_gib(b['params'])} | "
+                f"{_gib(b['grads'])} | {_gib(b['optimizer'])} | "
+                f"{_gib(act['saved'] + act['recompute'] + act['transient'])} | "
+                f"{_gib(b['total'])}{'' if fitting else ' (P=' + str(p['memory_parallel']) + ')'} | {fit_list} | "
+                f"{fast['memory_parallel'] if fitting else '-'} | {fast['time']['step_s']:.2f} | "
+                f"{fast['time']['mfu']:.1%} |")
+    return "\n".join(rows)
+
+
+def fit_knobs(overrides: list[str], cfg: Config, world: int, gpus_per_node: int) -> tuple[tuple[str, ...], ...]:
+    """(fsdp modes, activation checkpoints) for --fit to try: the config's own
+    where an override sets one; hybrid only when the world spans whole nodes."""
+    given = _override_keys(overrides)
+    if "parallel.fsdp" in given or world <= gpus_per_node or world % gpus_per_node:
+        modes: tuple[str, ...] = (cfg.parallel.fsdp,)
+    else:
+        modes = ("full", "hybrid")
+    checkpoints = (cfg.parallel.activation_checkpoint,) if "parallel.activation_checkpoint" in given else CHECKPOINTS
+    return modes, checkpoints
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m memlm.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=8, help="number of GPUs (ranks)")
+    parser.add_argument("--rank", type=int, default=0, help="the rank to plan (0 holds the largest FSDP shards)")
+    parser.add_argument("--gpu", default="H200", help=f"one of: {', '.join(GPUS)}")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--fit", action="store_true",
+                        help="try every power-of-two memory_parallel, fsdp mode and activation checkpointing "
+                             "the overrides leave open; print the layouts that fit, fastest first")
+    parser.add_argument("-v", "--verbose", action="store_true", help="--fit: also print each layout's full plan")
+    parser.add_argument("--paper", action="store_true",
+                        help="the docs/scaling-plan.md table (overrides apply to every setting)")
+    parser.add_argument("--json", action="store_true", help="print the plan(s) as JSON")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=8b memory=memplus")
+    args = parser.parse_intermixed_args(argv)  # overrides may come before or after the flags
+    try:
+        gpu_spec(args.gpu)
+        if args.paper:
+            print(paper_table(args.gpu, args.gpus_per_node, args.overrides))
+            return 0
+        cfg, shape = planning_config(args.overrides)
+        if args.fit:
+            check_args(with_layout(cfg, 1, cfg.parallel.fsdp, cfg.parallel.activation_checkpoint), args.world, 0,
+                       args.gpus_per_node, args.gpu)
+            modes, checkpoints = fit_knobs(args.overrides, cfg, args.world, args.gpus_per_node)
+            if not args.json:
+                print(f"fit: {cfg.model.name} + {cfg.memory.kind} on {args.world} x {args.gpu}, trying "
+                      f"memory_parallel {', '.join(map(str, fit_candidates(cfg, args.world)))} x fsdp "
+                      f"{'/'.join(modes)}, each at the first activation_checkpoint of "
+                      f"{'/'.join(checkpoints)} that fits\n{format_shape(shape)}", flush=True)
+            plans = fit(cfg, args.world, args.gpu, args.gpus_per_node, modes, checkpoints, shape)
+        else:
+            plans = [plan(cfg, args.world, args.rank, args.gpu, args.gpus_per_node, shape)]
+    except ConfigError as err:
+        print(f"plan: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plans, indent=2))
+    elif not args.fit:
+        print(format_plan(plans[0]))
+    else:
+        for p in plans if args.verbose else ():
+            print("\n" + format_plan(p))
+        print(("\n" if args.verbose else "") + format_fit(plans))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
