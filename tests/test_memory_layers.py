@@ -1,37 +1,16 @@
-"""Memory and MemoryPlus against a naive reference that scores every slot (float64)."""
+"""Memory and MemoryPlus against the plain reference math (memory/reference.py, every slot scored, float64)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.func import functional_call
 
 from memlm.errors import ConfigError
 from memlm.memory import Memory, MemoryPlus, ValuePool, value_parameters
+from memlm.memory.reference import reference_forward
 
 SIZES = dict(n_keys=6, heads=2, knn=3, k_dim=6)
-
-
-def _naive(layer, x):
-    """Score all n_keys**2 slots, top-k over all of them, softmax, explicit
-    weighted sum of gathered rows: no product-key trick, no embedding bag."""
-    lk = layer.lookup
-    q = F.linear(x, lk.query.weight, lk.query.bias).view(-1, lk.heads, 2, lk.half)
-    s1 = torch.einsum("thd,hnd->thn", q[:, :, 0], lk.keys[:, 0])  # (T, H, n)
-    s2 = torch.einsum("thd,hnd->thn", q[:, :, 1], lk.keys[:, 1])
-    full = (s1.unsqueeze(-1) + s2.unsqueeze(-2)).flatten(-2)  # (T, H, n*n), slot i*n + j
-    scores, slots = full.topk(lk.current_knn, dim=-1)
-    w = scores.softmax(-1)  # (T, H, k)
-    rows = layer.values.weight[slots]  # (T, H, k, v)
-    y = (w.unsqueeze(-1) * rows).sum(dim=(1, 2))  # (T, v)
-    if isinstance(layer, MemoryPlus):
-        if layer.gate == "swilu":
-            y = y * F.silu(layer.w1(x))
-        elif layer.gate == "sigmoid":
-            y = y * torch.sigmoid(layer.w1(x))
-        return layer.w2(y)
-    return layer.out(y) if layer.out is not None else y
 
 
 def _layer(cls, dim=8, seed=0, **kwargs):
@@ -53,11 +32,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("cls,kwargs", CASES)
-def test_output_and_gradients_equal_naive_reference(cls, kwargs):
+def test_output_and_gradients_equal_the_reference(cls, kwargs):
     layer = _layer(cls, **kwargs)
     x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
     out = layer(x)
-    ref = _naive(layer, x.reshape(-1, 8)).reshape(2, 5, 8)
+    ref = reference_forward(layer, x)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     g = torch.randn_like(out)
     params = [p for p in layer.parameters()]
@@ -84,7 +63,7 @@ def test_eval_uses_eval_knn():
     layer = _layer(MemoryPlus, knn=2, eval_knn=5)
     x = torch.randn(4, 8, dtype=torch.float64)
     layer.eval()
-    torch.testing.assert_close(layer(x), _naive(layer, x))
+    torch.testing.assert_close(layer(x), reference_forward(layer, x))
     layer.usage.reset()
     layer(x)  # eval reads are not counted in the training window
     assert int(layer.usage.counts.sum()) == 0
@@ -92,7 +71,7 @@ def test_eval_uses_eval_knn():
     layer(x)
     assert int(layer.usage.counts.sum()) == 4 * 2 * 2  # tokens * heads * knn
     layer.knn = 4  # by hand (the knn schedule uses set_knn)
-    torch.testing.assert_close(layer(x), _naive(layer, x))
+    torch.testing.assert_close(layer(x), reference_forward(layer, x))
     with pytest.raises(ConfigError, match="memory.knn"):
         layer.knn = 37  # more than n_keys
 

@@ -8,21 +8,12 @@ import pytest
 import torch
 
 from memlm.memory import ProductKeys, balance_loss, product_key_topk, subkey_scores
+from memlm.memory.reference import all_slot_scores
 
 
 def _brute_force_topk(query, keys, knn):
-    """Score every one of the n_keys**2 slots with its full key [k1_i ; k2_j]."""
-    heads, _, n_keys, half = keys.shape
-    full_keys = torch.cat(  # (H, n_keys**2, 2*half): slot i*n_keys + j
-        [
-            keys[:, 0].repeat_interleave(n_keys, dim=1),
-            keys[:, 1].repeat(1, n_keys, 1),
-        ],
-        dim=-1,
-    )
-    q = query.flatten(2)  # (T, H, 2*half)
-    scores = torch.einsum("thd,hnd->thn", q, full_keys)  # (T, H, n_keys**2)
-    return scores.topk(knn, dim=-1)
+    """Score every one of the n_keys**2 slots with its full key [k1_i ; k2_j] (memory/reference.py)."""
+    return all_slot_scores(query, keys).topk(knn, dim=-1)
 
 
 @pytest.mark.parametrize("n_keys,knn,heads", [(8, 1, 1), (16, 4, 2), (32, 32, 3), (50, 7, 4)])
