@@ -29,6 +29,8 @@ import random
 import shutil
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -178,27 +180,63 @@ def check_shapes(directory: Path, model_state: dict[str, Any]) -> None:
         )
 
 
+@dataclass
+class TrainingState:
+    """What a checkpoint holds, named once by its owner (the trainer): saved by
+    `Checkpointer.save`, restored in place by `Checkpointer.load`."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    loader: Any = None  # its state_dict per rank, when it has one
+    counters: dict[str, Any] = field(default_factory=dict)  # into meta.json: tokens, nonfinite_total
+    config_yaml: str = ""
+
+
 class Checkpointer:
+    """Saves on its own schedule (`maybe_save`), publishes atomically, restores.
+
+        checkpointer = Checkpointer(dump_dir, cfg.checkpoint)
+        saved = checkpointer.maybe_save(step, lambda: state)          # every checkpoint.every steps
+        saved = checkpointer.maybe_save(step, lambda: state, last=True)  # and at the end (checkpoint.at_end)
+        checkpointer.finalize()                                        # a background save has landed
+    """
+
     def __init__(self, dump_dir: Path, cfg: CheckpointConfig):
         self.root = Path(dump_dir) / "checkpoints"
         self.cfg = cfg
+        self.saved_step: int | None = None  # the step the newest checkpoint of this run holds
         self._pending = None  # an async save in flight: (future, tmp, final, meta, start)
 
+    def path(self, step: int) -> Path:
+        return self.root / f"{PREFIX}{step:08d}"
+
     # ---------------------------------------------------------------- save
-    def save(self, step: int, model, optimizer, scheduler, loader, trainer_state: dict[str, Any],
-             config_yaml: str) -> Path:
+    def maybe_save(self, step: int, state: Callable[[], TrainingState], *, last: bool = False) -> Path | None:
+        """Save if the schedule asks for this step: every `checkpoint.every`
+        steps, and at the end of a run or time slot (`last`) with
+        `checkpoint.at_end`. A step already saved (a preemption's save, or the
+        checkpoint a run resumed from) is not written again. `state` is called
+        only when a save happens. Returns the step's checkpoint, or None."""
+        due = bool(self.cfg.every and step % self.cfg.every == 0) or (last and self.cfg.at_end)
+        if not due:
+            return None
+        return self.path(step) if step == self.saved_step else self.save(step, state())
+
+    def save(self, step: int, state: TrainingState) -> Path:
         """Write a checkpoint of the current state. With `checkpoint.async_save`
         the tensors are staged in host memory and written in the background;
         the checkpoint becomes visible (renamed, `latest`) when the next save
         starts or `finalize()` is called."""
+        model, optimizer = state.model, state.optimizer
         self.finalize()  # one save in flight at most
         if self.cfg.async_save:
             check_async_backend()
         # Before anything is written: a NaN/inf weight or moment is never saved.
         check_finite_state(model, optimizer, f"checkpoint of step {step}", CheckpointError)
         start = time.perf_counter()
-        name = f"{PREFIX}{step:08d}"
-        tmp, final = self.root / f"{TMP}{name}", self.root / name
+        final = self.path(step)
+        tmp = self.root / f"{TMP}{final.name}"
         if _rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             # Saves never overlap, so any temporary directory left is from a
@@ -208,20 +246,22 @@ class Checkpointer:
             tmp.mkdir()
         _barrier()
         osd = get_optimizer_state_dict(model, optimizer)
-        state = {"model": get_model_state_dict(model), "optim": {"state": osd["state"]}}
-        loader_state = loader.state_dict() if hasattr(loader, "state_dict") else None
+        tensors = {"model": get_model_state_dict(model), "optim": {"state": osd["state"]}}
+        loader_state = state.loader.state_dict() if hasattr(state.loader, "state_dict") else None
         atomic_write_text(tmp / f"rank{_rank()}.json", json.dumps({"loader": loader_state, "rng": rng_state()}))
-        meta = {"step": step, "world_size": _world(), **trainer_state, "scheduler": scheduler.state_dict(),
-                "param_groups": osd["param_groups"], "config": config_yaml}
+        meta = {"step": step, "world_size": _world(), **state.counters, "scheduler": state.scheduler.state_dict(),
+                "param_groups": osd["param_groups"], "config": state.config_yaml}
         if self.cfg.async_save:
-            future = _dcp(dcp.async_save, state, checkpoint_id=str(tmp))
+            future = _dcp(dcp.async_save, tensors, checkpoint_id=str(tmp))
             self._pending = (future, tmp, final, meta, start)
+            self.saved_step = step
             if _rank() == 0:
                 print(f"[checkpoint] staged step {step} for a background write (training blocked "
                       f"{time.perf_counter() - start:.2f}s)", flush=True)
             return final
-        _dcp(dcp.save, state, checkpoint_id=str(tmp))
+        _dcp(dcp.save, tensors, checkpoint_id=str(tmp))
         self._publish(tmp, final, meta, start)
+        self.saved_step = step
         return final
 
     def finalize(self) -> None:
@@ -333,8 +373,9 @@ class Checkpointer:
             error = str(err)
         return _agreed_error(error)
 
-    def load(self, path: Path, model, optimizer, scheduler, loader) -> dict[str, Any]:
-        """Restore everything saved; returns meta (step, tokens, ...)."""
+    def load(self, path: Path, state: TrainingState) -> dict[str, Any]:
+        """Restore everything saved into `state`, in place; returns meta (step, tokens, ...)."""
+        model, optimizer, scheduler, loader = state.model, state.optimizer, state.scheduler, state.loader
         meta = read_meta(path)
         model_state = get_model_state_dict(model)
         check_shapes(path, model_state)
@@ -357,6 +398,7 @@ class Checkpointer:
         elif _rank() == 0:
             print(f"[checkpoint] world size changed ({meta['world_size']} -> {_world()}): model and optimizer "
                   "were resharded; the data stream restarts from its beginning", flush=True)
+        self.saved_step = meta["step"]
         return meta
 
     @staticmethod

@@ -14,7 +14,7 @@ import torch.distributed as dist
 def async_save_on(rank: int, backend: str, dump_dir: str, out_path: str) -> None:
     """Init the default group with `backend`, save a tiny model with
     checkpoint.async_save=true, and record what happened."""
-    from memlm.checkpoint.checkpointer import Checkpointer, CheckpointError
+    from memlm.checkpoint.checkpointer import Checkpointer, CheckpointError, TrainingState
     from memlm.config.run import CheckpointConfig
 
     dist.init_process_group(backend)
@@ -25,7 +25,7 @@ def async_save_on(rank: int, backend: str, dump_dir: str, out_path: str) -> None
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     checkpointer = Checkpointer(Path(dump_dir), CheckpointConfig(async_save=True))
     try:
-        checkpointer.save(1, model, optimizer, scheduler, None, {"tokens": 0}, "")
+        checkpointer.save(1, TrainingState(model, optimizer, scheduler, counters={"tokens": 0}))
         checkpointer.finalize()
         outcome = {"ok": True}
     except CheckpointError as err:
@@ -38,7 +38,7 @@ def hashed_bytes_per_rank(rank: int, dump_dir: str, out_path: str) -> None:
     """Save and resume-verify an FSDP2-sharded model; record the bytes this rank
     ran crc32 over in each, and the checkpoint's total."""
     import memlm.checkpoint.folder as checkpoint_dir
-    from memlm.checkpoint.checkpointer import Checkpointer
+    from memlm.checkpoint.checkpointer import Checkpointer, TrainingState
     from memlm.config.run import CheckpointConfig
 
     dist.init_process_group("gloo")
@@ -64,7 +64,7 @@ def hashed_bytes_per_rank(rank: int, dump_dir: str, out_path: str) -> None:
 
     checkpoint_dir.crc32_file = counting
     checkpointer = Checkpointer(Path(dump_dir), CheckpointConfig())
-    final = checkpointer.save(1, model, optimizer, scheduler, None, {"tokens": 0}, "")
+    final = checkpointer.save(1, TrainingState(model, optimizer, scheduler, counters={"tokens": 0}))
     phase[0] = "resume"
     assert checkpointer.resolve("auto") == final
     total = sum(p.stat().st_size for p in final.iterdir() if p.name != "meta.json")

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from memlm.config.run import compose
 from memlm.model import Transformer
+from memlm.train.evaluation import Evaluation
 from memlm.train.trainer import Trainer
 
 
@@ -38,7 +39,7 @@ def fit_measuring_eval(rank: int, overrides: list[str], out_dir: str) -> None:
     """Train; during each evaluation, sample the tensor bytes at the end of every
     forward of a whole model and write the largest rise over the bytes held
     when the evaluation started, with the full model's fp32 size."""
-    evaluate = Trainer._evaluate
+    evaluate = Evaluation.run
     rises: list[int] = []
     samples = [0]
 
@@ -58,7 +59,7 @@ def fit_measuring_eval(rank: int, overrides: list[str], out_dir: str) -> None:
             handle.remove()
             rises.append(peak[0] - before)
 
-    Trainer._evaluate = measured
+    Evaluation.run = measured
     trainer = Trainer(compose(overrides))
     model_bytes = sum(p.numel() * 4 for p in trainer.model.parameters())  # DTensor numel: the whole tensor
     trainer.fit()

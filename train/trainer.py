@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from memlm.checkpoint.checkpointer import Checkpointer
+from memlm.checkpoint.checkpointer import Checkpointer, TrainingState
 from memlm.checkpoint.run_lock import RunLock, lock_run_dir
 from memlm.config.run import Config, to_yaml
 from memlm.distributed import memory_hooks
@@ -35,10 +35,11 @@ from memlm.distributed.precision import autocast, enable_tf32
 from memlm.errors import ConfigError
 from memlm.files import atomic_write_text
 from memlm.hf.importer import import_init, init_kind
-from memlm.hf.load import keep_tokenizer, run_tokenizer_path
+from memlm.hf.load import keep_tokenizer
 from memlm.memory.tables import split_params
 from memlm.model import Transformer
 from memlm.train.data_source import build_train_loader, has_validation, model_batch
+from memlm.train.evaluation import Evaluation
 from memlm.train.loss import chunked_cross_entropy
 from memlm.train.metrics import MetricsLogger, check_tensorboard
 from memlm.train.optim import build_optimizer, build_scheduler
@@ -107,10 +108,8 @@ class Trainer:
         self.tokens = 0
         # Per-step loss, norms and the skip flag stay on the device until a read.
         self.guard = StepGuard(cfg.max_nonfinite_steps, self._print_main)
-        # Test hooks: steps whose loss is replaced by NaN; steps whose gradient of
-        # the named parameter is made NaN after backward (the loss stays finite).
         self.checkpointer = Checkpointer(self.dump_dir, cfg.checkpoint)
-        self._last_saved_step = -1
+        self.evaluation = Evaluation(cfg, self.env, self.model, self._autocast)
         self.checkpointer.recover()  # finish or undo a save a kill interrupted, before choosing one
         self.resumed_from = self._restore()
         # Everything is checked and loaded: only now does this run write into its folder (a
@@ -145,7 +144,7 @@ class Trainer:
         if cfg.init_from and self.env.is_main:
             print(f"[train] resume=auto: {path} found, so init_from={cfg.init_from} is not loaded "
                   "(it starts runs without a checkpoint)", flush=True)
-        meta = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.train_loader)
+        meta = self.checkpointer.load(path, self._training_state())
         self.step, self.tokens = meta["step"], meta["tokens"]
         self.nonfinite_total = meta.get("nonfinite_total", 0)
         if self.env.is_main:
@@ -168,13 +167,14 @@ class Trainer:
         if self.env.is_main:
             print(line, flush=True)
 
-    def save_checkpoint(self):
+    def save_checkpoint(self) -> Path:
+        """Save now (a preemption, a test); the loop's saves are the checkpointer's to time."""
+        return self.checkpointer.save(self.step, self._training_state())
+
+    def _training_state(self) -> TrainingState:
         self.guard.read(report=False)  # skip count and stop rule up to date before anything is written
-        self._last_saved_step = self.step
-        return self.checkpointer.save(
-            self.step, self.model, self.optimizer, self.scheduler, self.train_loader,
-            {"tokens": self.tokens, "nonfinite_total": self.nonfinite_total}, to_yaml(self.cfg),
-        )
+        return TrainingState(self.model, self.optimizer, self.scheduler, self.train_loader,
+                             {"tokens": self.tokens, "nonfinite_total": self.nonfinite_total}, to_yaml(self.cfg))
 
     # ------------------------------------------------------------ building
     def _build_model(self) -> Transformer:
@@ -292,30 +292,25 @@ class Trainer:
                   f"{env.world_size} rank(s) on {env.device.type}, accumulation {self.accum}, "
                   f"{cfg.steps} steps -> {self.dump_dir}", flush=True)
         progress = Progress(cfg, env, self._unwrapped(), self.step, self.tokens)
-        first_step = self.step
-        eval_results: dict[str, Any] = {}
-        last, val_loss = {}, None
-        preempted = False
+        first_step, metrics, val_loss, evals, preempted = self.step, {}, None, {}, False
         # SIGUSR1 (Slurm, before the time limit) -> checkpoint after the current step and stop.
         preemption = install_preemption_handler(
-            lambda: self.save_checkpoint() if self._last_saved_step != self.step else None)
+            lambda: self.save_checkpoint() if self.checkpointer.saved_step != self.step else None)
         try:
             while self.step < last_step:
                 # Device values reach the host only at logging steps (and in
                 # saves, evaluations and validation): the other steps never wait.
                 logging_step = (self.step + 1) % cfg.logging.every == 0 or self.step + 1 == last_step
                 profiler.before_step(self.step + 1)
-                last = self.train_step(read=logging_step) or last
+                metrics = self.train_step(read=logging_step) or metrics
                 profiler.after_step(self.step)
                 if logging_step:
-                    logger.log(*progress.report(self.step, self.tokens, last, self.nonfinite_total, self.model))
+                    logger.log(*progress.report(self.step, self.tokens, metrics, self.nonfinite_total, self.model))
                 if cfg.val_every and self.step % cfg.val_every == 0 and self.step < cfg.steps:
                     val_loss = self._log_validation(logger)
-                saved = None
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                    saved = self.save_checkpoint()
-                if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.steps:
-                    eval_results = self._evaluate(logger, saved)
+                saved = self.checkpointer.maybe_save(self.step, self._training_state)
+                if self.evaluation.due(self.step):
+                    evals = self.evaluation.run(self.step, logger, saved)
                 # Collective on several ranks, so only at logging steps (every rank
                 # reaches the same ones, so every rank stops after the same step);
                 # logging.every bounds how late a signal is seen.
@@ -323,22 +318,19 @@ class Trainer:
                     preempted = True
                     break
             if preempted:
-                last = self.guard.read() or last  # steps since the last logging step (one process)
-                return self._finish(progress.elapsed(), last, None, eval_results, preempted=True)
-            if self.val_loader is not None and self.step > first_step:  # a finished run resumed: already done
-                val_loss = self._log_validation(logger)
-            just_saved = cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0
-            final = None
-            if (cfg.checkpoint.at_end or cfg.eval.after_training) and self.step > first_step:
-                final = self.checkpointer.root / f"step_{self.step:08d}" if just_saved else self.save_checkpoint()
-            if cfg.eval.after_training and final is not None and self.step == cfg.steps:
-                eval_results = self._evaluate(logger, final)
+                metrics = self.guard.read() or metrics  # steps since the last logging step (one process)
+            elif self.step > first_step:  # a finished run resumed has done all of this already
+                if self.val_loader is not None:
+                    val_loss = self._log_validation(logger)
+                saved = self.checkpointer.maybe_save(self.step, self._training_state, last=True)
+                if self.evaluation.due(self.step, last=True):
+                    evals = self.evaluation.run(self.step, logger, saved)
         finally:
             preemption.uninstall()
             profiler.close()
-            self.checkpointer.finalize()  # a background save must land before the process exits
+            self.checkpointer.finalize()  # a background save lands before the summary says the run ended
             logger.close()
-        return self._finish(progress.elapsed(), last, val_loss, eval_results)
+        return self._finish(progress.elapsed(), metrics, val_loss, evals, preempted)
 
     def close(self) -> None:
         """Give the dump_dir back (the run lock); fit() does it when it ends."""
@@ -354,27 +346,6 @@ class Trainer:
             summary = write_summary(self.dump_dir, summary, trained=bool(last))
             print(summary_line(summary), flush=True)
         return summary
-
-    def _evaluate(self, logger: MetricsLogger, checkpoint: Path | None) -> dict[str, Any]:
-        """Run the eval suite on the live model, sharded as it trains: each rank
-        scores its share of the examples and the ranks keep their forwards in
-        step (memlm.evals.lockstep). No second copy of the weights is loaded.
-        Compiled blocks run eagerly here: evaluation shapes vary by batch."""
-        from memlm.data.tokenizer import Tokenizer
-        from memlm.evals import run_suite
-
-        tokenizer = Tokenizer(run_tokenizer_path(self.cfg))
-        meta = {"checkpoint": str(checkpoint)} if checkpoint is not None else {}
-        try:
-            with self._autocast(), torch.compiler.set_stance("force_eager"):
-                results = run_suite(self.model, tokenizer, self.cfg.eval, self.step, self.dump_dir / "evals",
-                                    self.env.rank, self.env.world_size, data_cfg=self.cfg.data, meta=meta)
-        finally:
-            reshard(self.model)  # the optimizer and checkpoints expect sharded parameters
-        flat = {f"eval/{task}/{k}": v for task, metrics in results.items() for k, v in metrics.items()
-                if isinstance(v, (int, float))}
-        logger.log({"step": self.step, **flat})
-        return results
 
     def _log_validation(self, logger: MetricsLogger) -> float | None:
         val = self.validate()

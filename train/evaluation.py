@@ -1,0 +1,60 @@
+"""Evaluation during and after training: when it runs, and on what.
+
+    evaluation = Evaluation(cfg, env, model, autocast)
+    if evaluation.due(step):                     # every eval.every steps, before the last
+        results = evaluation.run(step, logger, checkpoint)
+    if evaluation.due(step, last=True): ...      # eval.after_training, once steps= is reached
+
+It runs on the live model, sharded as it trains: each rank scores its share
+of the examples and the ranks keep their forwards in step
+(memlm.evals.lockstep). No second copy of the weights is loaded. It computes
+in the run's precision (its autocast or FSDP policy), as validation does;
+compiled blocks run eagerly here, since evaluation shapes vary by batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memlm.config.run import Config
+from memlm.data.tokenizer import Tokenizer
+from memlm.distributed.env import DistEnv
+from memlm.distributed.parallelize import reshard
+from memlm.evals import run_suite
+from memlm.hf.load import run_tokenizer_path
+from memlm.train.metrics import MetricsLogger
+
+
+class Evaluation:
+    def __init__(self, cfg: Config, env: DistEnv, model: torch.nn.Module,
+                 autocast: Callable[[], AbstractContextManager]):
+        self.cfg, self.env, self.model, self.autocast = cfg, env, model, autocast
+
+    def due(self, step: int, *, last: bool = False) -> bool:
+        """During training every `eval.every` steps (not at the final step: the
+        evaluation after training covers it); after it, with `eval.after_training`
+        once the run has reached `steps`."""
+        e = self.cfg.eval
+        if last:
+            return e.after_training and step == self.cfg.steps
+        return bool(e.every) and step % e.every == 0 and step < self.cfg.steps
+
+    def run(self, step: int, logger: MetricsLogger, checkpoint: Path | None) -> dict[str, Any]:
+        """The suite's results (also written to <dump_dir>/evals/<step>.json and logged)."""
+        tokenizer = Tokenizer(run_tokenizer_path(self.cfg))
+        meta = {"checkpoint": str(checkpoint)} if checkpoint is not None else {}
+        try:
+            with self.autocast(), torch.compiler.set_stance("force_eager"):
+                results = run_suite(self.model, tokenizer, self.cfg.eval, step, Path(self.cfg.dump_dir) / "evals",
+                                    self.env.rank, self.env.world_size, data_cfg=self.cfg.data, meta=meta)
+        finally:
+            reshard(self.model)  # the optimizer and checkpoints expect sharded parameters
+        flat = {f"eval/{task}/{k}": v for task, metrics in results.items() for k, v in metrics.items()
+                if isinstance(v, (int, float))}
+        logger.log({"step": step, **flat})
+        return results
