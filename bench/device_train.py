@@ -76,9 +76,9 @@ MFU_FLOOR = 0.10
 EXPECTED_GRAPHS = {"dense": 1, "memplus": 2}
 # Tensor methods that bring a value to the host (a sync when the tensor is on a GPU).
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
-# memory/ops.py checks read indices on the host on CPU only; on CUDA the same
+# memory/fast/ops.py checks read indices on the host on CPU only; on CUDA the same
 # check is torch._assert_async (no sync).
-CPU_ONLY_READS = (("memory/ops.py", "_check_indices"),)
+CPU_ONLY_READS = (("memory/fast/ops.py", "_check_indices"),)
 
 
 def has_cuda() -> bool:

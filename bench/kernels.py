@@ -1,4 +1,4 @@
-"""Benchmark and check: the memory read (memory.ops.embedding_bag) against F.embedding_bag.
+"""Benchmark and check: the memory read (memory.fast.ops.embedding_bag) against F.embedding_bag.
 
     python bench/kernels.py [--quick] [--gpu-only] [--no-sweep] [--json PATH] [--doc PATH]
 
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import DOC, machine_line, write_section  # noqa: E402
 
-from memlm.memory import ops  # noqa: E402
+from memlm.memory.fast import ops  # noqa: E402
 
 TITLE = "## Kernels (bench/kernels.py)"
 # tokens, reads per token (heads x knn), slots, v_dim
@@ -70,7 +70,7 @@ def read(name, values, indices, weights, sparse=False):
         return F.embedding_bag(indices, values, per_sample_weights=weights.to(values.dtype), mode="sum",
                                sparse=sparse)
     if name.startswith("triton"):
-        from memlm.memory.triton_bag import embedding_bag_triton
+        from memlm.memory.fast.triton_bag import embedding_bag_triton
 
         algo = "atomic" if "atomic" in name else "by_slot"
         return embedding_bag_triton(values, indices, weights, sparse=sparse, algorithm=algo)
@@ -247,7 +247,7 @@ def bench_gpu(shape, repeats: int, sweep: bool, failures: list[str], device: str
 def block_sweep(case, ref_out, repeats: int, failures: list[str], timer=time_cuda) -> list[dict]:
     """Triton block sizes: forward (checked against `ref_out`), table
     gradient segments and weight gradient, timed."""
-    from memlm.memory import triton_bag
+    from memlm.memory.fast import triton_bag
 
     values, indices, weights, grad_out = (t.detach() for t in case)
     shape = (*indices.shape, *values.shape)

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import DOC, cpu_model, write_section  # noqa: E402
 
 from memlm.memory import MemoryPlus, SparseRowAdamW, value_parameters
-from memlm.memory.search import product_key_topk, subkey_scores
+from memlm.memory.fast.search import product_key_topk, subkey_scores
 from memlm.model.ffn import SwiGLU
 
 DIM, TOKENS, HEADS, KNN, K_DIM = 512, 2048, 4, 32, 512

@@ -1,11 +1,11 @@
-"""Benchmark: PEER's down projection through memlm.memory.row_dots vs a gather (CPU, ~1 minute).
+"""Benchmark: PEER's down projection through memlm.memory.fast.row_dots vs a gather (CPU, ~1 minute).
 
     python bench/peer_layer.py
 
 PEER computes act(u_i . x) for the H*knn experts each token retrieved. The
 baseline gathers the u rows into a (T, H*knn, dim) tensor and multiplies
 (F.embedding + bmm, what autograd then differentiates); memlm's layer takes
-the dot products in slot order without the gather (memory/row_dots.py). Both
+the dot products in slot order without the gather (memory/fast/row_dots.py). Both
 run the same PEER layer (same retrieval, same up projection), forward +
 backward, one step each in turn in this process; median times and their
 ratio go to docs/benchmarks.md.
@@ -65,7 +65,7 @@ def main() -> int:
         print(rows[-1], flush=True)
     body = "\n".join([
         machine_line() + f" {torch.get_num_threads()} torch thread(s); median of 9 interleaved steps.", "",
-        "PEER layer forward + backward, the u . x of the retrieved experts as a gather + bmm vs memlm.memory.row_dots "
+        "PEER layer forward + backward, the u . x of the retrieved experts as a gather + bmm vs memlm.memory.fast.row_dots "
         "(same layer otherwise; outputs checked equal first).", "",
         "| tokens | dim | heads x knn | experts | gather + bmm | row_dots | speedup |",
         "|---:|---:|---|---:|---:|---:|---:|", *rows])

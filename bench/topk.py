@@ -4,10 +4,10 @@
 
 Product-key search takes top-k over the n_keys sub-key scores of every token,
 head and key half, then over ~knn*ln(knn) candidate sums per token and head.
-Measured here, in this process, on the same inputs: memlm.memory.native_topk
-(memory/topk_rows.c, one row per SIMD lane through a sorting network) against
+Measured here, in this process, on the same inputs: memlm.memory.fast.native_topk
+(memory/fast/topk_rows.c, one row per SIMD lane through a sorting network) against
 torch.topk(sorted=True), the rows alone and the whole search forward
-(memlm.memory.search.topk_with_ranks) with each top-k; at 1 torch thread
+(memlm.memory.fast.search.topk_with_ranks) with each top-k; at 1 torch thread
 (how the study runs train, OMP_NUM_THREADS=1) and 2. Medians of interleaved
 repeats; figures go to docs/benchmarks.md.
 """
@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import machine_line, write_section  # noqa: E402
 
-import memlm.memory.search as search  # noqa: E402
-from memlm.memory import native_topk  # noqa: E402
+import memlm.memory.fast.search as search  # noqa: E402
+from memlm.memory.fast import native_topk  # noqa: E402
 
 TITLE = "## Top-k of short rows (bench/topk.py)"
 K = 32
@@ -92,12 +92,12 @@ def main() -> int:
     torch.set_num_threads(threads)
     body = "\n".join([
         header, "",
-        "memlm.memory.native_topk (memory/topk_rows.c) against torch.topk, sorted top-32, float32, "
+        "memlm.memory.fast.native_topk (memory/fast/topk_rows.c) against torch.topk, sorted top-32, float32, "
         "median of 9 interleaved repeats; outputs checked equal first. The search row runs "
-        "memlm.memory.search.topk_with_ranks (half top-k, candidate sums, final top-k) with each.", "",
+        "memlm.memory.fast.search.topk_with_ranks (half top-k, candidate sums, final top-k) with each.", "",
         *lines, "",
         "- With more than one torch thread the kernel splits the rows over torch's own OpenMP "
-        "threads (memory/topk_rows.c).",
+        "threads (memory/fast/topk_rows.c).",
     ])
     print(body)
     write_section(TITLE, body)

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from memlm.memory import ops
+from memlm.memory.fast import ops
 from memlm.memory.sparse_adamw import add_local_sparse_grad
 from memlm.memory.tables import value_pools
 from memlm.memory.values import seeded_normal_, tile_seed

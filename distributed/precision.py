@@ -20,11 +20,11 @@ weights"); only the matmuls' inputs are rounded. Two mechanisms, one result:
   keeps the residual stream, norms and loss in float32.
 
 Either way the product-key scores, their top-k and softmax, the MoE router and
-the value read run with autocast off in float32 (memlm.memory.search.full_precision),
+the value read run with autocast off in float32 (memlm.memory.fast.search.full_precision),
 and fp32 matmuls on CUDA use TF32 (enable_tf32). The product-key lookup goes
 further, so that it selects the slots the float32 model selects: its query
 projection runs in float32 too, both its matmuls with TF32 off
-(memlm.memory.exact.no_tf32, the caller's setting restored after), and under
+(memlm.memory.fast.exact.no_tf32, the caller's setting restored after), and under
 FSDP its parameters are gathered in float32 (distributed/parallelize.py,
 FULL_PRECISION). A bf16 query changes the selected set of ~20% of the lookups
 at n_keys 1024, k_dim 512, knn 32, TF32 scores ~2% (tests/test_precision.py).
@@ -67,7 +67,7 @@ def enable_tf32(device: torch.device) -> None:
     switches oneDNN; and not the newer fp32_precision attributes, whose mix
     with the legacy API (which torch.compile's inductor still reads) raises.
     The product-key lookup turns it off around its own matmuls
-    (memlm.memory.exact.no_tf32)."""
+    (memlm.memory.fast.exact.no_tf32)."""
     if device.type != "cuda":
         return
     torch.backends.cuda.matmul.allow_tf32 = True

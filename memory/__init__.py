@@ -5,15 +5,18 @@
 
 See docs/memory.md for the math, the config keys and the training hooks
 (knn schedule, usage metrics, auxiliary loss, sparse value updates).
+memory/reference.py states the math plainly (the tests' oracle); the fast
+paths the layers run (custom ops, kernels, the search's autograd) live in
+memory/fast/, which imports nothing from this folder.
 """
 
 from memlm.memory.config import MemoryConfig
+from memlm.memory.fast.ops import embedding_bag
+from memlm.memory.fast.search import product_key_topk, subkey_scores
+from memlm.memory.fast.search_grad import product_key_search
 from memlm.memory.layers import Memory, MemoryPlus, ProductKeyMemory, value_parameters
-from memlm.memory.ops import embedding_bag
 from memlm.memory.product_keys import ProductKeys, balance_loss
 from memlm.memory.schedule import apply_knn_schedule, knn_at_step, set_knn
-from memlm.memory.search import product_key_topk, subkey_scores
-from memlm.memory.search_grad import product_key_search
 from memlm.memory.sparse_adamw import SparseRowAdamW, clip_grad_norm_
 from memlm.memory.usage import SlotUsage, reset_usage, usage_metrics
 from memlm.memory.values import ValuePool

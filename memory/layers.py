@@ -7,7 +7,7 @@ Both map (..., dim) -> (..., dim) and work in any PyTorch model:
 
 The read (docs/memory.md, "The math, as implemented"), per token:
     weights, slots = product-key top-k per head (softmax in float32)
-    y = sum over the H*knn reads of weight * V[slot]        (memory.ops.embedding_bag)
+    y = sum over the H*knn reads of weight * V[slot]        (memory.fast.ops.embedding_bag)
     Memory:     out = y, or W_o y with an output projection
     MemoryPlus: out = W2(y * silu(W1 x))   (gate "swilu"; "sigmoid": sigmoid(W1 x); "none": W2 y)
 
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memlm.errors import ConfigError
-from memlm.memory.ops import resolve_kernel
+from memlm.memory.fast.ops import resolve_kernel
 from memlm.memory.product_keys import ProductKeys, balance_loss, check_knn
 from memlm.memory.usage import SlotUsage
 from memlm.memory.values import ValuePool

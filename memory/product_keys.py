@@ -2,14 +2,14 @@
 
 The `ProductKeys` module (query projection + sub-keys) and the slot-balance
 loss. The exact search itself, and its sparse backward, are in
-memory/search.py and memory/search_grad.py (re-exported here).
+memory/fast/search.py and memory/fast/search_grad.py (re-exported here).
 
     lookup = ProductKeys(dim=512, n_keys=1024, heads=4, knn=32, k_dim=512)
     weights, slots, _ = lookup(x, sub="none")  # x (T, 512) -> (T, 4 * 32) float32 softmax weights, int64 slots
 
 The lookup computes in IEEE float32 whatever the model around it does: the
 query projection and the scores with autocast off and TF32 off
-(memlm.memory.exact), and, under FSDP, its parameters gathered in float32
+(memlm.memory.fast.exact), and, under FSDP, its parameters gathered in float32
 (`full_precision_params`, read by memlm.distributed.parallelize). Its selection is
 the float32 model's: at n_keys 1024, k_dim 512, knn 32 a bf16 query changes
 the selected set of ~20% of the lookups, TF32 scores ~3%
@@ -31,9 +31,9 @@ try:  # torch >= 2.9
     from torch.fx.experimental.sym_node import DynamicInt
 except ImportError:  # pragma: no cover - older torch: knn is a constant, each value compiles once
     DynamicInt = None
-from memlm.memory.exact import exact_linear, exact_subkey_scores
-from memlm.memory.search import full_precision, product_key_topk, subkey_scores
-from memlm.memory.search_grad import product_key_search, topk_of_sub_scores
+from memlm.memory.fast.exact import exact_linear, exact_subkey_scores
+from memlm.memory.fast.search import full_precision, product_key_topk, subkey_scores
+from memlm.memory.fast.search_grad import product_key_search, topk_of_sub_scores
 
 SUB_MODES = ("detached", "grad", "none")
 
@@ -168,7 +168,7 @@ class ProductKeys(nn.Module):
         metrics), "grad" (differentiable: a loss on them, e.g. the balance
         loss) or "none" (not needed: None is returned, and the search may run
         in chunks of tokens). Except with "grad", the search's backward
-        touches only the selected sub-keys (memory/search_grad.py); with "grad"
+        touches only the selected sub-keys (memory/fast/search_grad.py); with "grad"
         the gradient goes through autograd's dense path, which a loss on the
         sub-scores needs anyway."""
         if sub not in SUB_MODES:

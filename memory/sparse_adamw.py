@@ -1,7 +1,7 @@
 """Lazy row-wise AdamW for value tables with sparse (row) gradients.
 
 With `memory.sparse_updates=true` the value table's gradient is a sparse COO
-tensor holding only the rows read in the step (memory/ops.py). Dense AdamW
+tensor holding only the rows read in the step (memory/fast/ops.py). Dense AdamW
 would rewrite all N rows and both moment buffers every step, so its cost
 grows with N; `SparseRowAdamW` updates only the rows in the gradient:
 
@@ -56,7 +56,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
-from memlm.memory.hugepages import advise_huge_pages
+from memlm.memory.fast.hugepages import advise_huge_pages
 
 
 class SparseRowAdamW(torch.optim.Optimizer):
@@ -188,7 +188,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _zeros_like_table(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A moment buffer: zeros like `p` in `dtype`, on huge pages when large
-    (its rows are updated at random, like the table's; see memory/hugepages.py)."""
+    (its rows are updated at random, like the table's; see memory/fast/hugepages.py)."""
     buf = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
     advise_huge_pages(_local(buf))  # before the first write
     return buf.zero_()
@@ -229,7 +229,7 @@ def sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Autograd drops the `coalesced` flag when it stores a gradient, even when
     the rows are already sorted and distinct (one memory layer's gradient
-    from memory/ops.py); re-coalescing would sort and copy every row again,
+    from memory/fast/ops.py); re-coalescing would sort and copy every row again,
     so check the order first (O(U)) and coalesce only when needed (several
     layers' gradients accumulated into a shared table)."""
     if grad.is_coalesced():

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from memlm.memory.config import VALUE_DTYPE_NAMES
-from memlm.memory.hugepages import advise_huge_pages
-from memlm.memory.ops import embedding_bag
-from memlm.memory.search import full_precision
+from memlm.memory.fast.hugepages import advise_huge_pages
+from memlm.memory.fast.ops import embedding_bag
+from memlm.memory.fast.search import full_precision
 
 # memory.value_dtype -> the table's storage dtype. bf16 halves the table, its
 # gradient and the bytes each read moves; the optimizer keeps float32 moments
@@ -58,7 +58,7 @@ class ValuePool(nn.Module):
         # read it (each adds heads * knn when it is built): what one token
         # "uses" for the active-parameter count.
         self.reads_per_token = 0
-        # How the table is read: None -> a local read through memory.ops.
+        # How the table is read: None -> a local read through memory.fast.ops.
         # Memory parallelism (distributed/memory_parallel.py) installs a column-parallel
         # reader here, called as reader(pool, indices, weights, sparse, kernel).
         self.reader = None
@@ -74,7 +74,7 @@ class ValuePool(nn.Module):
         """indices, weights (B, K) -> (B, v_dim) in the table's dtype:
         sum_k weights[b, k] * table[indices[b, k]].
 
-        The local read is a custom op (memory/ops.py): torch.compile traces
+        The local read is a custom op (memory/fast/ops.py): torch.compile traces
         it without a graph break; an installed reader runs eagerly. Autocast
         is off: the read's dtype is the table's (memory.value_dtype)."""
         with full_precision(indices.device):

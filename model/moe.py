@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memlm.errors import ConfigError
-from memlm.memory.search import full_precision
+from memlm.memory.fast.search import full_precision
 from memlm.model.ffn import FFNContext, register_ffn
 
 GROUPED, DENSE = "grouped", "dense"

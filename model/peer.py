@@ -27,7 +27,7 @@ Choices, and why:
   projection and sub-keys are dense. Consequence: `num_params()` counts them
   as memory, and the trainer's optimizer puts them in the memory-value group
   (`memory.value_lr`, `value_weight_decay`, `value_grad_clip`).
-- The search is the memory layers' own (`memlm.memory.search_grad.product_key_search`,
+- The search is the memory layers' own (`memlm.memory.fast.search_grad.product_key_search`,
   which takes keys shared by the heads), with its backward through the selected
   sub-keys only.
 """
@@ -39,9 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from memlm.errors import ConfigError
-from memlm.memory.row_dots import row_dots
-from memlm.memory.search import full_precision
-from memlm.memory.search_grad import product_key_search
+from memlm.memory.fast.row_dots import row_dots
+from memlm.memory.fast.search import full_precision
+from memlm.memory.fast.search_grad import product_key_search
 from memlm.model.ffn import FFNContext, register_ffn
 
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}

@@ -10,7 +10,7 @@ from train_workers import full_state
 
 from memlm.config.run import compose
 from memlm.distributed.memory_parallel import shard_value_pools
-from memlm.memory import ops
+from memlm.memory.fast import ops
 from memlm.memory.sparse_adamw import table_grad
 from memlm.memory.values import ValuePool
 from memlm.train.trainer import Trainer

@@ -13,7 +13,7 @@ def column_parallel_bf16_read(rank: int, n_slots: int, v_dim: int, bags: int, k:
     the group, with float32 weights, through each kernel (Triton by its
     interpreter): what crosses the wire, and the numbers against plain
     float32 over the bf16 table's values. Rank 0 saves every rank's results."""
-    # Before memlm.memory.triton_bag is imported (by the first Triton read):
+    # Before memlm.memory.fast.triton_bag is imported (by the first Triton read):
     # Triton decides to interpret when a kernel is defined. This process only.
     os.environ["TRITON_INTERPRET"] = "1"
     from torch.distributed.device_mesh import init_device_mesh

@@ -17,8 +17,9 @@ from torch._dynamo.utils import counters
 
 from memlm.config.run import compose
 
-# Importing memlm.memory registers the memlm:: ops (memory/ops.py, memory/search_grad.py).
-from memlm.memory import MemoryPlus, apply_knn_schedule, knn_at_step, ops
+# Importing memlm.memory registers the memlm:: ops (memory/fast/ops.py, memory/fast/search_grad.py).
+from memlm.memory import MemoryPlus, apply_knn_schedule, knn_at_step
+from memlm.memory.fast import ops
 from memlm.model import Transformer
 from memlm.train.loss import chunk_tokens, chunked_cross_entropy
 
@@ -164,8 +165,8 @@ def test_custom_ops_pass_opcheck(name, op, args):
 
 def test_custom_ops_keep_the_eager_numbers_bit_for_bit():
     """The op route of the read gives exactly the old autograd.Function's
-    numbers: F.embedding_bag forward, by-slot backward (memory/bag_grad.py)."""
-    from memlm.memory.bag_grad import dense_gradient, sort_reads, weight_gradients
+    numbers: F.embedding_bag forward, by-slot backward (memory/fast/bag_grad.py)."""
+    from memlm.memory.fast.bag_grad import dense_gradient, sort_reads, weight_gradients
 
     values, indices, weights = _bag_inputs()
     out = ops.embedding_bag(values, indices, weights, kernel="torch")

@@ -312,13 +312,13 @@ def test_host_read_counter_on_a_gpu_counts_only_cuda_tensors():
 # sitecustomize.py sources that patch a failure into a section's process.
 INJECT = {
     "kernel_tests": """
-        import memlm.memory.ops as ops
+        import memlm.memory.fast.ops as ops
         def broken(*args, **kwargs):
             raise RuntimeError("injected kernel error")
         ops.embedding_bag = broken
     """,
     "kernel_bench": """
-        import memlm.memory.ops as ops
+        import memlm.memory.fast.ops as ops
         right = ops.embedding_bag
         ops.embedding_bag = lambda *a, **k: right(*a, **k) * 1.5
     """,

@@ -26,7 +26,7 @@ CHILD = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from memlm.memory import triton_bag as tb
+    from memlm.memory.fast import triton_bag as tb
 
     if "constexprs" not in inspect.signature(ASTSource).parameters:
         print("UNSUPPORTED ASTSource API of triton " + triton.__version__)

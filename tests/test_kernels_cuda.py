@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 
 import torch.nn.functional as F  # noqa: E402
 
-from memlm.memory import ops, triton_bag  # noqa: E402
+from memlm.memory.fast import ops, triton_bag  # noqa: E402
 
 
 def _case(n, v, bags, reads, dtype, hot=None, seed=0):
@@ -88,7 +88,7 @@ def test_bad_index_on_cuda_stops_with_device_assert():
     # Default CUDA check is asynchronous and poisons the context: run it in a child.
     code = textwrap.dedent("""
         import torch
-        from memlm.memory import ops
+        from memlm.memory.fast import ops
         v = torch.randn(10, 8, device="cuda")
         y = ops.embedding_bag(v, torch.tensor([[3, 10]], device="cuda"), torch.ones(1, 2, device="cuda"))
         torch.cuda.synchronize()

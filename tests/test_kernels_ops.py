@@ -1,4 +1,4 @@
-"""Kernel dispatch rules and input checks of memory.ops.embedding_bag (no GPU,
+"""Kernel dispatch rules and input checks of memory.fast.ops.embedding_bag (no GPU,
 no Triton interpreter: these never launch a Triton kernel)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from memlm.errors import ConfigError
-from memlm.memory import ops
+from memlm.memory.fast import ops
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 

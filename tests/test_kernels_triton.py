@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
-from memlm.memory import ops, triton_bag  # noqa: E402
+from memlm.memory.fast import ops, triton_bag  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 

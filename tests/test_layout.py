@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Bottom to top. A folder may import its own layer's folders only where listed in SIDEWAYS.
 LAYERS = [
     {"errors", "files", "configs"},  # configs: the YAML presets (a package only to ship them)
+    {"memory.fast"},  # the memory read's kernels and custom ops: a folder of its own below the layers
     {"memory"},
     {"model", "data"},
     {"config"},
@@ -28,6 +29,8 @@ LAYERS = [
 # Each package's config section is composed by config/ and imports nothing of
 # memlm but errors: it sits on config's layer whatever folder holds it.
 SECTIONS = {"evals.config": "config", "evals.registry": "config"}
+# Sub-packages that are folders of their own (their own layer and share of the code).
+NESTED = {"memory.fast"}
 SIDEWAYS: set[tuple[str, str]] = set()
 SKIP = {"tests", "bench", "docs", "configs", ".venv", "runs", "data_cache", ".git", "build", "memlm.egg-info"}
 
@@ -69,16 +72,17 @@ def _imports(tree: ast.AST):
 
 
 def _folder(module: str) -> str:
-    """memlm.evals.config -> config (a section); memlm.train.trainer -> train; memlm.errors -> errors."""
+    """memlm.evals.config -> config (a section); memlm.memory.fast.ops -> memory.fast (nested);
+    memlm.train.trainer -> train; memlm.errors -> errors."""
     parts = module.split(".")[1:]
     dotted = ".".join(parts[:2])
-    return SECTIONS.get(dotted, parts[0])
+    return dotted if dotted in NESTED else SECTIONS.get(dotted, parts[0])
 
 
 def test_no_folder_imports_from_a_folder_above_it():
     upward = []
     for rel, name in _modules():
-        own = SECTIONS.get(".".join(name.split(".")[:2]), name.split(".")[0])
+        own = _folder(f"memlm.{name}")
         for target, line in _imports(ast.parse((ROOT / rel).read_text())):
             other = _folder(target)
             if other == own or (own, other) in SIDEWAYS:
@@ -92,13 +96,14 @@ def test_every_folder_is_on_a_layer_and_none_holds_much_of_the_code():
     lines: dict[str, int] = {}
     for rel, _ in _modules():
         folder = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+        folder = ".".join(rel.parts[:2]) if ".".join(rel.parts[:2]) in NESTED else folder
         if folder == "__init__":
             continue
         _layer(folder)  # StopIteration: a new folder without a layer
         lines[folder] = lines.get(folder, 0) + len((ROOT / rel).read_text().splitlines())
     total = sum(lines.values())
-    big = {f: round(n / total, 3) for f, n in lines.items() if n > 0.17 * total}
-    assert not big, f"folders over 17% of the code lines: {big}"
+    big = {f: round(n / total, 3) for f, n in lines.items() if n > 0.16 * total}
+    assert not big, f"folders over 16% of the code lines: {big}"
 
 
 def test_a_checkpoint_names_no_memlm_module(tmp_path):

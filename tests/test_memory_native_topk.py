@@ -1,11 +1,11 @@
-"""memory/native_topk.py: the C top-k kernel gives torch.topk's results."""
+"""memory/fast/native_topk.py: the C top-k kernel gives torch.topk's results."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import memlm.memory.native_topk as native
+import memlm.memory.fast.native_topk as native
 
 
 @pytest.fixture(autouse=True)
@@ -132,7 +132,7 @@ def test_switch_and_missing_compiler(monkeypatch, tmp_path):
 def test_product_key_search_through_the_kernel_equals_brute_force(monkeypatch, n_keys, knn):
     # Sub-key scores whose n_keys**2 pair sums are distinct and exact in
     # float32 (s1 multiples of 4096, s2 below 4096), so the winners are unique.
-    import memlm.memory.search as search
+    import memlm.memory.fast.search as search
 
     calls = []
 

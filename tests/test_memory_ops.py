@@ -1,4 +1,4 @@
-"""memory.ops.embedding_bag against F.embedding_bag; sparse vs dense table gradients."""
+"""memory.fast.ops.embedding_bag against F.embedding_bag; sparse vs dense table gradients."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from memlm.errors import ConfigError
-from memlm.memory.ops import embedding_bag, resolve_kernel, row_gradients
+from memlm.memory.fast.ops import embedding_bag, resolve_kernel, row_gradients
 
 
 def _inputs(n=50, v=7, bags=9, reads=6, dtype=torch.float32, seed=0):
@@ -94,7 +94,7 @@ def test_shapes_and_kernels_are_checked():
 
 
 def test_unavailable_kernel_fails_with_config_error():
-    from memlm.memory.ops import available_kernels
+    from memlm.memory.fast.ops import available_kernels
 
     assert "torch" in available_kernels()
     if "triton" not in available_kernels():

@@ -1,11 +1,11 @@
-"""memory.row_dots (PEER's down projection) against the plain gather + matmul it replaces."""
+"""memory.fast.row_dots (PEER's down projection) against the plain gather + matmul it replaces."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from memlm.memory.row_dots import row_dots
+from memlm.memory.fast.row_dots import row_dots
 
 
 def _reference(table, indices, x):

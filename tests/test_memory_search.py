@@ -1,6 +1,6 @@
 """product_key_search: same selection as the dense path, and a backward through
 the selected sub-keys only that equals autograd's dense gradient (float64);
-the TF32-free matmuls of memlm.memory.exact against the plain ops."""
+the TF32-free matmuls of memlm.memory.fast.exact against the plain ops."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.func import functional_call
 
-import memlm.memory.ops as ops
-import memlm.memory.search as search
-import memlm.memory.search_grad as search_grad
+import memlm.memory.fast.ops as ops
+import memlm.memory.fast.search as search
+import memlm.memory.fast.search_grad as search_grad
 from memlm.memory import (
     MemoryPlus,
     ProductKeys,
@@ -19,7 +19,7 @@ from memlm.memory import (
     product_key_topk,
     subkey_scores,
 )
-from memlm.memory.exact import exact_linear, exact_subkey_scores
+from memlm.memory.fast.exact import exact_linear, exact_subkey_scores
 
 
 def _inputs(tokens=24, heads=3, n_keys=40, half=5, shared=False, seed=0):
@@ -222,7 +222,7 @@ def test_weight_gradients_in_slot_order_are_bit_identical():
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_exact_subkey_scores_equal_the_einsum_and_its_gradient(shared):
-    """memlm.memory.exact: the scores with TF32 off (a custom op) are the
+    """memlm.memory.fast.exact: the scores with TF32 off (a custom op) are the
     einsum's, and its backward is autograd's through the einsum (float64)."""
     q, keys = _inputs(shared=shared, seed=5)
     got, want = exact_subkey_scores(q, keys), subkey_scores(q, keys)

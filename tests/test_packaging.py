@@ -20,7 +20,7 @@ def test_non_editable_install_imports_and_finds_configs(tmp_path):
         check=True, cwd=tmp_path,
     )
     assert (target / "memlm" / "configs" / "model" / "373m.yaml").is_file()
-    assert (target / "memlm" / "memory" / "topk_rows.c").is_file()  # built on first use
+    assert (target / "memlm" / "memory" / "fast" / "topk_rows.c").is_file()  # built on first use
     assert (target / "memlm" / "hf" / "remote" / "modeling_memlm.py").is_file()  # copied into exports
     assert not (target / "memlm" / "tests").exists(), "tests must not be installed"
     script = (

@@ -14,14 +14,14 @@ from conftest import compose_and_build
 from distributed_workers import run_ranks
 from torch import nn
 
-import memlm.memory.exact as exact
+import memlm.memory.fast.exact as exact
+import memlm.memory.fast.search_grad as search_grad
 import memlm.memory.product_keys as product_keys
-import memlm.memory.search_grad as search_grad
 from memlm.config.run import compose
 from memlm.distributed.precision import enable_tf32
 from memlm.errors import ConfigError
 from memlm.memory import ProductKeys
-from memlm.memory.exact import no_tf32
+from memlm.memory.fast.exact import no_tf32
 from memlm.memory.sparse_adamw import SparseRowAdamW
 from memlm.train.trainer import Trainer
 

@@ -30,9 +30,9 @@ MEMPLUS = ["memory=memplus", "memory.n_keys=8", "memory.knn=4", "memory.eval_knn
 MOE = ["memory=moe", "memory.layers=[1]", "memory.n_experts=4", "memory.top_k=2"]
 
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
-# The one read allowed: memory/ops.py checks read indices on the host on CPU
+# The one read allowed: memory/fast/ops.py checks read indices on the host on CPU
 # only; on CUDA the same check is torch._assert_async (no sync).
-ALLOWED = ("memory/ops.py", "_check_indices")
+ALLOWED = ("memory/fast/ops.py", "_check_indices")
 
 
 def _count_host_reads(trainer: Trainer, monkeypatch) -> list[tuple[int, str]]:

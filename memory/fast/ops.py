@@ -4,8 +4,8 @@
 
 `embedding_bag(values, indices, weights, sparse=..., kernel=...)` is the only
 entry point the layers use: it validates the inputs and dispatches by device
-and `memory.kernel` to the Triton kernels (memory/triton_bag.py, CUDA) or the
-plain-PyTorch kernel (CPU: F.embedding_bag forward, memory/bag_grad.py backward).
+and `memory.kernel` to the Triton kernels (memory/fast/triton_bag.py, CUDA) or the
+plain-PyTorch kernel (CPU: F.embedding_bag forward, memory/fast/bag_grad.py backward).
 The read is registered as the custom ops `memlm::embedding_bag` and
 `memlm::embedding_bag_backward` (torch.library): torch.compile sees one
 opaque, differentiable op (shapes from its fake kernel) and traces a memory
@@ -28,7 +28,7 @@ The gradient is
   read, indices (1, U), values (U, v_dim), never a dense (N, v_dim) tensor.
   Pair it with `memlm.memory.SparseRowAdamW`.
 Both formats hold the same numbers, bit for bit (same bags, same order).
-The Triton kernels (memory/triton_bag.py) use the same grouping.
+The Triton kernels (memory/fast/triton_bag.py) use the same grouping.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import torch.nn.functional as F
 
 from memlm.errors import ConfigError
 
-# The CPU gradients (memory/bag_grad.py), re-exported: tests and the search's backward import them from here.
-from memlm.memory.bag_grad import (
+# The CPU gradients (memory/fast/bag_grad.py), re-exported: tests and the search's backward import them from here.
+from memlm.memory.fast.bag_grad import (
     ReadsBySlot,
     dense_gradient,
     row_gradients,
@@ -56,7 +56,7 @@ __all__ = ["ReadsBySlot", "available_kernels", "dense_gradient", "embedding_bag"
 KERNELS = ("auto", "triton", "torch")
 # TRITON_INTERPRET=1 runs Triton kernels on CPU tensors through Triton's
 # interpreter: slow, for tests only. Triton reads it when a kernel is defined
-# (memory/triton_bag.py is imported), so it must be set before that.
+# (memory/fast/triton_bag.py is imported), so it must be set before that.
 INTERPRET_ENV = "TRITON_INTERPRET"
 # On CUDA, a synchronous bounds check (raising IndexError) costs a host sync
 # per read; it runs only when this is set to 1 (see _check_indices).
@@ -216,7 +216,7 @@ def _bag_op(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, 
     kernel = _resolve_for(values, kernel)
     _check_indices(indices, values.shape[0])
     if kernel == "triton":
-        from memlm.memory.triton_bag import bag_forward  # imports triton only when used
+        from memlm.memory.fast.triton_bag import bag_forward  # imports triton only when used
 
         return bag_forward(values, indices.contiguous(), weights.contiguous())
     return F.embedding_bag(indices, values, per_sample_weights=weights.to(values.dtype), mode="sum")
@@ -234,7 +234,7 @@ def _bag_gradients(grad_out, values, indices, weights, sparse, kernel, need_valu
     grad_out = grad_out.contiguous()
     grad_values = grad_weights = None
     if kernel == "triton":
-        from memlm.memory.triton_bag import table_grad, weight_grad
+        from memlm.memory.fast.triton_bag import table_grad, weight_grad
 
         indices, weights = indices.contiguous(), weights.contiguous()
         if need_weights:

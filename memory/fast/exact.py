@@ -20,7 +20,7 @@ off, without a graph break. Their backward is plain PyTorch (traced under
 torch.compile) at the caller's precision: a gradient is not a selection, and
 TF32's rounding of it is noise next to bf16 training's.
 
-Callers turn autocast off around these (memlm.memory.search.full_precision)
+Callers turn autocast off around these (memlm.memory.fast.search.full_precision)
 and pass float32 inputs: these functions do not cast.
 """
 
@@ -32,7 +32,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from memlm.memory.search import subkey_scores
+from memlm.memory.fast.search import subkey_scores
 
 _MATMUL = torch.backends.cuda.matmul
 
@@ -153,7 +153,7 @@ _exact_scores_op.register_autograd(_exact_scores_backward, setup_context=_exact_
 
 
 def exact_subkey_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """memlm.memory.search.subkey_scores with TF32 off (see no_tf32), also
+    """memlm.memory.fast.search.subkey_scores with TF32 off (see no_tf32), also
     under torch.compile, and differentiable: query (T, H, 2, half), keys
     (H, 2, n_keys, half) or (2, n_keys, half) -> (T, H, 2, n_keys)."""
     return torch.ops.memlm.exact_subkey_scores(query, keys)

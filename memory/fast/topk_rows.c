@@ -1,4 +1,4 @@
-/* Top-k of many short float32 rows on CPU, sorted descending (memory/native_topk.py).
+/* Top-k of many short float32 rows on CPU, sorted descending (memory/fast/native_topk.py).
  *
  * Product-key search takes the top-k (k = knn, 32 by default) of rows of a
  * few hundred scores, for every token, head and key half: tens of thousands

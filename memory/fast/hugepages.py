@@ -4,8 +4,8 @@ A memory layer reads a few hundred thousand random rows of its value table
 per step. With 4 KB pages every row of a large table (2 GB at 1M slots x 512
 floats) lies on a page whose address translation is not cached, so each read
 also walks the page table; with 2 MB pages the translations of the whole
-table fit in the TLB. On this project's CPU machine that makes the forward
-read of a 1M-slot table about 2x faster (bench/memory_layer.py).
+table fit in the TLB, which speeds up the forward read of a large table on
+CPU (bench/memory_layer.py measures the layer; figures in docs/benchmarks.md).
 
 Linux backs memory with huge pages when asked to with madvise(MADV_HUGEPAGE)
 (the system default "madvise" mode of transparent huge pages does nothing

@@ -7,7 +7,7 @@ top-k, so scoring the candidates built from the two half top-k's suffices
 (Lample et al. 2019; docs/memory.md, "The math, as implemented").
 
 This module is the forward search, differentiable through autograd (dense).
-The layers call `memlm.memory.search_grad.product_key_search`: the same search
+The layers call `memlm.memory.fast.search_grad.product_key_search`: the same search
 with a backward through the selected sub-keys only.
 """
 
@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from memlm.memory.native_topk import topk as rows_topk
+from memlm.memory.fast.native_topk import topk as rows_topk
 
 # Half top-k through block maxima (see half_topk) from n_keys >= this * knn.
 BLOCK_TOPK_RATIO = 16
@@ -48,8 +48,8 @@ def subkey_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def half_topk(sub_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-`knn` of each row's last dim, sorted descending: values and indices.
 
-    On CPU the top-k runs through memlm.memory.native_topk (a C kernel,
-    2.5-3x faster than torch.topk on short rows). Its cost still grows with
+    On CPU the top-k runs through memlm.memory.fast.native_topk (a C kernel,
+    faster than torch.topk on short rows: bench/topk.py, docs/benchmarks.md). Its cost still grows with
     the elements scanned, whatever k. For long rows on CPU we first take the max of each block of BLOCK scores (a vectorized
     pass), keep the knn blocks with the largest maxima, and take the top-knn
     of their knn*BLOCK scores: n/BLOCK + knn*BLOCK elements scanned instead of

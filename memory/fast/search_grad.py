@@ -12,7 +12,7 @@ the sum of g over the selected slots whose half c is sub-key i:
     dq_c       = sum_i G[i] * keys_c[i]          a weighted bag of sub-key rows
     dkeys_c[i] = sum over (token, head) of G[i] * q_c    the bag's table gradient
 
-i.e. one embedding bag and its by-slot table gradient (memlm.memory.ops):
+i.e. one embedding bag and its by-slot table gradient (memlm.memory.fast.ops):
 T*H*2 bags of ~12 distinct sub-keys each (knn 32: the winners share their
 best sub-keys) instead of matmuls over all n_keys. When n_keys is small next
 to knn the dense form is cheaper (matmuls beat gathers per flop) and is used
@@ -22,7 +22,7 @@ autograd's gradient in float64.
 The forward builds no graph over the (T, H, 2, n_keys) scores, and for long
 score tensors runs in chunks of tokens (see _search).
 
-The forward scores with TF32 off (memlm.memory.exact.no_tf32: a TF32
+The forward scores with TF32 off (memlm.memory.fast.exact.no_tf32: a TF32
 operand changes the selected set of ~3% of the lookups at n_keys 1024, k_dim
 512, knn 32); the backward runs at the caller's matmul precision.
 
@@ -39,15 +39,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memlm.memory.exact import no_tf32
-from memlm.memory.ops import dense_gradient, sort_reads
-from memlm.memory.search import slots_of, subkey_scores, topk_with_ranks
+from memlm.memory.fast.exact import no_tf32
+from memlm.memory.fast.ops import dense_gradient, sort_reads
+from memlm.memory.fast.search import slots_of, subkey_scores, topk_with_ranks
 
 # Below n_keys = SPARSE_BACKWARD_RATIO * knn the dense backward (scatter into
-# (T, H, 2, n_keys) + two matmuls) is the faster one on CPU. Measured at knn
-# 32, 2048 tokens x 4 heads, k_dim 512: sparse ~40 ms at every n_keys, dense
-# 37 / 46 / 106 / 215 ms at n_keys 128 / 256 / 512 / 1024; at k_dim 128,
-# n_keys 128: sparse 26 ms, dense 12 ms.
+# (T, H, 2, n_keys) + two matmuls) is used: its work grows with n_keys, the
+# sparse one's with knn, and at small tables the dense one's matmuls are as
+# fast or faster. bench/search_backward.py measures both (docs/benchmarks.md).
 SPARSE_BACKWARD_RATIO = 8
 # Score tensors larger than this are searched in chunks of tokens (see _search).
 CHUNK_BYTES = 16 << 20

@@ -5,8 +5,8 @@
     grad_values = dense_gradient(indices, weights, grad_y, n_slots, reads)   # (N, v_dim)
     grad_weights = weight_gradients(values, indices, weights, grad_y, reads)  # (B, K)
 
-See memory/ops.py (the read and its custom op) for why the gradient is
-computed by destination slot; memory/search_grad.py reuses these for the
+See memory/fast/ops.py (the read and its custom op) for why the gradient is
+computed by destination slot; memory/fast/search_grad.py reuses these for the
 sub-key gradient of the search.
 """
 

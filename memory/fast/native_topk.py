@@ -1,10 +1,10 @@
-"""Top-k of many short CPU rows through a small C kernel (memory/topk_rows.c).
+"""Top-k of many short CPU rows through a small C kernel (memory/fast/topk_rows.c).
 
 Product-key search spends most of its CPU time in top-k over short rows
 (the n_keys sub-key scores of every token, head and half, then ~knn*ln(knn)
 candidate sums): torch.topk takes ~2 us per 128-element row. The C kernel
-sorts many rows at once through one sorting network, one row per SIMD lane:
-2.3-3.1x faster at those shapes (bench/topk.py). Same results as torch.topk
+sorts many rows at once through one sorting network, one row per SIMD lane,
+faster at those shapes (bench/topk.py; figures in docs/benchmarks.md). Same results as torch.topk
 (sorted descending; NaN ranks highest; among equal values any may be kept).
 
 The kernel is compiled on first use with the system C compiler (`$CC`, else

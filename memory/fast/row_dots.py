@@ -2,7 +2,7 @@
 
     out[b, k] = table[indices[b, k]] . x[b]
 
-The transpose of the memory read (`memlm.memory.ops.embedding_bag`), and
+The transpose of the memory read (`memlm.memory.fast.ops.embedding_bag`), and
 PEER's down projection: u_i . x for the experts i a token retrieved.
 Autograd through `F.embedding(indices, table)` and a batched matmul would
 materialize the (B, K, dim) gather and its gradient (at PEER's published
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memlm.memory.ops import ReadsBySlot, dense_gradient, sort_reads, weight_gradients
+from memlm.memory.fast.ops import ReadsBySlot, dense_gradient, sort_reads, weight_gradients
 
 
 class _RowDots(torch.autograd.Function):
@@ -52,7 +52,7 @@ class _RowDots(torch.autograd.Function):
 
 
 # Eager under torch.compile (a graph break in PEER): unlike the memory read
-# (a custom op, memory/ops.py), not yet registered with torch.library.
+# (a custom op, memory/fast/ops.py), not yet registered with torch.library.
 @torch.compiler.disable
 def row_dots(table: torch.Tensor, indices: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """(N, dim) table, (B, K) int indices in [0, N), (B, dim) x -> (B, K):

@@ -2,7 +2,7 @@
 
     y[b] = sum_k weights[b, k] * values[indices[b, k]]          values (N, V), indices/weights (B, K)
 
-Reached through `memlm.memory.ops.embedding_bag(..., kernel="triton")` (or
+Reached through `memlm.memory.fast.ops.embedding_bag(..., kernel="triton")` (or
 `auto` on CUDA), which validates the inputs first; the launchers here assume
 valid inputs: a table with unit column stride, contiguous (B, K) indices
 (int32 or int64) and weights, indices in [0, N).
@@ -245,7 +245,7 @@ class TritonEmbeddingBag(torch.autograd.Function):
 
 def embedding_bag_triton(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                          sparse: bool = False, algorithm: str = "by_slot") -> torch.Tensor:
-    """The Triton read without input validation (memory.ops validates)."""
+    """The Triton read without input validation (memory.fast.ops validates)."""
     needs_grad = torch.is_grad_enabled() and (values.requires_grad or weights.requires_grad)
     if not needs_grad:
         return bag_forward(values, indices, weights)
