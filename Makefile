@@ -31,16 +31,16 @@ test-fast: $(STAMP)
 # (the main one has transformers 5) and no memlm, used only by a few tests:
 # dense bundles (ids, logits, greedy answers), trust_remote_code exports
 # loaded without memlm, and the documented tokenizer and model lines on every
-# kind of export (tests/test_hf_bundle.py, tests/test_hf_remote.py,
-# tests/test_export_reuse.py; docs/checkpoints.md).
+# kind of export (tests/integration/test_hf_bundle.py, tests/integration/test_hf_remote.py,
+# tests/integration/test_export_reuse.py; docs/checkpoints.md).
 TF4_VENV ?= .venv-tf4
 TORCH_PIN := $(shell grep '^torch==' $(CONSTRAINTS) 2>/dev/null)
 test-tf4: $(STAMP)
 	test -x $(TF4_VENV)/bin/python || $(PYTHON) -m venv $(TF4_VENV)
 	$(TF4_VENV)/bin/python -m pip install --quiet "transformers==4.57.*" $(or $(TORCH_PIN),torch) safetensors sentencepiece protobuf numpy
 	MEMLM_TF4_PYTHON=$(abspath $(TF4_VENV))/bin/python MEMLM_REMOTE_PYTHON=$(abspath $(TF4_VENV))/bin/python \
-	  $(BIN)/python -m pytest -m "slow or not slow" tests/test_hf_bundle.py tests/test_hf_remote.py \
-	  tests/test_export_reuse.py -k "transformers4 or fresh_venv" $(ARGS)
+	  $(BIN)/python -m pytest -m "slow or not slow" tests/integration/test_hf_bundle.py tests/integration/test_hf_remote.py \
+	  tests/integration/test_export_reuse.py -k "transformers4 or fresh_venv" $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

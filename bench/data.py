@@ -84,7 +84,8 @@ def render(prep: list[dict], loader: dict, docs: int, tok_vocab: int, load: tupl
     ]
     for row in prep:
         lines.append(f"| {row['workers']} process{'es' if row['workers'] > 1 else ''} ({row['units']} units) "
-                     f"| {row['seconds']:.1f} | {row['tok_s'] / 1e6:.2f}M | {row['tok_s'] / base:.2f}x | {row['cpu']:.1f} |")
+                     f"| {row['seconds']:.1f} | {row['tok_s'] / 1e6:.2f}M | {row['tok_s'] / base:.2f}x "
+                     f"| {row['cpu']:.1f} |")
     lines += ["", f"| loader, one core, seq_len {SEQ_LEN} x micro_batch {MICRO_BATCH} | tokens/s |", "|---|---|"]
     for name, rate in loader.items():
         lines.append(f"| {name} | {rate / 1e6:.1f}M |")

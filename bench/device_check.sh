@@ -8,7 +8,7 @@
 #   env             the GPU, driver, torch/triton and the training modules are there.
 #                   FAIL: torch or triton not importable, no CUDA GPU, or hydra,
 #                   omegaconf or torchdata missing (bench/device_wheels.sh).
-#   kernel_tests    tests/test_kernels*.py + row_dots run on CUDA: compiled Triton, no interpreter.
+#   kernel_tests    tests/unit/test_kernels*.py + row_dots run on CUDA: compiled Triton, no interpreter.
 #                   FAIL: a test fails or errors, no test ran, or a CUDA test was skipped.
 #   kernel_bench    bench/kernels.py --gpu-only: each kernel (Triton by slot and atomic, our
 #                   torch path, F.embedding_bag) at the paper's shape is checked, then timed.
@@ -208,9 +208,9 @@ if wanted kernel_tests; then
     export -f kernel_tests_run judge_junit
     export PY OUT DRY_RUN
     if [ "$DRY_RUN" = "1" ]; then  # the CUDA-only kernel tests are collected and skip on CPU; the CPU ops run
-        run_section kernel_tests 60 bash -c 'kernel_tests_run "$@"' _ tests/test_kernels_cuda.py tests/test_kernels_ops.py
+        run_section kernel_tests 60 bash -c 'kernel_tests_run "$@"' _ tests/unit/test_kernels_cuda.py tests/unit/test_kernels_ops.py
     else
-        run_section kernel_tests 75 bash -c 'kernel_tests_run "$@"' _ tests/test_kernels*.py tests/test_memory_row_dots.py
+        run_section kernel_tests 75 bash -c 'kernel_tests_run "$@"' _ tests/unit/test_kernels*.py tests/unit/test_memory_row_dots.py
     fi
 fi
 

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the distributed test helpers (equivalence)
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))  # the distributed test helpers (equivalence)
 
 from memlm.config.run import compose  # noqa: E402
 from memlm.train.metrics import device_peak_flops  # noqa: E402
@@ -341,7 +341,7 @@ def section_nosync(dry: bool, tmp: str) -> dict:
 def section_equivalence(dry: bool, tmp: str) -> dict:
     """2 ranks (NCCL on 2 GPUs; gloo in a dry run) with memory_parallel=2 train
     like one process on the concatenated batch: losses, gradient norms and
-    weights after 3 steps (the check of tests/test_train_equivalence.py)."""
+    weights after 3 steps (the check of tests/integration/test_train_equivalence.py)."""
     from distributed_workers import run_ranks
     from train_workers import full_state, train_on_slices
 

@@ -167,7 +167,8 @@ def render(rows, baseline, lookup, load_before, load_after, quick, repeats) -> s
         "",
         f"One layer on {TOKENS} tokens at dim {DIM}: forward + backward (fwd+bwd), and one training "
         f"step (step: forward + backward + optimizer step), each the fastest of {repeats} "
-        f"(reference: of 1), the two measured in turn. Baseline: dense SwiGLU FFN (hidden 1536) with fused torch AdamW, "
+        f"(reference: of 1), the two measured in turn. Baseline: dense SwiGLU FFN (hidden 1536) "
+        "with fused torch AdamW, "
         f"fwd+bwd {baseline[0] * 1e3:.0f} ms, step {baseline[1] * 1e3:.0f} ms. MemoryPlus: {HEADS} "
         f"heads x knn {KNN}, k_dim {K_DIM}, v_dim {DIM}, one table. Paths: **reference** = torch "
         "EmbeddingBag backward (dense table gradient) + torch AdamW defaults; **dense** = memlm's "

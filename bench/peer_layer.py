@@ -65,7 +65,8 @@ def main() -> int:
         print(rows[-1], flush=True)
     body = "\n".join([
         machine_line() + f" {torch.get_num_threads()} torch thread(s); median of 9 interleaved steps.", "",
-        "PEER layer forward + backward, the u . x of the retrieved experts as a gather + bmm vs memlm.memory.fast.row_dots "
+        "PEER layer forward + backward, the u . x of the retrieved experts as a gather + bmm "
+        "vs memlm.memory.fast.row_dots "
         "(same layer otherwise; outputs checked equal first).", "",
         "| tokens | dim | heads x knn | experts | gather + bmm | row_dots | speedup |",
         "|---:|---:|---|---:|---:|---:|---:|", *rows])

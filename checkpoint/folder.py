@@ -164,7 +164,8 @@ def verify(directory: Path, with_checksum: bool = True, rank: int = 0, world: in
         if not path.is_file():
             raise CheckpointError(f"checkpoint file {path} is missing")
         if path.stat().st_size != expected["size"]:
-            raise CheckpointError(f"checkpoint file {path} has {path.stat().st_size} bytes, expected {expected['size']} (truncated?)")
+            raise CheckpointError(f"checkpoint file {path} has {path.stat().st_size} bytes, "
+                                  f"expected {expected['size']} (truncated?)")
         if with_checksum and "crc32" in expected and name in hashed and crc32_file(path) != expected["crc32"]:
             raise CheckpointError(f"checkpoint file {path} is corrupted (crc32 mismatch)")
     return meta

@@ -200,7 +200,8 @@ class Config:
         self.model.validate(ffn_kinds())
         self.memory.validate(self.model.n_layers)
         if self.memory.kind != "none" and self.memory.kind not in ffn_kinds():
-            raise ConfigError("memory.kind", self.memory.kind, f"none or one of the FFN kinds: {', '.join(ffn_kinds())}")
+            raise ConfigError("memory.kind", self.memory.kind,
+                              f"none or one of the FFN kinds: {', '.join(ffn_kinds())}")
         v_dim = self.memory.v_dim or self.model.dim
         mp = self.parallel.memory_parallel
         if self.memory.kind != "none" and mp != "auto" and v_dim % mp:

@@ -102,7 +102,8 @@ class DataConfig:
         if self.kind == "raw" and not self.tokenizer:
             raise ConfigError(f"{prefix}.tokenizer", self.tokenizer, "the path of a sentencepiece .model (kind=raw)")
         if self.kind == "shards" and not self.shards_dir:
-            raise ConfigError(f"{prefix}.shards_dir", self.shards_dir, "the output folder of memlm.data.prepare (kind=shards)")
+            raise ConfigError(f"{prefix}.shards_dir", self.shards_dir,
+                              "the output folder of memlm.data.prepare (kind=shards)")
         if self.kind == "synthetic":
             if self.synthetic.people <= 0 or self.synthetic.docs_per_person <= 0:
                 raise ConfigError(f"{prefix}.synthetic", self.synthetic, "people and docs_per_person > 0")

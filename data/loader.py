@@ -211,7 +211,8 @@ class TokenLoader:
                  if s.num_docs else s.name for s, w in zip(self.node.sources, self.weights)]
         skipped = [f"{n}: {st.summary()}" for n, st in self.stats.items()]
         return (f"data: {self.node.kind}, split {self.node.split}, rank {self.node.rank}/{self.node.world_size}, "
-                f"vocab {self.vocab_size}, sources: {', '.join(parts)}" + ("; " + "; ".join(skipped) if skipped else ""))
+                f"vocab {self.vocab_size}, sources: {', '.join(parts)}"
+                + ("; " + "; ".join(skipped) if skipped else ""))
 
 
 def build_loader(cfg: DataConfig, rank: int = 0, world_size: int = 1, split: str = "train",

@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = args.tokenizer or cfg.tokenizer
     out = args.out or cfg.shards_dir
     if not tokenizer:
-        raise ConfigError("--tokenizer", tokenizer, "a sentencepiece .model (train one: python -m memlm.data.tokenizer train)")
+        raise ConfigError("--tokenizer", tokenizer,
+                          "a sentencepiece .model (train one: python -m memlm.data.tokenizer train)")
     if not out:
         raise ConfigError("--out", out, "an output folder")
     manifest = prepare(sources, tokenizer, out, args.workers, args.val_fraction,

@@ -51,7 +51,8 @@ def read_manifest(shards_dir: str) -> dict:
     path = os.path.join(shards_dir, MANIFEST)
     if not os.path.isfile(path):
         raise ConfigError("data.shards_dir", shards_dir,
-                          f"a folder holding {MANIFEST}: run `python -m memlm.data.prepare --out {shards_dir} ...` first")
+                          f"a folder holding {MANIFEST}: "
+                          f"run `python -m memlm.data.prepare --out {shards_dir} ...` first")
     try:
         with open(path, "rb") as fh:
             manifest = json.loads(fh.read())
@@ -64,7 +65,8 @@ def read_manifest(shards_dir: str) -> dict:
                           f"a {MANIFEST} written by prepare: {path} lacks {', '.join(missing)}; re-run prepare")
     if manifest.get("version") != FORMAT_VERSION:
         raise ConfigError("data.shards_dir", shards_dir,
-                          f"shards of format version {FORMAT_VERSION} (found {manifest.get('version')}); re-run prepare")
+                          f"shards of format version {FORMAT_VERSION} (found {manifest.get('version')}); "
+                          "re-run prepare")
     return manifest
 
 
@@ -106,7 +108,8 @@ def load_split(shards_dir: str, manifest: dict, source: str, split: str) -> list
     """(tokens, document offsets) per shard of one source and split."""
     sources = manifest["sources"]
     if source not in sources:
-        raise ConfigError("data.sources.name", source, f"a source prepared in {shards_dir}: {', '.join(sorted(sources))}")
+        raise ConfigError("data.sources.name", source,
+                          f"a source prepared in {shards_dir}: {', '.join(sorted(sources))}")
     if split not in SPLITS:
         raise ConfigError("split", split, f"one of: {', '.join(SPLITS)}")
     dtype = np.dtype(manifest["dtype"])

@@ -232,7 +232,8 @@ def write_corpus(
         _write_jsonl(paths["qa_seen"], qa[:cut])
         _write_jsonl(paths["qa_unseen"], qa[cut:])
         _write_jsonl(paths["qa_trained"], trained_questions(persons[:n_seen], seed, qa_docs_per_person))
-    _write_jsonl(paths["train"], [{"text": d} for d in tqdm(docs, desc="writing", unit="doc", disable=len(docs) < 10000)])
+    _write_jsonl(paths["train"],
+                 [{"text": d} for d in tqdm(docs, desc="writing", unit="doc", disable=len(docs) < 10000)])
     return paths
 
 

@@ -51,7 +51,8 @@ class Tokenizer:
             raise ConfigError("tokenizer", path, f"a sentencepiece .model file; this one cannot be parsed "
                               f"({len(proto)} bytes: {' '.join(str(err).split())})") from None
         if self.sp.vocab_size() == 0:  # e.g. an empty file parses as an empty model
-            raise ConfigError("tokenizer", path, f"a sentencepiece .model file; this one holds no pieces ({len(proto)} bytes)")
+            raise ConfigError("tokenizer", path,
+                              f"a sentencepiece .model file; this one holds no pieces ({len(proto)} bytes)")
 
     @property
     def vocab_size(self) -> int:

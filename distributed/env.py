@@ -81,7 +81,8 @@ def init_distributed(device: str = "auto") -> DistEnv:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
-        raise ConfigError("device", device, "cuda was requested but torch.cuda.is_available() is False; use cpu or auto")
+        raise ConfigError("device", device,
+                          "cuda was requested but torch.cuda.is_available() is False; use cpu or auto")
     if use_cuda:
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
@@ -142,7 +143,8 @@ def build_meshes(env: DistEnv, memory_parallel: int, fsdp_mode: str) -> Meshes:
     if fsdp_mode == "hybrid":
         if env.world_size % env.local_world_size:
             raise ConfigError("parallel.fsdp", fsdp_mode,
-                              f"hybrid needs equal ranks per node (world {env.world_size}, per node {env.local_world_size})")
+                              f"hybrid needs equal ranks per node "
+                              f"(world {env.world_size}, per node {env.local_world_size})")
         shape = (env.world_size // env.local_world_size, env.local_world_size)
         fsdp = init_device_mesh(dev, shape, mesh_dim_names=("replicate", "shard"))
     else:

@@ -48,7 +48,7 @@ class ValueTables:
     """The value tables of a run and how one step reads them: all the
     value-table traffic of a memory_parallel layout depends on.
     memlm.distributed.memory_hooks.value_tables reads them from the config, the
-    planner from the built model (tests/test_value_layout.py: the same)."""
+    planner from the built model (tests/integration/test_value_layout.py: the same)."""
 
     tables: int  # separate tables (one pool shared by every memory layer: 1)
     rows: int  # slots of each table (memory.n_keys ** 2)
@@ -80,7 +80,7 @@ def value_traffic(values: ValueTables, p: int, world: int, tokens: int,
                   rows_touched: float | None = None) -> dict[str, int]:
     """Bytes one rank sends per optimizer step for the value tables at
     memory_parallel `p` on `world` ranks, `tokens` per rank per step (ring
-    algorithms, as counted by tests/plan_workers.py):
+    algorithms, as counted by tests/helpers/plan_workers.py):
 
     memory_all_to_all   every read (memory/parallel.py): forward all-gather
                         of (slots int64, weights fp32) and all-to-all of the

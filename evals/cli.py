@@ -93,7 +93,8 @@ def check_paths(top: dict[str, str]) -> None:
 
     checkpoint = Path(top["checkpoint"])
     if not checkpoint.exists():
-        raise ConfigError("checkpoint", top["checkpoint"], "an existing checkpoint folder, run dump_dir or export folder")
+        raise ConfigError("checkpoint", top["checkpoint"],
+                          "an existing checkpoint folder, run dump_dir or export folder")
     export = is_export_dir(checkpoint)
     if top.get("replace", "false").lower() not in ("true", "false"):
         raise ConfigError("replace", top["replace"], "true or false")
@@ -146,7 +147,8 @@ def run_eval_config(checkpoint: str, overrides: list[str]):
     try:
         saved = from_yaml(verify(directory, with_checksum=False)["config"])
     except CheckpointError as err:
-        raise ConfigError("eval", "run", f"a run checkpoint whose saved config holds its eval settings ({err})") from None
+        raise ConfigError("eval", "run",
+                          f"a run checkpoint whose saved config holds its eval settings ({err})") from None
     dotlist = [o.lstrip("+").removeprefix("eval.") for o in overrides]
     try:
         merged = OmegaConf.merge(OmegaConf.structured(saved.eval), OmegaConf.from_dotlist(dotlist))
@@ -229,7 +231,8 @@ def _run(argv: list[str]) -> int:
             dist.destroy_process_group()
     if rank == 0:
         headline = "; ".join(
-            f"{task} " + ", ".join(f"{k} {v:.4f}" for k, v in m.items() if k not in ("n", "truncated", "tokens", "bytes"))
+            f"{task} "
+            + ", ".join(f"{k} {v:.4f}" for k, v in m.items() if k not in ("n", "truncated", "tokens", "bytes"))
             for task, m in results.items() if "/" not in task
         )
         print(f"[eval] done: step {loaded.step}, {len(eval_cfg.tasks)} task(s) in "

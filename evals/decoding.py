@@ -7,7 +7,7 @@ rows of one batch sit at the same positions, the prompt is run once through
 the model (filling the cache), then each step feeds one token per row. The
 result equals decoding each prompt alone without a cache, token for token
 (up to float rounding between differently shaped matmuls), which
-tests/test_evals_decoding.py checks.
+tests/unit/test_evals_decoding.py checks.
 
 Every prompt starts with the eos token: in packed training data each document
 follows an eos, so that is what the model has seen before a fresh text.

@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all, default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1: off, default)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
-    p.add_argument("--stop", action="append", default=[], help="stop string: the completion ends before it (repeatable)")
+    p.add_argument("--stop", action="append", default=[],
+                   help="stop string: the completion ends before it (repeatable)")
     p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together (default 16)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto: cuda when available)")
     p.add_argument("--tokenizer", default=None, help="sentencepiece .model, when the checkpoint names none")

@@ -15,9 +15,10 @@ or export folder, loaded with `memlm.hf.load.load_model`), tokenizer
 (default: the run's), max_gen_toks (default 256, as lm-eval's models); any
 other key is refused (a misspelled argument would otherwise be ignored). The
 batch size and device come from lm-eval's own --batch_size (a number; "auto"
-means 16) and --device (falls back to the CPU when CUDA is missing). The requests go through the same decoding and scoring
-functions as `python -m memlm.evals`, so a task given to both gets the same
-numbers (tests/test_evals_lm_eval.py checks this).
+means 16) and --device (falls back to the CPU when CUDA is missing). The
+requests go through the same decoding and scoring functions as
+`python -m memlm.evals`, so a task given to both gets the same numbers
+(tests/integration/test_evals_lm_eval.py checks this).
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ NQ_FORMAT = ('NQ-open JSONL (one {"question": str, "answer": [str, ...]} per lin
              'Parquet (google-research-datasets/nq_open: columns question, answer)')
 TRIVIAQA_FORMAT = ('TriviaQA JSONL or JSON ({"Data": [...]} or a list) of {"question": str, '
                    '"answer": {"aliases": [str], "value": str}} (or the release\'s Question/Answer.Aliases/Value); '
-                   'or the Hugging Face Parquet (mandarjoshi/trivia_qa: columns question, answer.value, answer.aliases)')
+                   'or the Hugging Face Parquet '
+                   '(mandarjoshi/trivia_qa: columns question, answer.value, answer.aliases)')
 CHOICE_FORMAT = ('JSONL or Parquet of {"context" or "question": str, "choices": [str, ...], "answer": index}')
 MMLU_FORMAT = ("MMLU CSV files test/<subject>_test.csv (+ dev/<subject>_dev.csv), rows "
                "question,A,B,C,D,answer (a header row naming these columns is skipped); or test.jsonl (+ dev.jsonl) of "

@@ -7,7 +7,7 @@ identical inputs run once: the four single-token letters of an MMLU question
 share one forward pass. The output head is applied only at the scored
 positions (the model's `at`): over every position it would be most of the
 work and memory (16 rows x 300 positions x 32K vocab is 600 MB of logits for
-64 useful rows). tests/test_evals_decoding.py checks that the scores equal
+64 useful rows). tests/unit/test_evals_decoding.py checks that the scores equal
 those from the full logits. On a sharded model the ranks' batch counts are
 matched (memlm.evals.lockstep).
 """

@@ -100,7 +100,8 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9) -> 
             save_file(shard, str(out_dir / name), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(shard, name))
         total = sum(t.numel() * t.element_size() for t in state.values())
-        (out_dir / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (out_dir / INDEX_NAME).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     memlm_config = {
         "memlm_version": memlm.__version__, "step": meta["step"],
         "weights_layout": "hf_llama" if dense else "memlm",

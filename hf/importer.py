@@ -139,7 +139,8 @@ def read_hf_args(init_from: str) -> ModelArgs:
     except FileNotFoundError as err:
         raise _fail(init_from, str(err)) from None
     except (ValueError, KeyError, TypeError) as err:  # a malformed index
-        raise _fail(init_from, f"{directory / INDEX_NAME} is not a safetensors index with a weight_map ({err})") from None
+        raise _fail(init_from,
+                    f"{directory / INDEX_NAME} is not a safetensors index with a weight_map ({err})") from None
     try:
         return from_hf_json(values)
     except (KeyError, ValueError) as err:
@@ -162,7 +163,8 @@ def check_hf_source(cfg: Any) -> ModelArgs:
                           "fill the dense blocks; other kinds go into the memory.layers blocks via memory.kind)")
     diffs = [(key, get(cfg.model), get(hf), hf_key) for key, get, hf_key in _ARCH if get(cfg.model) != get(hf)]
     if diffs:
-        listed = "; ".join(f"model.{key}={_show(ours)} but {hf_key}={_show(theirs)}" for key, ours, theirs, hf_key in diffs)
+        listed = "; ".join(f"model.{key}={_show(ours)} but {hf_key}={_show(theirs)}"
+                           for key, ours, theirs, hf_key in diffs)
         fix = " ".join(f"model.{key}={_show(theirs)}" for key, _, theirs, _ in diffs)
         raise ConfigError(
             "init_from", cfg.init_from,
@@ -357,8 +359,8 @@ def import_export(cfg: Any, model: torch.nn.Module, tokenizer: Any, log: Callabl
 
 
 def check_import_source(cfg: Any) -> None:
-    """What the preflight checks of an `init_from` export or Llama before a run starts: a Llama's or an export's architecture
-    against the run's (a memlm checkpoint is checked when it is loaded)."""
+    """What the preflight checks of an `init_from` export or Llama before a run starts: a Llama's or
+    an export's architecture against the run's (a memlm checkpoint is checked when it is loaded)."""
     kind = init_kind(cfg.init_from)
     if kind == "hf":
         check_hf_source(cfg)

@@ -85,7 +85,8 @@ class MemoryConfig:
                 )
         # Explicit layers take precedence: a preset's spread is then ignored.
         if not self.layers and not 0 <= self.spread <= n_layers:
-            raise ConfigError(f"{prefix}.spread", self.spread, f"an integer in [0, {n_layers}] (model.n_layers={n_layers})")
+            raise ConfigError(f"{prefix}.spread", self.spread,
+                              f"an integer in [0, {n_layers}] (model.n_layers={n_layers})")
         if not self.resolved_layers(n_layers):
             raise ConfigError(
                 f"{prefix}.layers", list(self.layers),

@@ -59,7 +59,8 @@ class ProductKeyMemory(nn.Module):
         self.lookup = ProductKeys(dim, n_keys, heads, knn, k_dim, qk_norm, eval_knn)
         n_slots = n_keys**2
         if values is None:
-            self.values = ValuePool(n_slots, v_dim, value_init_scale, value_dtype)  # registered: this layer owns its table
+            # registered: this layer owns its table
+            self.values = ValuePool(n_slots, v_dim, value_init_scale, value_dtype)
             self.owns_values = True
         else:
             if (values.n_slots, values.v_dim) != (n_slots, v_dim):

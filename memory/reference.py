@@ -20,7 +20,7 @@ in float64 for a strict oracle; it is O(N) per token, for small tables). The
 fast paths (memory/fast/: the exact sqrt(N) search, its sparse backward, the
 embedding-bag kernels) and the Hugging Face remote layer
 (hf/remote/modeling_memlm.py) are tested against it
-(tests/test_memory_reference.py, tests/test_memory_layers.py).
+(tests/unit/test_memory_reference.py, tests/unit/test_memory_layers.py).
 
 `reference_forward` reads a layer by its attribute names (lookup.query,
 lookup.keys, values.weight, w1, w2, out, gate), which memlm's layers and the

@@ -17,7 +17,7 @@ Pools are the tables memory parallelism shards by columns
 sums over replicas and the planner's value-table traffic counts. PEER's
 expert tables are tables for the optimizer and the clip, but not pools: they
 are sharded by rows with their block's FSDP unit, like any weight
-(tests/test_value_tables.py checks every user against this file).
+(tests/unit/test_value_tables.py checks every user against this file).
 """
 
 from __future__ import annotations

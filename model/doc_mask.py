@@ -16,7 +16,7 @@ Backends: `flex` is FlexAttention with a block mask (`torch.nn.attention.flex_at
 compiled: it skips whole blocks that cross documents and never materializes the
 (seq, seq) scores). torch has no FlexAttention backward on CPU, so `auto` uses
 it on CUDA only; `sdpa` (and `auto` elsewhere) passes a boolean (batch, 1, seq, seq)
-mask to `scaled_dot_product_attention`. Both give the same numbers (tests/test_doc_mask.py).
+mask to `scaled_dot_product_attention`. Both give the same numbers (tests/unit/test_doc_mask.py).
 
 The block mask is built once per forward (the model's, shared by every layer)
 by a compiled builder on CUDA: `create_block_mask` run eagerly evaluates the

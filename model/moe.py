@@ -1,8 +1,8 @@
 """Mixture-of-experts FFN (kind "moe"): top-k routed SwiGLU experts.
 
-The MoE baseline of the memory-layer ablation table (docs/baselines.md). Each token is sent to the `top_k` experts with the highest router
-probability; its output is the gate-weighted sum of those experts' SwiGLU
-outputs.
+The MoE baseline of the memory-layer ablation table (docs/baselines.md). Each
+token is sent to the `top_k` experts with the highest router probability; its
+output is the gate-weighted sum of those experts' SwiGLU outputs.
 
     moe = MoE(dim=4096, hidden_dim=7168, n_experts=8, top_k=2, balance_loss_coef=0.01)
     y = moe(x)                                       # x (batch, seq, dim) -> (batch, seq, dim)

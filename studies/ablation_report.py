@@ -141,7 +141,8 @@ def table(rows: list[dict], label) -> list[str]:
     for r in rows:
         minutes = "-" if r["seconds"] is None else f"{r['seconds'] / 60:.1f}"
         out.append(f"| {label(r)} | {_num(r['total'])} | {_num(r['active'])} | {_num(r['flops'])} "
-                   f"| {_num(r['tokens'])} | {_pct(r.get(EM_SEEN))} | {_pct(r.get(EM_UNSEEN))} | {_pct(r.get(EM_TRAINED))} "
+                   f"| {_num(r['tokens'])} | {_pct(r.get(EM_SEEN))} | {_pct(r.get(EM_UNSEEN))} "
+                   f"| {_pct(r.get(EM_TRAINED))} "
                    f"| {_num(r['final_loss'], '.4f')} | {_num(r['val_loss'], '.4f')} | {_ppl(r['val_loss'])} "
                    f"| {_pct(r['usage'])} | {minutes} | {r.get('n_runs', 1)} |")
     return out
@@ -181,7 +182,8 @@ def goals(ablation: list[dict], sweep: list[dict]) -> list[str]:
         check(f"{name} EM >= 1.5x Dense (seen people): {_pct(plus)}% vs {_pct(dense)}%"
               + (f" = {ratio:.2f}x" if ratio is not None else ""), None if not ok else (dense == 0 and plus > 0)
               or (ratio is not None and ratio >= 1.5))
-        check(f"{name} above Memory: {_pct(plus)}% vs {_pct(em.get('Memory'))}%", None if not ok else plus > em["Memory"])
+        check(f"{name} above Memory: {_pct(plus)}% vs {_pct(em.get('Memory'))}%",
+              None if not ok else plus > em["Memory"])
         check(f"{name} at or above MoE ({_pct(em.get('MoE'))}%) and PEER ({_pct(em.get('PEER'))}%)",
               None if not ok else plus >= max(em["MoE"], em["PEER"]))
     if sweep:

@@ -70,7 +70,8 @@ def load_run(dump: Path) -> dict | None:
     slots = cfg.memory.n_keys ** 2 if cfg.memory.kind in ("memory", "memplus", "peer") else None
     return {
         "run": dump.name, "variant": VARIANTS[cfg.memory.kind], "slots": slots,
-        "seed": cfg.seed, "entities": cfg.data.facts.entities, "facts": cfg.data.facts.entities * cfg.data.facts.attributes,
+        "seed": cfg.seed, "entities": cfg.data.facts.entities,
+        "facts": cfg.data.facts.entities * cfg.data.facts.attributes,
         "values": cfg.data.facts.values, "corpus_bits": result["corpus_bits"], "steps": summary["steps"],
         "exposures": summary["tokens"] / _corpus_tokens(cfg), "total": counts["total"],
         "active": counts["active"], "flops": model.flops_per_token(cfg.data.seq_len),
@@ -99,7 +100,8 @@ def load_runs(roots: list[Path]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> list[str]:
-    out = ["| run | variant | seed | memory slots (PEER: experts) | params total | params active | fwd FLOPs/token | entities (facts) "
+    out = ["| run | variant | seed | memory slots (PEER: experts) | params total | params active | fwd FLOPs/token "
+           "| entities (facts) "
            "| corpus bits | steps | exposures/fact | bits stored | bits/param | bits/active param | EM % | minutes |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

@@ -91,7 +91,8 @@ def levers_table(rows: list[dict], label: Callable[[dict], str], em_seen: str, e
 
     for row in rows:
         out.append(f"| {row['change']} | {label(row['base'])} | {seeds_cell(row['runs'])} | {pairs(row, em_seen, pct)} "
-                   f"| {signed(_delta(row, em_seen))} | {pairs(row, em_trained, pct)} | {signed(_delta(row, em_trained))} "
+                   f"| {signed(_delta(row, em_seen))} | {pairs(row, em_trained, pct)} "
+                   f"| {signed(_delta(row, em_trained))} "
                    f"| {pairs(row, phrasings, pct)} | {pairs(row, 'val_loss', lambda x: num(x, '.4f'))} |")
     return out
 

@@ -30,7 +30,8 @@ def check_eval_inputs(cfg: Config) -> None:
     if not (e.after_training or e.every):
         return
     if not e.tasks:
-        raise ConfigError("eval.tasks", list(e.tasks), "at least one task when eval.after_training or eval.every is set")
+        raise ConfigError("eval.tasks", list(e.tasks),
+                          "at least one task when eval.after_training or eval.every is set")
     if cfg.data.kind == "random":
         raise ConfigError("data.kind", "random", "a corpus with a tokenizer (evaluation decodes text)")
     for name in e.tasks:

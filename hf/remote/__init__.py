@@ -11,7 +11,7 @@ beside its memlm-named safetensors, the two source files of this folder
 
 The config maps memlm's ModelArgs and MemoryConfig onto the file's config:
 every field of both is either written (`*_TO_CONFIG`, `MEMORY_INFERENCE`) or
-listed as training-only (`*_TRAINING_ONLY`); tests/test_hf_remote.py fails
+listed as training-only (`*_TRAINING_ONLY`); tests/integration/test_hf_remote.py fails
 when a new field is in neither, so a setting that changes the math cannot be
 added to memlm without the remote model learning it. (A training-only name
 may precede its field: the lists are checked for coverage, the mapped names
@@ -76,7 +76,8 @@ def remote_config(args: ModelArgs, memory: MemoryConfig | None) -> dict[str, Any
     mem = memory if memory is not None else MemoryConfig(kind=args.ffn)
     settings = {key: getattr(mem, key) for key in MEMORY_INFERENCE}
     settings["v_dim"] = mem.v_dim or args.dim
-    settings["expert_hidden_dim"] = mem.expert_hidden_dim or default_expert_hidden_dim(args.hidden_dim, max(mem.top_k, 1))
+    settings["expert_hidden_dim"] = (mem.expert_hidden_dim
+                                     or default_expert_hidden_dim(args.hidden_dim, max(mem.top_k, 1)))
     settings["peer_activation"] = "gelu"  # model/peer.py builds PEER with its default activation
     return {
         "architectures": ["MemlmForCausalLM"],

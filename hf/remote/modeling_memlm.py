@@ -17,7 +17,7 @@ product-key top-k over all knn x knn candidate sums, the memory read as
 F.embedding_bag, MoE as a loop over experts, PEER's down projection as a
 gather. No custom kernels, no memory parallelism, no training-only parts
 (balance losses, usage statistics, sparse updates). memlm's tests
-(tests/test_hf_remote.py) compare this file's logits with memlm's for every
+(tests/integration/test_hf_remote.py) compare this file's logits with memlm's for every
 kind, so the two cannot drift apart silently.
 
 KV cache: transformers' Cache (DynamicCache by default in generate), named
@@ -401,7 +401,8 @@ class MemlmForCausalLM(PreTrainedModel, GenerationMixin):
                 position_ids = torch.arange(start, start + seq, device=h.device).unsqueeze(0)
         if int(position_ids.max()) >= self.config.max_position_embeddings:
             raise ValueError(
-                f"position {int(position_ids.max())} exceeds max_position_embeddings={self.config.max_position_embeddings}"
+                f"position {int(position_ids.max())} exceeds "
+                f"max_position_embeddings={self.config.max_position_embeddings}"
             )
         cos, sin = rope_cos_sin(position_ids.expand(bsz, -1), self.config.head_dim, self.config.rope_theta)
         mask = None

@@ -3,7 +3,7 @@
 The top-k of the product-key search is discontinuous: a score rounded by
 2**-11 (TF32's 10-bit significand) or 2**-9 (bf16) swaps close candidates. At
 n_keys 1024, k_dim 512, knn 32, TF32 operands change the selected set of 2-3%
-of the lookups, a bf16 query projection about 20% (tests/test_precision.py
+of the lookups, a bf16 query projection about 20% (tests/integration/test_precision.py
 measures both). So the lookup's two matmuls, the query projection and the
 sub-key scores, run here in IEEE float32 (or the inputs' wider dtype):
 

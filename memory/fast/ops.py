@@ -265,7 +265,8 @@ def _bag_backward_op(grad_out: torch.Tensor, values: torch.Tensor, indices: torc
     gradient not asked for comes back as an empty tensor (an op returns tensors)."""
     gv, gw = _bag_gradients(grad_out, values, indices, weights, False, kernel, need_values, need_weights)
     # Contiguous, as the fake kernel promises.
-    return (values.new_empty(0) if gv is None else gv.contiguous()), (weights.new_empty(0) if gw is None else gw.contiguous())
+    return ((values.new_empty(0) if gv is None else gv.contiguous()),
+            (weights.new_empty(0) if gw is None else gw.contiguous()))
 
 
 @_bag_backward_op.register_fake

@@ -50,8 +50,8 @@ def half_topk(sub_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.T
 
     On CPU the top-k runs through memlm.memory.fast.native_topk (a C kernel,
     faster than torch.topk on short rows: bench/topk.py, docs/benchmarks.md). Its cost still grows with
-    the elements scanned, whatever k. For long rows on CPU we first take the max of each block of BLOCK scores (a vectorized
-    pass), keep the knn blocks with the largest maxima, and take the top-knn
+    the elements scanned, whatever k. For long rows on CPU we first take the max of each block of BLOCK
+    scores (a vectorized pass), keep the knn blocks with the largest maxima, and take the top-knn
     of their knn*BLOCK scores: n/BLOCK + knn*BLOCK elements scanned instead of
     n (384 instead of 1024 at n 1024, knn 32; 1.6x faster). Exact: an element
     of the top knn has fewer than knn larger elements, so fewer than knn

@@ -16,7 +16,7 @@ i.e. one embedding bag and its by-slot table gradient (memlm.memory.fast.ops):
 T*H*2 bags of ~12 distinct sub-keys each (knn 32: the winners share their
 best sub-keys) instead of matmuls over all n_keys. When n_keys is small next
 to knn the dense form is cheaper (matmuls beat gathers per flop) and is used
-there. Both are exact: tests/test_memory_search.py compares them with
+there. Both are exact: tests/unit/test_memory_search.py compares them with
 autograd's gradient in float64.
 
 The forward builds no graph over the (T, H, 2, n_keys) scores, and for long
@@ -114,7 +114,8 @@ def _search_backward_op(grad_scores: torch.Tensor, query: torch.Tensor, keys: to
         used = torch.zeros_like(half_idx, dtype=torch.bool).scatter_(-1, ranks, True)
         gq, gk = _sparse_backward(query, keys, half_idx, rank_grad, used, need_q, need_keys)
     # Contiguous, as the fake kernel promises (the dense backward's einsums may return permuted views).
-    return (query.new_empty(0) if gq is None else gq.contiguous()), (keys.new_empty(0) if gk is None else gk.contiguous())
+    return ((query.new_empty(0) if gq is None else gq.contiguous()),
+            (keys.new_empty(0) if gk is None else gk.contiguous()))
 
 
 @_search_backward_op.register_fake

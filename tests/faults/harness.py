@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from launch_helpers import TESTS_DIR, TINY
+from launch_helpers import TEST_PYTHONPATH, TESTS_DIR, TINY
 
 from memlm.launch.local import torchrun_command, torchrun_env
 
@@ -68,7 +68,7 @@ def train(dump_dir: Path, *extra: str, nproc: int = 1, max_restarts: int = 0, ki
     """One attempt of the run in dump_dir (overrides: BASE + extra); returns when it has exited."""
     overrides = [*BASE, f"dump_dir={dump_dir}", *extra]
     env = dict(os.environ if env is None else env, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (TEST_PYTHONPATH, env.get("PYTHONPATH", "")) if p)
     if kill_at:
         env["MEMLM_FAULT_KILL_AT"] = kill_at
     if nproc == 1 and not max_restarts:

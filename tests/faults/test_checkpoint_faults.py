@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from fault_injection import corrupt_shard
 from launch_helpers import TINY
-from test_checkpoint import _corrupt
 
 from memlm.checkpoint.checkpointer import CheckpointError, verify
 from memlm.config.run import compose
@@ -64,7 +64,7 @@ def test_rollback_keeps_new_checkpoint_and_sets_later_ones_aside(tmp_path, capsy
 def test_fresh_start_after_all_checkpoints_fail_keeps_its_save(run, capsys):
     root = run / "checkpoints"
     for name in ("step_00000002", "step_00000004"):
-        _corrupt(root / name)
+        corrupt_shard(root / name)
     Trainer(compose([*BASE, "steps=1", "checkpoint.keep=1", f"dump_dir={run}", "resume=auto"])).fit()
     assert "starting fresh" in capsys.readouterr().out
     assert (root / "latest").read_text().strip() == "step_00000001"
@@ -239,7 +239,7 @@ def test_export_cli_prints_one_line_for_a_bad_checkpoint(run, tmp_path, capsys, 
     if damage == "missing":
         ckpt = run / "checkpoints" / "step_00000099"
     else:
-        _corrupt(ckpt)
+        corrupt_shard(ckpt)
     assert main([str(ckpt), str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: cannot export")

@@ -71,8 +71,8 @@ def test_disk_full_during_a_save(reference, tmp_path):
 def test_elastic_restart_after_a_rank_is_killed(tmp_path):
     """torchrun --max-restarts 1: rank 1 SIGKILLed from outside; the group restarts from the newest checkpoint.
 
-    tests/test_launch_local.py::test_elastic_restart_resumes_from_newest_checkpoint covers a rank
-    that exits by itself (tests/launch_elastic_train.py) and compares one step's loss."""
+    tests/integration/test_launch_local.py::test_elastic_restart_resumes_from_newest_checkpoint covers a rank
+    that exits by itself (tests/helpers/launch_elastic_train.py) and compares one step's loss."""
     reference = tmp_path / "reference"
     assert train(reference, nproc=2).returncode == 0
     run = tmp_path / "run"

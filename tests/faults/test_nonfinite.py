@@ -134,5 +134,6 @@ def test_export_refuses_nonfinite_weights_with_one_line(tmp_path, monkeypatch):
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert lines[0].startswith("error: cannot export") and "refusing to write the export of" in lines[0] and "output.weight (3 non-finite)" in lines[0]
+    assert (lines[0].startswith("error: cannot export") and "refusing to write the export of" in lines[0]
+            and "output.weight (3 non-finite)" in lines[0])
     assert not out_dir.exists()

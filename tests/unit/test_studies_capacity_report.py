@@ -1,0 +1,151 @@
+"""The knowledge-capacity report (memlm.studies.capacity_report) on small fabricated run folders."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memlm.config.run import compose, to_yaml
+from memlm.studies import capacity_report as report
+
+
+def _run(root, name, experiment, entities, stored, tokens=40_000, extra=(), steps=100):
+    """A finished run folder: its saved config and a summary with a facts_bits result."""
+    cfg = compose([f"experiment={experiment}", f"data.facts.entities={entities}", "data.facts.values=16",
+                   f"data.cache_dir={root / 'cache'}", *extra])
+    dump = root / name
+    dump.mkdir(parents=True)
+    (dump / "config.yaml").write_text(to_yaml(cfg))
+    corpus = entities * cfg.data.facts.attributes * 4.0
+    result = {"stored_bits": stored, "corpus_bits": corpus, "exact_match": stored / corpus,
+              "bits_per_param": stored / 1e6, "bits_per_active_param": stored / 2e5}
+    (dump / "summary.json").write_text(json.dumps({"steps": steps, "tokens": tokens, "seconds": 60,
+                                                   "evals": {"facts_bits": result}}))
+    return cfg
+
+
+def test_rows_come_from_the_runs_own_configs_and_exposures_from_the_loader(tmp_path):
+    from memlm.data.corpus import open_corpus
+
+    cfg = _run(tmp_path, "d20", "capacity_dense", 20, 100.0)
+    _run(tmp_path, "m20", "capacity_memplus", 20, 300.0,
+         extra=["memory.n_keys=16", "memory.knn=8", "memory.eval_knn=8"])
+    _run(tmp_path, "p20", "capacity_memory", 20, 200.0, extra=["memory.n_keys=16", "memory.knn=8", "memory.eval_knn=8"])
+    _run(tmp_path, "e20", "capacity_peer", 20, 150.0, extra=["memory.n_keys=16", "memory.knn=8", "memory.eval_knn=8"])
+    _run(tmp_path, "x20", "capacity_moe", 20, 120.0)
+    (tmp_path / "other").mkdir()  # a run of another kind: no facts_bits result
+    (tmp_path / "other" / "summary.json").write_text(json.dumps({"steps": 1, "tokens": 1, "evals": {}}))
+    rows = report.load_runs([tmp_path])
+    assert [(r["run"], r["variant"], r["slots"]) for r in rows] == [
+        ("d20", "Dense", None), ("x20", "MoE", None), ("e20", "PEER", 256), ("p20", "Memory", 256),
+        ("m20", "Memory+", 256)]
+    # One epoch as the loader packs it: tokens per epoch of the corpus' only source.
+    per_epoch = open_corpus(cfg.data).sources[0].tokens_per_epoch
+    assert rows[0]["exposures"] == pytest.approx(40_000 / per_epoch)
+    # 16 keys, not the experiment's 128
+    assert rows[0]["facts"] == 80 and rows[0]["total"] == 229_696 and rows[4]["active"] == 213_440
+
+
+def test_findings_state_the_precondition_and_goals_whatever_they_come_out_as(tmp_path):
+    _run(tmp_path, "d20", "capacity_dense", 20, 100.0)
+    _run(tmp_path, "d40", "capacity_dense", 40, 105.0)   # plateau: 1.05x while the corpus doubled
+    _run(tmp_path, "m40", "capacity_memplus", 40, 400.0)
+    text = "\n".join(report.findings(report.load_runs([tmp_path])))
+    assert "(1.05x; at most 1.10x wanted) while the corpus grew 2.0x" in text and ": met." in text
+    assert "Memory+ stores 3.81x the bits of Dense at N = 40" in text
+    assert "Memory+ (400) > Dense (105)" in text
+
+    _run(tmp_path / "b", "d20", "capacity_dense", 20, 100.0)
+    _run(tmp_path / "b", "d40", "capacity_dense", 40, 150.0)  # still growing: not capacity-limited
+    _run(tmp_path / "b", "m40", "capacity_memplus", 40, 200.0)
+    text = "\n".join(report.findings(report.load_runs([tmp_path / "b"])))
+    assert "(1.50x; at most 1.10x wanted)" in text and "NOT met" in text
+    assert "Memory+ stores 1.33x" in text and "goal at least 3x): NOT met" in text
+    assert "not at its capacity" not in text
+
+    _run(tmp_path / "c", "d20", "capacity_dense", 20, 100.0)
+    _run(tmp_path / "c", "d40", "capacity_dense", 40, 40.0)  # fewer bits at the larger N: a decline
+    text = "\n".join(report.findings(report.load_runs([tmp_path / "c"])))
+    assert "(0.40x; at most 1.10x wanted)" in text and ": met." in text
+    assert "so it is not at its capacity there: it held 100 bits at N = 20" in text
+
+
+def test_report_fills_only_its_own_markers(tmp_path):
+    _run(tmp_path / "runs", "d20", "capacity_dense", 20, 100.0)
+    doc = tmp_path / "results.md"
+    doc.write_text(f"# Results\n\nintro\n\n{report.BEGIN}\nold\n{report.END}\n\nafter\n")
+    assert report.main([str(tmp_path / "runs"), "--out", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith("# Results\n\nintro\n\n") and text.endswith("\n\nafter\n") and "old" not in text
+    assert "| d20 | Dense | 0 | - | 229,696 |" in text and "needs Dense at two corpus sizes" in text
+
+
+def test_no_capacity_runs_is_a_clear_error(tmp_path, capsys):
+    assert report.main([str(tmp_path)]) == 1
+    assert "no finished run with a facts_bits result" in capsys.readouterr().err
+
+
+def test_memplus_is_compared_at_its_study_size_and_the_sweep_is_its_own_goal(tmp_path):
+    small = ["memory.n_keys=16", "memory.knn=8", "memory.eval_knn=8"]
+    _run(tmp_path, "d20", "capacity_dense", 20, 100.0)
+    _run(tmp_path, "d40", "capacity_dense", 40, 100.0)
+    _run(tmp_path, "m20", "capacity_memplus", 20, 200.0, extra=small)
+    _run(tmp_path, "m40", "capacity_memplus", 40, 250.0, extra=small)
+    _run(tmp_path, "m40_k32", "capacity_memplus", 40, 500.0,  # a larger sweep point: not the study row
+         extra=["memory.n_keys=32", "memory.knn=8", "memory.eval_knn=8"])
+    _run(tmp_path, "m40_k8", "capacity_memplus", 40, 150.0,
+         extra=["memory.n_keys=8", "memory.knn=8", "memory.eval_knn=8"])
+    text = "\n".join(report.findings(report.load_runs([tmp_path])))
+    assert "Memory+ stores 2.50x the bits of Dense at N = 40 (250 vs 100;" in text
+    assert "sweep at N = 40: 64 slots 150 bits, 256 slots 250 bits, 1,024 slots 500 bits" in text
+    assert "memory size): met." in text and "Memory+ (250) > Dense (100)" in text
+
+    _run(tmp_path / "b", "d40", "capacity_dense", 40, 100.0)
+    _run(tmp_path / "b", "m40", "capacity_memplus", 40, 250.0, extra=small)
+    _run(tmp_path / "b", "m40_k32", "capacity_memplus", 40, 240.0,
+         extra=["memory.n_keys=32", "memory.knn=8", "memory.eval_knn=8"])
+    text = "\n".join(report.findings(report.load_runs([tmp_path / "b"])))
+    assert "256 slots 250 bits, 1,024 slots 240 bits (goal: bits rise with memory size): NOT met." in text
+
+
+def test_a_run_of_an_unknown_memory_kind_is_named(tmp_path, monkeypatch):
+    _run(tmp_path, "d20", "capacity_dense", 20, 100.0)
+    monkeypatch.setattr(report, "VARIANTS", {"moe": "MoE"})
+    with pytest.raises(report.ReportError, match=r"d20/config.yaml: memory.kind='none', the report knows moe"):
+        report.load_runs([tmp_path])
+
+
+def test_seeds_are_averaged_and_a_longer_run_is_not_a_seed(tmp_path):
+    _run(tmp_path, "d20", "capacity_dense", 20, 100.0)
+    _run(tmp_path, "d40", "capacity_dense", 40, 100.0)
+    _run(tmp_path, "d40_s1", "capacity_dense", 40, 120.0, extra=["seed=1"])
+    _run(tmp_path, "d40_long", "capacity_dense", 40, 900.0, steps=200)  # more exposures: an extra
+    _run(tmp_path, "m40", "capacity_memplus", 40, 400.0)
+    _run(tmp_path, "m40_s1", "capacity_memplus", 40, 500.0, extra=["seed=1"])
+    text = "\n".join(report.findings(report.load_runs([tmp_path])))
+    assert "Dense stores 110 (mean of 2 seeds: 100, 120) bits at N = 40 against 100 at N = 20 (1.10x;" in text
+    assert ("Memory+ stores 4.09x the bits of Dense at N = 40 (450 (mean of 2 seeds: 400, 500) vs "
+            "110 (mean of 2 seeds: 100, 120);") in text
+    assert "the lowest Memory+ run stores 3.33x the highest Dense run" in text
+    assert "Memory+ (450) > Dense (110)" in text
+
+
+def test_a_run_under_two_roots_counts_once_from_the_first(tmp_path):
+    _run(tmp_path / "fresh", "d20", "capacity_dense", 20, 90.0)
+    _run(tmp_path / "records", "d20", "capacity_dense", 20, 100.0)
+    _run(tmp_path / "records", "d40", "capacity_dense", 40, 100.0)
+    rows = report.load_runs([tmp_path / "fresh", tmp_path / "records"])
+    assert [(r["run"], r["stored_bits"]) for r in rows] == [("d20", 90.0), ("d40", 100.0)]
+
+
+def test_plot_draws_both_panels(tmp_path):
+    small = ["memory.n_keys=16", "memory.knn=8", "memory.eval_knn=8"]
+    _run(tmp_path / "runs", "d20", "capacity_dense", 20, 100.0)
+    _run(tmp_path / "runs", "d40", "capacity_dense", 40, 100.0)
+    _run(tmp_path / "runs", "m40", "capacity_memplus", 40, 250.0, extra=small)
+    _run(tmp_path / "runs", "m40_k32", "capacity_memplus", 40, 500.0,
+         extra=["memory.n_keys=32", "memory.knn=8", "memory.eval_knn=8"])
+    out = tmp_path / "capacity.png"
+    assert report.main([str(tmp_path / "runs"), "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
