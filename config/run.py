@@ -169,7 +169,8 @@ class CheckpointConfig:
             raise ConfigError(f"{prefix}.verify", self.verify, "one of: checksum, size")
 
 
-FINETUNE_MODES = ("full", "memory", "sparse")
+FINETUNE_MODES = ("full", "memory", "sparse", "lora")
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # memlm.model.lora.TARGETS
 FINETUNE_OPTIMIZERS = ("adamw", "sgd")
 
 
@@ -189,6 +190,11 @@ class FinetuneConfig:
     background: str = ""
     # memory, sparse: the value tables' optimizer (memory.value_lr, memory.value_weight_decay): adamw | sgd
     optimizer: str = "adamw"
+    # lora: adapters of this rank on the projections named (attention wq wk wv wo, dense FFN w1 w2 w3),
+    # output scaled by lora_alpha / lora_rank; trained with optim.* (model/lora.py)
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
 
     def validate(self, prefix: str = "finetune") -> None:
         if self.mode not in FINETUNE_MODES:
@@ -199,6 +205,13 @@ class FinetuneConfig:
             raise ConfigError(f"{prefix}.ranking", self.ranking, "one of: kl, tfidf")
         if self.top_t < 1:
             raise ConfigError(f"{prefix}.top_t", self.top_t, "an integer >= 1 (value rows per table per step)")
+        if self.lora_rank < 1:
+            raise ConfigError(f"{prefix}.lora_rank", self.lora_rank, "an integer >= 1")
+        check_number(f"{prefix}.lora_alpha", self.lora_alpha)
+        bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if bad or not self.lora_targets:
+            raise ConfigError(f"{prefix}.lora_targets", list(self.lora_targets),
+                              f"a non-empty list of: {', '.join(LORA_TARGETS)}")
 
 
 @dataclass
@@ -297,9 +310,9 @@ class Config:
         if mode == "sparse" and kind not in ("memory", "memplus"):
             raise ConfigError("finetune.mode", mode, f"full or memory with memory.kind={kind}: sparse selects the "
                               "slots of product-key memory layers (memory.kind=memory or memplus)")
-        if mode == "full" and self.finetune.optimizer != "adamw":
+        if mode in ("full", "lora") and self.finetune.optimizer != "adamw":
             raise ConfigError("finetune.optimizer", self.finetune.optimizer,
-                              "adamw with finetune.mode=full (sgd is for the value tables of mode=memory or sparse)")
+                              f"adamw with finetune.mode={mode} (sgd is for the value tables of mode=memory or sparse)")
 
 
 def _register_schemas() -> None:

@@ -40,10 +40,11 @@ from memlm.train.slot_usage import FILE, load_usage, memory_layers
 
 
 def freeze_for(model: nn.Module, mode: str) -> None:
-    """memory / sparse: every parameter but the sparse tables stops requiring a gradient."""
+    """memory / sparse: every parameter but the sparse tables stops requiring a
+    gradient; lora: every parameter (the adapters are added after)."""
     if mode == "full":
         return
-    tables = {id(p) for p in sparse_tables(model)}
+    tables = {id(p) for p in sparse_tables(model)} if mode != "lora" else set()
     for p in model.parameters():
         if id(p) not in tables:
             p.requires_grad_(False)

@@ -38,6 +38,7 @@ from memlm.hf.importer import import_init, init_kind
 from memlm.hf.load import keep_tokenizer
 from memlm.memory.tables import split_params
 from memlm.model import Transformer
+from memlm.model.lora import add_lora, reset_lora
 from memlm.train.data_source import build_train_loader, has_validation, model_batch
 from memlm.train.evaluation import Evaluation
 from memlm.train.finetune import SlotSelection, background_path, freeze_for
@@ -192,6 +193,8 @@ class Trainer:
             with torch.device("meta"):
                 model = Transformer(cfg.model, cfg.memory)
         freeze_for(model, cfg.finetune.mode)  # before sharding: frozen parameters get no gradient or state
+        if cfg.finetune.mode == "lora":
+            add_lora(model, cfg.finetune.lora_rank, cfg.finetune.lora_alpha, cfg.finetune.lora_targets)
         memory_hooks.shard_memory_values(model, self.meshes, env)
         apply_activation_checkpointing(model, cfg.parallel.activation_checkpoint)
         if cfg.parallel.compile:
@@ -205,6 +208,7 @@ class Trainer:
             # CUDA, DTensor's RNG tracker does the same from rank 0's state.
             seed_everything(cfg.seed + shard_index(self.meshes, env))
             model.init_weights()
+            reset_lora(model)
         # Value tables from the seed alone: replicas agree, init=full == init=sharded.
         memory_hooks.init_value_tables(model, cfg.seed)
         return model

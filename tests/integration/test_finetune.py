@@ -126,3 +126,32 @@ def test_pretraining_records_its_last_steps_slot_usage_beside_the_final_checkpoi
     # a fine-tune finds it in its init_from folder
     trainer = Trainer(compose([*TINY, "finetune=sparse", f"init_from={ckpt}", "steps=1", f"dump_dir={tmp_path}/ft"]))
     trainer.close()
+
+
+def test_lora_trains_only_its_adapters_and_exports_merged_weights(base, tmp_path):
+    from memlm.hf.export import export
+
+    base_model = load_model(base).model
+    base_state = base_model.state_dict()
+    run = tmp_path / "lora"
+    trainer = Trainer(compose([*TINY, "finetune=lora", "finetune.lora_rank=4", f"init_from={base}", "steps=3",
+                               "optim.lr=1e-2", f"dump_dir={run}"]))
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # B = 0: the adapted model starts as the base model
+        assert torch.equal(trainer.model.eval()(tokens), base_model.eval()(tokens))
+    adapters = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert adapters and all(".lora." in n for n in adapters)
+    assert all(p.requires_grad == (n in adapters) for n, p in trainer.model.named_parameters())
+    trainer.fit()
+    frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
+    assert trainer.optimizer.state and all(p not in trainer.optimizer.state for p in frozen)
+    state = load_model(run).model.state_dict()
+    for name, value in state.items():
+        if ".lora." not in name:
+            assert torch.equal(value, base_state[name]), f"{name} changed"
+    assert any(state[n].abs().sum() > 0 for n in adapters if n.endswith(".lora.b"))  # the adapters learned
+    adapted = load_model(run).model
+    merged = load_model(export(run, tmp_path / "export")).model
+    assert not any(".lora." in k for k in merged.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens), adapted(tokens), rtol=1e-5, atol=1e-5)

@@ -33,7 +33,10 @@ def test_every_preset_of_every_group_composes():
 def test_finetune_values_are_checked_and_need_a_memory_model():
     for override, key in (("finetune.mode=lorax", "finetune.mode='lorax'"), ("finetune.top_t=0", "finetune.top_t=0"),
                           ("finetune.ranking=idf", "finetune.ranking='idf'"),
-                          ("finetune.optimizer=adam", "finetune.optimizer='adam'")):
+                          ("finetune.optimizer=adam", "finetune.optimizer='adam'"),
+                          ("finetune.lora_rank=0", "finetune.lora_rank=0"),
+                          ("finetune.lora_alpha=-1", "finetune.lora_alpha=-1"),
+                          ("finetune.lora_targets=[wq,router]", "finetune.lora_targets=['wq', 'router']")):
         with pytest.raises(ConfigError, match=re.escape(key)):
             compose(["memory=memplus", "memory.layers=[1]", override])
     with pytest.raises(ConfigError, match="finetune.mode='memory': full for a model without memory layers"):
