@@ -6,8 +6,8 @@ HF model's, and the first training loss the HF model's loss on that batch."""
 from __future__ import annotations
 
 import json
-import sys
 import shutil
+import sys
 
 import pytest
 import torch
