@@ -71,7 +71,6 @@ from memlm.plan.cost import HBM_HEADROOM, Layout, activation_bytes, comm_volume,
 from memlm.train.optim import build_optimizer
 from memlm.train.trainer import accumulation_steps
 
-
 # The shape each model preset is meant to train with: (sequence length,
 # micro-batch = sequences per GPU per forward, why). The planner's default for
 # that preset: configs/data/ presets carry a CPU-sized 128 tokens, at which an
