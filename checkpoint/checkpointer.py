@@ -41,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -67,6 +68,7 @@ from memlm.checkpoint.folder import (
 )
 from memlm.config.run import CheckpointConfig
 from memlm.files import atomic_write_text
+from memlm.model.lora import is_lora_key
 
 __all__ = ["CheckpointError", "Checkpointer", "check_shapes", "complete_checkpoints", "verify"]
 
@@ -402,12 +404,15 @@ class Checkpointer:
         return meta
 
     @staticmethod
-    def load_weights(path: Path, model, with_checksum: bool = True) -> dict[str, Any]:
-        """init_from: the model weights only."""
+    def load_weights(path: Path, model, with_checksum: bool = True, adapters: bool = False) -> dict[str, Any]:
+        """init_from: the model weights only. A model with LoRA adapters (finetune=lora)
+        starts them fresh, unless `adapters` (loading a lora run's own checkpoint)."""
         meta = verify(Path(path), with_checksum)
-        model_state = get_model_state_dict(model)
+        whole = get_model_state_dict(model)
+        model_state = whole if adapters else {k: v for k, v in whole.items() if not is_lora_key(k)}
         check_shapes(Path(path), model_state)
         state = {"model": model_state}
         _dcp(dcp.load, state, checkpoint_id=str(path))
-        set_model_state_dict(model, state["model"])
+        # Not strict only for the fresh adapters left out above.
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=len(model_state) == len(whole)))
         return meta

@@ -39,7 +39,7 @@ def check_number(key: str, value: float, zero: str = "") -> None:
     if math.isfinite(value) and (value > 0 or (zero and value == 0)):
         return
     raise ConfigError(key, value, f"a finite number > 0{f' (or 0: {zero})' if zero else ''}")
-GROUPS = ("model", "memory", "data", "optim", "parallel", "eval", "experiment")
+GROUPS = ("model", "memory", "data", "optim", "parallel", "eval", "finetune", "experiment")
 
 
 @dataclass
@@ -154,15 +154,64 @@ class CheckpointConfig:
     # Stage tensors in host memory and write them in a background thread: training
     # is blocked only for the copy (for GPU runs with large states).
     async_save: bool = False
+    # Count the memory slots' reads over the run's last N steps and write them beside the
+    # final checkpoint (slot_usage.safetensors): the background of a later finetune=sparse
+    # (docs/finetuning.md). 0 -> off.
+    slot_usage_steps: int = 0
 
     def validate(self, prefix: str = "checkpoint") -> None:
-        for key in ("every", "keep_every"):
+        for key in ("every", "keep_every", "slot_usage_steps"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{prefix}.{key}", getattr(self, key), "an integer >= 0")
         if self.keep < 1:
             raise ConfigError(f"{prefix}.keep", self.keep, "an integer >= 1 (the newest checkpoint is always kept)")
         if self.verify not in ("checksum", "size"):
             raise ConfigError(f"{prefix}.verify", self.verify, "one of: checksum, size")
+
+
+FINETUNE_MODES = ("full", "memory", "sparse", "lora")
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # memlm.model.lora.TARGETS
+FINETUNE_OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass
+class FinetuneConfig:
+    """What trains (train/finetune.py, docs/finetuning.md). full: every parameter
+    (pretraining). memory: only the memory's value tables; every other parameter
+    frozen (no gradient, no optimizer state, bitwise unchanged). sparse: only the
+    `top_t` rows of each value table that the step's batch reads most above the
+    background (memory/slot_selection.py)."""
+
+    mode: str = "full"  # full | memory | sparse
+    top_t: int = 1000  # sparse: value rows of each table updated per step
+    ranking: str = "kl"  # sparse: kl | tfidf (memory/slot_selection.py)
+    # sparse: the background's slot reads (python -m memlm.train.slot_usage);
+    # "" -> slot_usage.safetensors in the init_from folder.
+    background: str = ""
+    # memory, sparse: the value tables' optimizer (memory.value_lr, memory.value_weight_decay): adamw | sgd
+    optimizer: str = "adamw"
+    # lora: adapters of this rank on the projections named (attention wq wk wv wo, dense FFN w1 w2 w3),
+    # output scaled by lora_alpha / lora_rank; trained with optim.* (model/lora.py)
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+
+    def validate(self, prefix: str = "finetune") -> None:
+        if self.mode not in FINETUNE_MODES:
+            raise ConfigError(f"{prefix}.mode", self.mode, f"one of: {', '.join(FINETUNE_MODES)}")
+        if self.optimizer not in FINETUNE_OPTIMIZERS:
+            raise ConfigError(f"{prefix}.optimizer", self.optimizer, f"one of: {', '.join(FINETUNE_OPTIMIZERS)}")
+        if self.ranking not in ("kl", "tfidf"):
+            raise ConfigError(f"{prefix}.ranking", self.ranking, "one of: kl, tfidf")
+        if self.top_t < 1:
+            raise ConfigError(f"{prefix}.top_t", self.top_t, "an integer >= 1 (value rows per table per step)")
+        if self.lora_rank < 1:
+            raise ConfigError(f"{prefix}.lora_rank", self.lora_rank, "an integer >= 1")
+        check_number(f"{prefix}.lora_alpha", self.lora_alpha)
+        bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if bad or not self.lora_targets:
+            raise ConfigError(f"{prefix}.lora_targets", list(self.lora_targets),
+                              f"a non-empty list of: {', '.join(LORA_TARGETS)}")
 
 
 @dataclass
@@ -176,6 +225,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     # auto (default: the newest complete checkpoint in dump_dir, if any; else a fresh start)
     # | none (start over: existing checkpoints are moved aside) | a checkpoint directory
     resume: str = "auto"
@@ -226,6 +276,8 @@ class Config:
         self.logging.validate()
         self.checkpoint.validate()
         self.profile.validate(self.steps)
+        self.finetune.validate()
+        self._validate_finetune()
         if self.init_from and self.resume not in ("none", "auto"):
             # resume=auto + init_from: a checkpoint in dump_dir wins, init_from starts a run that has
             # none (a requeued or restarted fine-tune continues instead of starting over).
@@ -248,6 +300,19 @@ class Config:
                 "data.seq_len", self.data.seq_len,
                 f"at most model.max_seq_len={self.model.max_seq_len}",
             )
+
+
+    def _validate_finetune(self) -> None:
+        mode, kind = self.finetune.mode, self.memory.kind
+        if mode == "memory" and kind == "none":
+            raise ConfigError("finetune.mode", mode, "full for a model without memory layers (memory.kind=none): "
+                              "mode=memory trains only the memory's value tables")
+        if mode == "sparse" and kind not in ("memory", "memplus"):
+            raise ConfigError("finetune.mode", mode, f"full or memory with memory.kind={kind}: sparse selects the "
+                              "slots of product-key memory layers (memory.kind=memory or memplus)")
+        if mode in ("full", "lora") and self.finetune.optimizer != "adamw":
+            raise ConfigError("finetune.optimizer", self.finetune.optimizer,
+                              f"adamw with finetune.mode={mode} (sgd is for the value tables of mode=memory or sparse)")
 
 
 def _register_schemas() -> None:

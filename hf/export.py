@@ -39,11 +39,11 @@ from memlm.checkpoint.finite import check_finite
 from memlm.config.run import from_yaml
 from memlm.errors import ConfigError
 from memlm.hf.bundle import hf_token_ids, portable_config_json, write_hf_side_files
-from memlm.hf.load import resolve_checkpoint_dir, run_tokenizer_path
+from memlm.hf.load import build_run_model, resolve_checkpoint_dir, run_tokenizer_path
 from memlm.hf.mapping import to_hf_config, to_hf_state_dict
 from memlm.hf.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
 from memlm.hf.remote import write_remote_code
-from memlm.model import build_model
+from memlm.model.lora import merge_lora_state
 
 UNITS = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 
@@ -80,9 +80,11 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9) -> 
     meta = verify(checkpoint)
     cfg = from_yaml(meta["config"])
     memory = cfg.memory if cfg.memory.kind != "none" else None
-    model = build_model(cfg.model, memory)
-    Checkpointer.load_weights(checkpoint, model)
+    model = build_run_model(cfg)
+    Checkpointer.load_weights(checkpoint, model, adapters=True)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if cfg.finetune.mode == "lora":  # a plain model: each adapter merged into its weight
+        state = merge_lora_state(state, cfg.finetune.lora_alpha / cfg.finetune.lora_rank)
     check_finite(state, f"export of {checkpoint}", ExportError)
     dense = cfg.model.ffn == "dense" and memory is None
     if dense:

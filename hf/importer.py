@@ -59,6 +59,7 @@ from memlm.hf.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, read_conf
 from memlm.hf.remote import MEMORY_INFERENCE, remote_config
 from memlm.memory.config import MemoryConfig
 from memlm.model.args import ModelArgs
+from memlm.model.lora import is_lora_key
 from memlm.model.transformer import layer_ffn_kinds
 
 HF_PREFIX = "hf:"
@@ -233,7 +234,8 @@ def load_safetensors(init_from: str, model: torch.nn.Module, args: ModelArgs, la
 
     Returns {"kept": memlm names, "new": memlm names left as initialized,
     "dropped": file names with no place in this model (never read)}."""
-    target = get_model_state_dict(model)  # references, no copies; DTensors keep the global shape
+    # references, no copies; DTensors keep the global shape. LoRA adapters (finetune=lora) start fresh.
+    target = {k: v for k, v in get_model_state_dict(model).items() if not is_lora_key(k)}
     plan, dropped = _plan(init_from, args, target, layout)
     kept = set(plan.values())
     new = [k for k in target if k not in kept]

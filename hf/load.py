@@ -19,6 +19,7 @@ from memlm.checkpoint.folder import LATEST, latest_checkpoint
 from memlm.config.run import Config, from_yaml
 from memlm.hf.pretrained import CONFIG_NAME, from_pretrained
 from memlm.model import Transformer, build_model
+from memlm.model.lora import add_lora
 
 
 @dataclass
@@ -84,9 +85,17 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedMo
     directory = resolve_checkpoint_dir(path)
     meta = verify(directory)
     cfg = from_yaml(meta["config"])
-    model = build_model(cfg.model, cfg.memory if cfg.memory.kind != "none" else None, device=device)
-    Checkpointer.load_weights(directory, model)
+    model = build_run_model(cfg, device)
+    Checkpointer.load_weights(directory, model, adapters=True)
     return LoadedModel(model.eval(), cfg, run_tokenizer_path(cfg, directory), meta["step"], directory)
+
+
+def build_run_model(cfg: Config, device: str | torch.device = "cpu") -> Transformer:
+    """The model a run's checkpoint holds: its architecture, plus the adapters of a finetune=lora run."""
+    model = build_model(cfg.model, cfg.memory if cfg.memory.kind != "none" else None, device=device)
+    if cfg.finetune.mode == "lora":
+        add_lora(model, cfg.finetune.lora_rank, cfg.finetune.lora_alpha, cfg.finetune.lora_targets)
+    return model
 
 
 # ------------------------------------------------- the training data, without the weights

@@ -5,6 +5,8 @@
 
 - `planner.py`: builds the real model and parallel layout on the meta device
   with a fake process group and reads the bytes of the sharded tensors.
+- `report.py`: one plan as text; `fit.py`: --fit and --paper (every layout,
+  the ones that fit ranked); `cli.py`: `python -m memlm.plan`.
 - `cost.py`: the cost model (activations, communication, step time, MFU).
 - `describe.py`: a config's parameter counts and FLOPs per token.
 

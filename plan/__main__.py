@@ -1,5 +1,5 @@
 """`python -m memlm.plan`: the scale planner (memlm/plan/planner.py)."""
 
-from memlm.plan.planner import main
+from memlm.plan.cli import main
 
 raise SystemExit(main())

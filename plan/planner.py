@@ -39,11 +39,7 @@ overrides of the fastest.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import copy
-import json
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -65,8 +61,6 @@ from memlm.distributed.value_grads import REDUCE_DTYPES
 from memlm.distributed.value_layout import (
     GPUS,
     ValueTables,
-    least_traffic,
-    memory_parallel_candidates,
     spans_nodes,
 )
 from memlm.errors import ConfigError
@@ -76,8 +70,6 @@ from memlm.model import Transformer
 from memlm.plan.cost import HBM_HEADROOM, Layout, activation_bytes, comm_volume, gpu_spec, step_time
 from memlm.train.optim import build_optimizer
 from memlm.train.trainer import accumulation_steps
-
-GiB = 2**30
 
 # The shape each model preset is meant to train with: (sequence length,
 # micro-batch = sequences per GPU per forward, why). The planner's default for
@@ -178,7 +170,7 @@ def _padded_numel(p: torch.Tensor) -> int:
     return padded * (p.numel() // size) if size else 0
 
 
-def _override_keys(overrides: list[str]) -> dict[str, str]:
+def override_keys(overrides: list[str]) -> dict[str, str]:
     """{key: override} of the key=value overrides (`+`, `++`, `~` prefixes dropped)."""
     keys = {}
     for override in overrides:
@@ -195,7 +187,7 @@ def planning_config(overrides: list[str]) -> tuple[Config, dict[str, Any]]:
     The shape dict says where each number came from, and which overrides the
     trainer needs to run at it (its own default is the data config's)."""
     cfg = compose(overrides)
-    given = _override_keys(overrides)
+    given = override_keys(overrides)
     preset = TRAINING_SHAPES.get(cfg.model.name)
     origin: dict[str, str] = {}
     to_train: list[str] = []
@@ -350,292 +342,3 @@ def model_value_tables(model: torch.nn.Module, cfg: Config) -> ValueTables | Non
         reads=len(reads), reads_per_token=reads[0].lookup.heads * reads[0].knn,
         sparse_updates=cfg.memory.sparse_updates,
     )
-
-
-# ------------------------------------------------------------------- output
-def _gib(n: float) -> str:
-    return f"{n / GiB:.2f}"
-
-
-def _size(n: float) -> str:
-    """`12.34 GiB (13,249,999,872 B)`: readable, and the exact count."""
-    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:8.2f} {unit} ({int(n):,} B)"
-    return f"{int(n):8d} B"
-
-
-def format_shape(shape: dict[str, Any]) -> str:
-    """`shape: seq_len 8192 x micro_batch 1 per GPU (where each came from)`."""
-    origin = shape["from"]
-    if origin["seq_len"] == origin["micro_batch"]:
-        why = f"both from {origin['seq_len']}"
-    else:
-        why = f"seq_len from {origin['seq_len']}; micro_batch from {origin['micro_batch']}"
-    line = f"shape: seq_len {shape['seq_len']:,} x micro_batch {shape['micro_batch']} per GPU, {why}"
-    if shape["train_with"]:
-        line += (f"\n  (the trainer's own default is the data config's: train at this shape with "
-                 f"{' '.join(shape['train_with'])})")
-    return line
-
-
-def format_plan(p: dict[str, Any]) -> str:
-    b, t, c = p["bytes"], p["time"], p["comm_bytes"]
-    act = b["activations"]
-    lines = [
-        f"plan: {p['model']} + {p['memory_kind']} ({p['slots']:,} slots), {p['params_total']:,} params "
-        f"({p['params_active']:,} active), {p['world']} x {p['gpu']}, memory_parallel {p['memory_parallel']}"
-        f"{' (auto)' if p['memory_parallel_setting'] == 'auto' else ''}, "
-        f"fsdp {p['fsdp']}, activation_checkpoint {p['activation_checkpoint']}, "
-        f"rank {p['rank']}, {p['tokens_per_step']:,} tokens/step",
-        format_shape(p["shape"]),
-        "per rank, read from the sharded tensors:",
-        f"  parameters        {_size(b['params'])}, value tables {_size(b['value_tables']).strip()}",
-        f"  gradients         {_size(b['grads'])}",
-        f"  optimizer state   {_size(b['optimizer'])}",
-        "per rank, estimated:",
-        f"  activations       {_size(act['saved'] + act['recompute'])}, transient peak "
-        f"{_size(act['transient']).strip()}",
-        f"  total             {_size(b['total'])} of {_gib(GPUS[p['gpu']].hbm_bytes)} GiB: "
-        f"{'fits' if p['fits'] else 'does NOT fit'} (keeping {1 - HBM_HEADROOM:.0%} free)",
-        "communication per optimizer step, sent by one rank:",
-        *(f"  {kind:<20}{_size(v)}" for kind, v in c.items()),
-        f"estimated step time on {p['gpu']} (s):",
-        f"  compute {t['compute_s']:.4f}, fsdp comm {t['fsdp_comm_s']:.4f} (overlapped with compute), "
-        f"memory read {t['memory_read_s']:.4f}, optimizer {t['optimizer_s']:.4f}, memory comm "
-        f"{t['memory_comm_s']:.4f}, value reduce {t['value_reduce_s']:.4f}",
-        f"  step {t['step_s']:.4f} s, {t['tokens_per_s']:,.0f} tokens/s per GPU, MFU {t['mfu']:.1%}",
-        *format_value_layouts(p),
-    ]
-    return "\n".join(lines)
-
-
-VALUE_COLUMNS = ("memory_parallel", "replicas", "memory all-to-all", "value-grad all-reduce",
-                 "value-grad touched rows", "comm s")
-
-
-def format_value_layouts(p: dict[str, Any]) -> list[str]:
-    """The value-table layouts the run could take on this world, one row
-    each: bytes one rank sends per step and the seconds they add; the
-    config's layout and auto's choice marked ([] without value tables or on
-    one rank)."""
-    layouts = p["value_layouts"]
-    if p["world"] == 1 or not layouts:
-        return []
-    best = least_traffic(layouts)["memory_parallel"]
-    used = "touched rows (memory.sparse_updates=true)" if p["memory_sparse_updates"] else "all-reduce"
-    rows = [VALUE_COLUMNS]
-    for row in layouts:
-        marks = [m for m, on in (("this plan", row["memory_parallel"] == p["memory_parallel"]),
-                                 ("auto", row["memory_parallel"] == best)) if on]
-        rows.append((str(row["memory_parallel"]), str(row["replicas"]), _short(row["memory_all_to_all"]),
-                     _short(row["value_grad_all_reduce"]), "~" + _short(row["value_grad_rows"]),
-                     f"{row['seconds']:.4f}", *(["<- " + ", ".join(marks)] if marks else [])))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(VALUE_COLUMNS))]
-    table = ["  " + "  ".join(v.rjust(w) if i < len(widths) else v for i, (v, w) in
-                              enumerate(zip(r, [*widths, 0]))).rstrip() for r in rows]
-    return [
-        f"value-table layouts on {p['world']} ranks, bytes one rank sends per step (touched rows: expected "
-        "for reads spread evenly over the table):",
-        *table,
-        f"  this plan: memory_parallel {p['memory_parallel']}, value gradients by {used}, "
-        f"{_short(p['comm_bytes']['value_grad_reduce'])} per step; parallel.memory_parallel=auto (the "
-        f"default) takes {best}",
-    ]
-
-
-def fit_candidates(cfg: Config, world: int) -> list[int]:
-    """memory_parallel values to try: powers of two dividing the world and the
-    value width (only 1 without memory layers: nothing to shard)."""
-    if cfg.memory.kind == "none":
-        return [1]
-    return memory_parallel_candidates(world, cfg.memory.v_dim or cfg.model.dim)
-
-
-CHECKPOINTS = ("none", "selective", "full")  # least recompute (fastest) first
-
-
-def with_layout(cfg: Config, memory_parallel: int, fsdp: str, checkpoint: str) -> Config:
-    """A validated copy of `cfg` with these parallel settings."""
-    layout = copy.deepcopy(cfg)
-    layout.parallel.memory_parallel, layout.parallel.fsdp = memory_parallel, fsdp
-    layout.parallel.activation_checkpoint = checkpoint
-    layout.validate()
-    return layout
-
-
-def fit(cfg: Config, world: int, gpu: str = "H200", gpus_per_node: int = 8, fsdp_modes: tuple[str, ...] = (),
-        checkpoints: tuple[str, ...] = (), shape: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The plans of every layout tried: each candidate memory_parallel
-    (smallest first) x each of `fsdp_modes`, at the first of `checkpoints` that
-    fits (more recompute is never faster) or, when none does, at each of them.
-    Empty `fsdp_modes` / `checkpoints`: the config's own. Without value tables
-    memory_parallel changes nothing, so only the first candidate is planned."""
-    fsdp_modes = fsdp_modes or (cfg.parallel.fsdp,)
-    checkpoints = checkpoints or (cfg.parallel.activation_checkpoint,)
-    check_args(with_layout(cfg, 1, cfg.parallel.fsdp, cfg.parallel.activation_checkpoint), world, 0,
-               gpus_per_node, gpu)
-    plans = []
-    for p in fit_candidates(cfg, world):
-        for mode in fsdp_modes:
-            for checkpoint in checkpoints:
-                layout = with_layout(cfg, p, mode, checkpoint)
-                plans.append(plan(layout, world, 0, gpu, gpus_per_node, shape))
-                if plans[-1]["fits"]:
-                    break
-        if plans[-1]["slots"] == 0:
-            break
-    return plans
-
-
-def _short(n: float) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-FIT_COLUMNS = ("memory_parallel", "fsdp", "activation_checkpoint", "GiB/GPU", "step s", "tokens/s/GPU", "MFU",
-               "memory all-to-all/step", "value-grad reduce/step")
-
-
-def layout_overrides(p: dict[str, Any]) -> str:
-    return (f"parallel.memory_parallel={p['memory_parallel']} parallel.fsdp={p['fsdp']} "
-            f"parallel.activation_checkpoint={p['activation_checkpoint']}")
-
-
-def format_fit(plans: list[dict[str, Any]]) -> str:
-    """The layouts that did not fit (one line), one table of those that fit,
-    fastest first, and a last line naming the fastest and its overrides."""
-    first = plans[0]
-    where = f"{first['world']} x {first['gpu']}"
-    fitting = sorted((p for p in plans if p["fits"]),
-                     key=lambda p: (p["time"]["step_s"], p["bytes"]["total"], p["memory_parallel"]))
-    lines = []
-    if first["slots"] == 0 and first["memory_kind"] != "none":
-        lines.append(f"memory={first['memory_kind']} has no value tables: memory_parallel changes nothing, "
-                     "planned at 1 only")
-    fitted = {(p["memory_parallel"], p["fsdp"]) for p in fitting}
-    missed: dict[str, list[str]] = {}
-    for p in plans:
-        sizes = missed.setdefault(p["fsdp"], [])
-        if (p["memory_parallel"], p["fsdp"]) not in fitted and str(p["memory_parallel"]) not in sizes:
-            sizes.append(str(p["memory_parallel"]))
-    missed = {mode: sizes for mode, sizes in missed.items() if sizes}
-    if missed:
-        tried = "/".join(dict.fromkeys(p["activation_checkpoint"] for p in plans))
-        lines.append(f"does not fit at any activation_checkpoint tried ({tried}): "
-                     + "; ".join(f"fsdp {mode} with memory_parallel {', '.join(ps)}" for mode, ps in missed.items()))
-    if not fitting:
-        best = min(plans, key=lambda p: p["bytes"]["total"])
-        lines.append(f"nothing fits on {where}: the smallest is {_gib(best['bytes']['total'])} GiB per GPU "
-                     f"({layout_overrides(best)}) of {_gib(GPUS[best['gpu']].hbm_bytes * HBM_HEADROOM)} GiB usable; "
-                     "try more GPUs (--world), a larger --gpu, a smaller data.micro_batch or data.seq_len, "
-                     "or fewer memory slots")
-        return "\n".join(lines)
-    rows = [FIT_COLUMNS]
-    for p in fitting:
-        t, c = p["time"], p["comm_bytes"]
-        rows.append((str(p["memory_parallel"]), p["fsdp"], p["activation_checkpoint"], _gib(p["bytes"]["total"]),
-                     f"{t['step_s']:.4g}", f"{t['tokens_per_s']:,.0f}", f"{t['mfu']:.1%}",
-                     _short(c["memory_all_to_all"]), _short(c["value_grad_reduce"])))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(FIT_COLUMNS))]
-    lines.append(f"{len(fitting)} {'layout fits' if len(fitting) == 1 else 'layouts fit'} on {where}, "
-                 f"fastest first (estimated; GiB/GPU of {_gib(GPUS[first['gpu']].hbm_bytes * HBM_HEADROOM)} "
-                 "usable):")
-    lines += ["  " + "  ".join(v.rjust(w) if i in (0, 3, 4, 5, 6) else v.ljust(w)
-                               for i, (v, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
-    best = fitting[0]
-    train_with = " ".join([layout_overrides(best), *best["shape"]["train_with"]])
-    t = best["time"]
-    lines.append(f"use: memory_parallel {best['memory_parallel']}, fsdp {best['fsdp']}, activation_checkpoint "
-                 f"{best['activation_checkpoint']} ({t['step_s']:.4g} s/step, MFU {t['mfu']:.1%}): add {train_with}")
-    return "\n".join(lines)
-
-
-def paper_table(gpu: str, gpus_per_node: int, extra: list[str] = ()) -> str:
-    """The docs/scaling-plan.md table: each paper setting on 8, 64 and 512 GPUs.
-    Memory columns at the smallest memory_parallel that fits (or the largest
-    tried); every power-of-two memory_parallel that fits; the fastest of them."""
-    rows = ["| setting | GPUs | smallest P that fits | params | grads | optimizer | activations | total | "
-            "memory_parallel that fit | fastest P | step s | MFU |", "|" + "---|" * 12]
-    for name, overrides in PAPER:
-        for world in PAPER_WORLDS:
-            plans = fit(compose([*PAPER_COMMON, *overrides, *extra]), world, gpu, gpus_per_node)
-            fitting = [p for p in plans if p["fits"]]
-            p = fitting[0] if fitting else plans[-1]
-            fast = min(fitting or plans, key=lambda q: q["time"]["step_s"])
-            b, act = p["bytes"], p["bytes"]["activations"]
-            fit_list = ", ".join(str(q["memory_parallel"]) for q in fitting) or "none"
-            rows.append(
-                f"| {name} | {world} | {p['memory_parallel'] if fitting else 'none'} | {_gib(b['params'])} | "
-                f"{_gib(b['grads'])} | {_gib(b['optimizer'])} | "
-                f"{_gib(act['saved'] + act['recompute'] + act['transient'])} | "
-                f"{_gib(b['total'])}{'' if fitting else ' (P=' + str(p['memory_parallel']) + ')'} | {fit_list} | "
-                f"{fast['memory_parallel'] if fitting else '-'} | {fast['time']['step_s']:.2f} | "
-                f"{fast['time']['mfu']:.1%} |")
-    return "\n".join(rows)
-
-
-def fit_knobs(overrides: list[str], cfg: Config, world: int, gpus_per_node: int) -> tuple[tuple[str, ...], ...]:
-    """(fsdp modes, activation checkpoints) for --fit to try: the config's own
-    where an override sets one; hybrid only when the world spans whole nodes."""
-    given = _override_keys(overrides)
-    if "parallel.fsdp" in given or world <= gpus_per_node or world % gpus_per_node:
-        modes: tuple[str, ...] = (cfg.parallel.fsdp,)
-    else:
-        modes = ("full", "hybrid")
-    checkpoints = (cfg.parallel.activation_checkpoint,) if "parallel.activation_checkpoint" in given else CHECKPOINTS
-    return modes, checkpoints
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m memlm.plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=int, default=8, help="number of GPUs (ranks)")
-    parser.add_argument("--rank", type=int, default=0, help="the rank to plan (0 holds the largest FSDP shards)")
-    parser.add_argument("--gpu", default="H200", help=f"one of: {', '.join(GPUS)}")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--fit", action="store_true",
-                        help="try every power-of-two memory_parallel, fsdp mode and activation checkpointing "
-                             "the overrides leave open; print the layouts that fit, fastest first")
-    parser.add_argument("-v", "--verbose", action="store_true", help="--fit: also print each layout's full plan")
-    parser.add_argument("--paper", action="store_true",
-                        help="the docs/scaling-plan.md table (overrides apply to every setting)")
-    parser.add_argument("--json", action="store_true", help="print the plan(s) as JSON")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=8b memory=memplus")
-    args = parser.parse_intermixed_args(argv)  # overrides may come before or after the flags
-    try:
-        gpu_spec(args.gpu)
-        if args.paper:
-            print(paper_table(args.gpu, args.gpus_per_node, args.overrides))
-            return 0
-        cfg, shape = planning_config(args.overrides)
-        if args.fit:
-            check_args(with_layout(cfg, 1, cfg.parallel.fsdp, cfg.parallel.activation_checkpoint), args.world, 0,
-                       args.gpus_per_node, args.gpu)
-            modes, checkpoints = fit_knobs(args.overrides, cfg, args.world, args.gpus_per_node)
-            if not args.json:
-                print(f"fit: {cfg.model.name} + {cfg.memory.kind} on {args.world} x {args.gpu}, trying "
-                      f"memory_parallel {', '.join(map(str, fit_candidates(cfg, args.world)))} x fsdp "
-                      f"{'/'.join(modes)}, each at the first activation_checkpoint of "
-                      f"{'/'.join(checkpoints)} that fits\n{format_shape(shape)}", flush=True)
-            plans = fit(cfg, args.world, args.gpu, args.gpus_per_node, modes, checkpoints, shape)
-        else:
-            plans = [plan(cfg, args.world, args.rank, args.gpu, args.gpus_per_node, shape)]
-    except ConfigError as err:
-        print(f"plan: {err}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(plans, indent=2))
-    elif not args.fit:
-        print(format_plan(plans[0]))
-    else:
-        for p in plans if args.verbose else ():
-            print("\n" + format_plan(p))
-        print(("\n" if args.verbose else "") + format_fit(plans))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -47,10 +47,17 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
     exact AdamW to dense gradients and touches only the rows read for the
     tables' sparse gradients (see memlm.memory.sparse_adamw for the trade-off).
     With memory.value_dtype=bf16 that optimizer too: it keeps float32 moments
-    for the bf16 table (torch's AdamW would keep them in bf16)."""
+    for the bf16 table (torch's AdamW would keep them in bf16).
+    finetune=memory/sparse: only the value group (the rest is frozen), with
+    finetune.optimizer; sparse gradients hold the selected rows, so the
+    row-wise optimizers touch those rows alone (train/finetune.py)."""
     o = cfg.optim
     groups = param_groups(model, cfg)
-    sparse = cfg.memory.sparse_updates and cfg.memory.kind != "none"
+    if cfg.finetune.optimizer == "sgd":
+        from memlm.memory.sparse_sgd import SparseRowSGD
+
+        return SparseRowSGD(groups, lr=cfg.memory.value_lr, weight_decay=cfg.memory.value_weight_decay)
+    sparse = (cfg.memory.sparse_updates or cfg.finetune.mode == "sparse") and cfg.memory.kind != "none"
     low_precision_values = cfg.memory.value_dtype != "fp32" and cfg.memory.kind in ("memory", "memplus")
     if sparse or low_precision_values:
         from memlm.memory.sparse_adamw import SparseRowAdamW

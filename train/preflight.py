@@ -21,6 +21,7 @@ from memlm.data.corpus import check_inputs
 from memlm.errors import ConfigError
 from memlm.evals.tasks import load_task
 from memlm.hf.importer import check_import_source, init_kind
+from memlm.train.finetune import check_background
 
 
 def check_eval_inputs(cfg: Config) -> None:
@@ -41,7 +42,8 @@ def check_eval_inputs(cfg: Config) -> None:
 def check_init_from(cfg: Config) -> None:
     """An export or a Llama (hf:<dir>) must describe the run's architecture
     (every difference is named with its fix); any other `init_from` must be a
-    complete memlm checkpoint folder."""
+    complete memlm checkpoint folder. finetune=sparse: its background file exists."""
+    check_background(cfg)
     if not cfg.init_from:
         return
     if init_kind(cfg.init_from) != "checkpoint":

@@ -38,8 +38,10 @@ from memlm.hf.importer import import_init, init_kind
 from memlm.hf.load import keep_tokenizer
 from memlm.memory.tables import split_params
 from memlm.model import Transformer
+from memlm.model.lora import add_lora, reset_lora
 from memlm.train.data_source import build_train_loader, has_validation, model_batch
 from memlm.train.evaluation import Evaluation
+from memlm.train.finetune import SlotSelection, background_path, freeze_for
 from memlm.train.loss import chunked_cross_entropy
 from memlm.train.metrics import MetricsLogger, check_tensorboard
 from memlm.train.optim import build_optimizer, build_scheduler
@@ -47,6 +49,7 @@ from memlm.train.preemption import install_preemption_handler
 from memlm.train.preflight import check_eval_inputs, check_init_from
 from memlm.train.profiling import StepProfiler
 from memlm.train.progress import Progress
+from memlm.train.slot_usage import UsageRecorder
 from memlm.train.step_guard import NonFiniteLossError, StepGuard, step_if_finite, step_ok
 from memlm.train.summary import run_summary, summary_line, write_summary
 
@@ -103,6 +106,9 @@ class Trainer:
         self.params = split_params(self.model)  # (dense, sparse tables): clipped apart (memlm.memory.tables)
         self.value_grads = memory_hooks.value_grad_reduction(self.model, self.meshes, self.env, self.accum, cfg)
         self.optimizer = build_optimizer(self.model, cfg, self.env.device)
+        # finetune=sparse: the rows each step may change (train/finetune.py)
+        self.selection = (SlotSelection(self.model, cfg, background_path(cfg), self.env.distributed)
+                          if cfg.finetune.mode == "sparse" else None)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.step = 0
         self.tokens = 0
@@ -186,6 +192,9 @@ class Trainer:
         else:
             with torch.device("meta"):
                 model = Transformer(cfg.model, cfg.memory)
+        freeze_for(model, cfg.finetune.mode)  # before sharding: frozen parameters get no gradient or state
+        if cfg.finetune.mode == "lora":
+            add_lora(model, cfg.finetune.lora_rank, cfg.finetune.lora_alpha, cfg.finetune.lora_targets)
         memory_hooks.shard_memory_values(model, self.meshes, env)
         apply_activation_checkpointing(model, cfg.parallel.activation_checkpoint)
         if cfg.parallel.compile:
@@ -199,6 +208,7 @@ class Trainer:
             # CUDA, DTensor's RNG tracker does the same from rank 0's state.
             seed_everything(cfg.seed + shard_index(self.meshes, env))
             model.init_weights()
+            reset_lora(model)
         # Value tables from the seed alone: replicas agree, init=full == init=sharded.
         memory_hooks.init_value_tables(model, cfg.seed)
         return model
@@ -226,6 +236,8 @@ class Trainer:
         no weight and no optimizer state (decided on the device)."""
         self.model.train()
         memory_hooks.on_step_start(self.model, self.step, self.cfg)
+        if self.selection is not None:
+            self.selection.start_step()
         loss_sum = torch.zeros((), device=self.env.device)
         for micro in range(self.accum):
             inputs, targets, doc_ids = model_batch(next(self.train_loader), self.env.device, self.cfg.model.doc_mask)
@@ -236,6 +248,8 @@ class Trainer:
             loss.backward()
             loss_sum += loss.detach()
         self.value_grads.finish()  # started by a hook during the last backward
+        if self.selection is not None:
+            self.selection.restrict_gradients()  # finetune=sparse: only the selected rows keep a gradient
         if self.env.distributed:
             dist.all_reduce(loss_sum)  # every rank must agree on skipping: the global loss decides
             loss_sum /= self.env.world_size
@@ -292,7 +306,10 @@ class Trainer:
                   f"{env.world_size} rank(s) on {env.device.type}, accumulation {self.accum}, "
                   f"{cfg.steps} steps -> {self.dump_dir}", flush=True)
         progress = Progress(cfg, env, self._unwrapped(), self.step, self.tokens)
+        usage = UsageRecorder(self.model, cfg.steps, cfg.checkpoint.slot_usage_steps,
+                              self.accum * cfg.data.micro_batch * cfg.data.seq_len * env.world_size, env.distributed)
         first_step, metrics, val_loss, evals, preempted = self.step, {}, None, {}, False
+        usage_dir = None  # where the last steps' slot usage goes: beside the final checkpoint
         # SIGUSR1 (Slurm, before the time limit) -> checkpoint after the current step and stop.
         preemption = install_preemption_handler(
             lambda: self.save_checkpoint() if self.checkpointer.saved_step != self.step else None)
@@ -302,7 +319,9 @@ class Trainer:
                 # saves, evaluations and validation): the other steps never wait.
                 logging_step = (self.step + 1) % cfg.logging.every == 0 or self.step + 1 == last_step
                 profiler.before_step(self.step + 1)
+                usage.before_step(self.step)
                 metrics = self.train_step(read=logging_step) or metrics
+                usage.after_step(self.step - 1)
                 profiler.after_step(self.step)
                 if logging_step:
                     logger.log(*progress.report(self.step, self.tokens, metrics, self.nonfinite_total, self.model))
@@ -323,6 +342,7 @@ class Trainer:
                 if self.val_loader is not None:
                     val_loss = self._log_validation(logger)
                 saved = self.checkpointer.maybe_save(self.step, self._training_state, last=True)
+                usage_dir = saved or self.dump_dir
                 if self.evaluation.due(self.step, last=True):
                     evals = self.evaluation.run(self.step, logger, saved)
         finally:
@@ -330,6 +350,8 @@ class Trainer:
             profiler.close()
             self.checkpointer.finalize()  # a background save lands before the summary says the run ended
             logger.close()
+        if usage_dir is not None and (written := usage.write(usage_dir, env.is_main)) is not None:
+            print(f"[train] slot usage of the last {usage.tokens:,} tokens -> {written}", flush=True)
         return self._finish(progress.elapsed(), metrics, val_loss, evals, preempted)
 
     def close(self) -> None:

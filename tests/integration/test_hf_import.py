@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 import torch
@@ -324,3 +325,32 @@ def test_two_fsdp_ranks_load_the_same_weights_and_loss(tmp_path, llamas, init, m
         with torch.no_grad():
             ref = hf(input_ids=tokens[0], labels=tokens[0]).loss.item()
     assert out["loss"] == pytest.approx(ref, abs=1e-5)
+
+
+def test_retrofit_a_parallel_memory_into_a_llama_then_teach_it_and_export_it(tmp_path, llamas):
+    """The retrofit (docs/finetuning.md): a memory layer beside a transformers-made Llama's MLP with
+    its values at zero adds nothing, so the first loss is the Llama's; finetune=memory then trains
+    the values alone, and the export loads in plain transformers (trust_remote_code) with memlm's logits."""
+    from hf_remote_child import run_remote_child
+
+    from memlm.hf.export import export
+
+    directory, hf = llamas["untied"]
+    tokens, batches = _batches(4)
+    run = tmp_path / "run"
+    t = _trainer(run, directory, [*LLAMAS["untied"][2], *MEMORY, "memory.placement=parallel",
+                                  "memory.value_init_scale=0", "finetune=memory", "memory.value_lr=1e-2", "steps=4",
+                                  "checkpoint.at_end=true", "val_batches=0"], batches)
+    first = t.train_step()
+    with torch.no_grad():
+        hf_loss = hf(input_ids=tokens[0], labels=tokens[0]).loss.item()
+    assert first["loss"] == pytest.approx(hf_loss, abs=1e-5)
+    t.fit()
+    ours, theirs = t.model.state_dict(), _hf_state(hf)
+    names = hf_names(t.cfg.model)
+    kept = [k for k in ours if k.replace(".dense.", ".") in names]
+    assert len(kept) == len(theirs)  # every Llama tensor, the MLP beside the memory included
+    for key in kept:  # frozen: bitwise the Llama's after training
+        assert torch.equal(ours[key], theirs[names[key.replace(".dense.", ".")]]), key
+    assert ours["shared.memory_values.weight"].abs().sum() > 0  # the values learned from zero
+    run_remote_child(sys.executable, True, export(run, tmp_path / "export"), t.model.eval(), tmp_path)

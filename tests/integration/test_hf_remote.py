@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ast
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,14 +26,14 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="install the dev extra: pip install -e '.[dev]'")
 
-from safetensors.torch import load_file, save_file  # noqa: E402
+from hf_remote_child import TOL, run_remote_child  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
 from memlm.hf import remote as hf_remote  # noqa: E402
 from memlm.hf.remote.modeling_memlm import MemlmForCausalLM  # noqa: E402
 from memlm.memory.config import MemoryConfig  # noqa: E402
 from memlm.model import ModelArgs, build_model, ffn_kinds  # noqa: E402
 
-TOL = 1e-5
 ARGS = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=101, multiple_of=16, max_seq_len=64,
             rope_theta=5000.0)
 PKM = dict(n_keys=8, knn=4, eval_knn=3, heads=2, k_dim=16)
@@ -173,31 +172,6 @@ def test_modeling_files_import_only_torch_and_transformers():
 
 
 # ------------------------------------------------ a real export, memlm absent
-CHILD = r"""
-import importlib.abc, importlib.util, sys
-memlm_installed = importlib.util.find_spec("memlm") is not None
-
-class BlockMemlm(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "memlm":
-            raise ModuleNotFoundError(f"memlm is blocked in this check ({name})")
-
-sys.meta_path.insert(0, BlockMemlm())
-import torch, transformers
-from safetensors.torch import load_file, save_file
-bundle, io = sys.argv[1], sys.argv[2]
-tokens = load_file(io + "/in.safetensors")["tokens"]
-model = transformers.AutoModelForCausalLM.from_pretrained(bundle, trust_remote_code=True)
-with torch.no_grad():
-    logits = model(tokens).logits
-generated = model.generate(tokens[:, :4], attention_mask=torch.ones_like(tokens[:, :4]), max_new_tokens=6,
-                           do_sample=False, pad_token_id=0)
-assert not [m for m in sys.modules if m.split(".")[0] == "memlm"], "memlm was imported"
-save_file({"logits": logits.contiguous(), "generated": generated}, io + "/out.safetensors")
-print("memlm installed:", memlm_installed, "| transformers", transformers.__version__, "| torch", torch.__version__)
-"""
-
-
 @pytest.fixture(scope="module")
 def memplus_export(tmp_path_factory):
     """A trained tiny Memory+ run exported by hf/export.py, and the trained model."""
@@ -215,31 +189,10 @@ def memplus_export(tmp_path_factory):
     return export(tmp / "run", tmp / "export"), trainer.model.eval(), tmp
 
 
-def _run_child(python: str, isolated: bool, export_dir: Path, ours, tmp: Path) -> str:
-    io = tmp / f"io_{'isolated' if isolated else 'venv'}"
-    io.mkdir(exist_ok=True)
-    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    save_file({"tokens": tokens}, str(io / "in.safetensors"))
-    # No PYTHONPATH (it points at memlm), remote modules cached in the test's folder.
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["HF_MODULES_CACHE"] = str(tmp / "hf_modules")
-    cmd = [python, *(["-I"] if isolated else []), "-c", CHILD, str(export_dir), str(io)]
-    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = load_file(str(io / "out.safetensors"))
-    with torch.no_grad():
-        assert (out["logits"] - ours(tokens)).abs().max().item() <= TOL
-        expected = tokens[:, :4]
-        for _ in range(6):
-            expected = torch.cat([expected, ours(expected)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(out["generated"], expected)
-    return proc.stdout
-
-
 def test_export_loads_with_auto_model_where_memlm_cannot_be_imported(memplus_export):
     export_dir, ours, tmp = memplus_export
     assert {"config.json", "configuration_memlm.py", "modeling_memlm.py"} <= {p.name for p in export_dir.iterdir()}
-    _run_child(sys.executable, True, export_dir, ours, tmp)
+    run_remote_child(sys.executable, True, export_dir, ours, tmp)
 
 
 def test_sharded_export_loads_in_transformers(memplus_export):
@@ -261,5 +214,5 @@ def test_export_loads_in_a_fresh_venv_without_memlm(memplus_export):
         pytest.skip("set MEMLM_REMOTE_PYTHON to the python of a venv with torch + transformers and no memlm "
                     "(docs/checkpoints.md, 'Memory, MoE and PEER exports in transformers')")
     export_dir, ours, tmp = memplus_export
-    stdout = _run_child(python, False, export_dir, ours, tmp)
+    stdout = run_remote_child(python, False, export_dir, ours, tmp)
     assert "memlm installed: False" in stdout, stdout

@@ -13,7 +13,9 @@ from distributed_workers import run_ranks
 from plan_workers import held_bytes
 
 from memlm.config.run import compose, group_options
-from memlm.plan.planner import TRAINING_SHAPES, format_plan, main, plan, planning_config
+from memlm.plan.cli import main
+from memlm.plan.planner import TRAINING_SHAPES, plan, planning_config
+from memlm.plan.report import format_plan
 
 # Vocabulary 509: the embedding and output rows do not split evenly over 4
 # ranks, so ranks hold different FSDP shards (and FSDP pads its collectives).

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
-from memlm.config.run import Config, compose, group_options
+from memlm.config.run import GROUPS, Config, compose, group_options
 from memlm.errors import ConfigError
 from memlm.model import ModelArgs
 
@@ -20,11 +21,30 @@ def test_default_compose_is_typed():
 
 
 def test_every_preset_of_every_group_composes():
-    for group in ("model", "memory", "data", "optim", "parallel", "eval", "experiment"):
+    assert "finetune" in GROUPS
+    for group in GROUPS:
         for preset in group_options(group):
-            # Memory presets spread layers through the depth: give them a deep model.
-            base = ["model=134m"] if group == "memory" else []
+            # Memory presets spread layers through the depth: give them a deep model; the
+            # fine-tuning modes but full need memory layers to train.
+            base = {"memory": ["model=134m"], "finetune": ["memory=memplus", "memory.layers=[1]"]}.get(group, [])
             compose([*base, f"{group}={preset}"])
+
+
+def test_finetune_values_are_checked_and_need_a_memory_model():
+    for override, key in (("finetune.mode=lorax", "finetune.mode='lorax'"), ("finetune.top_t=0", "finetune.top_t=0"),
+                          ("finetune.ranking=idf", "finetune.ranking='idf'"),
+                          ("finetune.optimizer=adam", "finetune.optimizer='adam'"),
+                          ("finetune.lora_rank=0", "finetune.lora_rank=0"),
+                          ("finetune.lora_alpha=-1", "finetune.lora_alpha=-1"),
+                          ("finetune.lora_targets=[wq,router]", "finetune.lora_targets=['wq', 'router']")):
+        with pytest.raises(ConfigError, match=re.escape(key)):
+            compose(["memory=memplus", "memory.layers=[1]", override])
+    with pytest.raises(ConfigError, match="finetune.mode='memory': full for a model without memory layers"):
+        compose(["finetune=memory"])
+    with pytest.raises(ConfigError, match="finetune.mode='sparse'.*memory.kind=memory or memplus"):
+        compose(["memory=moe", "memory.layers=[1]", "finetune=sparse"])
+    with pytest.raises(ConfigError, match="finetune.optimizer='sgd'"):
+        compose(["finetune.optimizer=sgd"])
 
 
 def test_overrides_apply():

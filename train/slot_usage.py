@@ -1,0 +1,193 @@
+"""Background slot usage: how often the pretraining data reads each memory
+slot, the reference that sparse fine-tuning ranks a batch's reads against
+(finetune=sparse; memory/slot_selection.py; docs/finetuning.md).
+
+    python -m memlm.train.slot_usage runs/base/checkpoints/latest --batches 64
+    python -m memlm.train.slot_usage runs/base --batches 64 data.facts.entities=1000   # another data sample
+
+Runs the checkpoint's model in training mode (the training knn, as a
+fine-tuning step reads) without gradients over `--batches` batches of its
+run's data (key=value overrides change the saved config), counts every read
+of every memory layer, and writes them beside the checkpoint:
+`slot_usage.safetensors`, one int64 (n_slots,) tensor per layer ("layer4"),
+with the tokens counted and the source in its metadata. Then prints how many
+slots the sample read and how concentrated the reads are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from safetensors.torch import load_file, save_file
+
+from memlm.errors import ConfigError
+from memlm.hf.load import is_export_dir, load_model
+from memlm.memory.layers import ProductKeyMemory
+from memlm.memory.schedule import apply_knn_schedule
+from memlm.memory.usage import SlotUsage, reset_usage
+from memlm.train.data_source import build_train_loader
+
+FILE = "slot_usage.safetensors"
+
+
+def memory_layers(model: torch.nn.Module) -> dict[str, ProductKeyMemory]:
+    """The product-key memory layers by their usage name ("layer4")."""
+    return {f"layer{m.layer_id}": m for m in model.modules() if isinstance(m, ProductKeyMemory)}
+
+
+def layer_counts(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each memory layer's read counter since its last reset, copied to the CPU."""
+    return {name: layer.usage.counts.detach().cpu().clone() for name, layer in memory_layers(model).items()}
+
+
+def save_usage(path: Path, counts: dict[str, torch.Tensor], tokens: int, source: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp_{path.name}")
+    save_file({k: v.to(torch.int64).contiguous() for k, v in counts.items()}, str(tmp),
+              metadata={"tokens": str(tokens), "source": source})
+    tmp.replace(path)
+
+
+def load_usage(path: str | Path, layers: dict[str, int]) -> dict[str, torch.Tensor]:
+    """The background counts of `layers` ({name: n_slots}); a ConfigError
+    (finetune.background) names what is missing or the wrong size."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("finetune.background", str(path), "a slot-usage file (python -m memlm.train.slot_usage "
+                          "<checkpoint> writes slot_usage.safetensors beside it)")
+    try:
+        counts = load_file(str(path))
+    except Exception as err:  # safetensors raises its own error types
+        raise ConfigError("finetune.background", str(path), f"a safetensors file ({err})") from None
+    for name, n_slots in layers.items():
+        got = counts.get(name)
+        if got is None or got.shape != (n_slots,):
+            found = "missing" if got is None else f"of shape {tuple(got.shape)}"
+            raise ConfigError("finetune.background", str(path), f"counts for every memory layer of this model: "
+                              f"{name} is {found}, expected ({n_slots},) (was it collected from this model?)")
+    return {name: counts[name] for name in layers}
+
+
+def describe(counts: dict[str, torch.Tensor]) -> list[str]:
+    """One line per layer: slots read, share of reads on the 1% most-read slots, KL from uniform."""
+    lines = []
+    for name, c in counts.items():
+        m = SlotUsage(c.numel()).metrics(c)
+        if not m:
+            lines.append(f"{name}: no reads")
+            continue
+        lines.append(f"{name}: {int(m['reads']):,} reads, {m['usage']:.1%} of {c.numel():,} slots read, "
+                     f"top 1% of slots take {m['top1pct_share']:.1%} of the reads, "
+                     f"KL from uniform {m['kl_uniform']:.3f} nats")
+    return lines
+
+
+class UsageRecorder:
+    """checkpoint.slot_usage_steps=N: the reads of every memory layer over a
+    run's last N steps, summed over the ranks and written beside its final
+    checkpoint, so a finished pretraining run carries its own background.
+
+        recorder.before_step(step); trainer.train_step(); recorder.after_step(step)
+        recorder.write(final_checkpoint_dir)    # every rank (a collective under torchrun)
+    """
+
+    def __init__(self, model: torch.nn.Module, total_steps: int, last_steps: int, tokens_per_step: int,
+                 distributed: bool):
+        self.layers = memory_layers(model) if last_steps else {}
+        self.first = max(0, total_steps - last_steps)  # steps counted from 0: record steps first .. total-1
+        self.tokens_per_step, self.distributed = tokens_per_step, distributed
+        self.counts = {name: torch.zeros_like(layer.usage.counts) for name, layer in self.layers.items()}
+        self.tokens = 0
+        self._before: dict[str, torch.Tensor] = {}
+
+    def _on(self, step: int) -> bool:
+        return bool(self.layers) and step >= self.first
+
+    def before_step(self, step: int) -> None:
+        if self._on(step):
+            self._before = {name: layer.usage.counts.clone() for name, layer in self.layers.items()}
+
+    def after_step(self, step: int) -> None:
+        if self._on(step) and self._before:
+            for name, layer in self.layers.items():
+                self.counts[name] += layer.usage.counts - self._before[name]
+            self.tokens += self.tokens_per_step
+            self._before = {}
+
+    def write(self, directory: Path, is_main: bool) -> Path | None:
+        if not self.layers or not self.tokens:
+            return None
+        counts = dict(self.counts)
+        if self.distributed:
+            counts = {name: c.clone() for name, c in counts.items()}
+            for c in counts.values():
+                dist.all_reduce(c)
+        if not is_main:
+            return None
+        path = Path(directory) / FILE
+        save_usage(path, {k: v.cpu() for k, v in counts.items()}, self.tokens, f"the last {self.tokens:,} "
+                   f"training tokens of {directory}")
+        return path
+
+
+@torch.no_grad()
+def collect(model: torch.nn.Module, batches, n_batches: int, device: torch.device) -> tuple[dict, int]:
+    """Read counts of every memory layer over `n_batches` of `batches`
+    ((inputs, targets[, doc_ids]) tuples), and the tokens read."""
+    model.train()  # the memory layers count reads in training mode, at the training knn
+    reset_usage(model)
+    tokens = 0
+    for _ in range(n_batches):
+        inputs, _, *doc = next(batches)
+        doc_ids = doc[0].to(device) if doc else None
+        model(inputs.to(device), doc_ids=doc_ids)
+        tokens += inputs.numel()
+    counts = layer_counts(model)
+    reset_usage(model)
+    return counts, tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m memlm.train.slot_usage", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a checkpoint folder, its run's dump_dir or checkpoints/latest")
+    parser.add_argument("--batches", type=int, default=64, help="batches of the run's data to count (default 64)")
+    parser.add_argument("--out", default="", help=f"output file (default: {FILE} in the checkpoint folder)")
+    parser.add_argument("overrides", nargs="*", help="key=value changes to the run's saved config (e.g. its data)")
+    args = parser.parse_args(argv)
+    try:
+        if args.batches < 1:
+            raise ConfigError("--batches", args.batches, "an integer >= 1")
+        if is_export_dir(args.checkpoint):
+            raise ConfigError("checkpoint", args.checkpoint, "a run checkpoint (an export holds no run config to "
+                              "read the data from); collect from the run, then copy the file beside the export")
+        loaded = load_model(args.checkpoint)
+        cfg = loaded.config
+        if args.overrides:
+            merged = OmegaConf.merge(OmegaConf.structured(cfg), OmegaConf.from_dotlist(args.overrides))
+            cfg = OmegaConf.to_object(merged)
+            cfg.validate()
+        if not memory_layers(loaded.model):
+            raise ConfigError("checkpoint", args.checkpoint, f"a model with product-key memory layers "
+                              f"(its memory.kind is {cfg.memory.kind})")
+        apply_knn_schedule(loaded.model, cfg.memory, loaded.step)
+        env = argparse.Namespace(rank=0, world_size=1)
+        counts, tokens = collect(loaded.model, build_train_loader(cfg, env, "train"), args.batches,
+                                 torch.device("cpu"))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else loaded.source / FILE
+    save_usage(out, counts, tokens, str(loaded.source))
+    print(f"[slot-usage] {tokens:,} tokens of {cfg.data.kind} data through {loaded.source} -> {out}")
+    for line in describe(counts):
+        print(f"[slot-usage] {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
