@@ -7,9 +7,26 @@ import datetime
 import os
 import platform
 import re
+import statistics
+import time
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def median_ms(fns: dict, repeats: int = 9) -> dict[str, float]:
+    """{name: median milliseconds of fns[name]()}: one warm-up call each, then
+    `repeats` rounds that call every function in turn, so a slow phase of a
+    shared machine hits all of them alike."""
+    times = {name: [] for name in fns}
+    for f in fns.values():
+        f()
+    for _ in range(repeats):
+        for name, f in fns.items():
+            start = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def cpu_model() -> str:

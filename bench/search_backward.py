@@ -15,16 +15,14 @@ first. Figures go to docs/benchmarks.md.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import machine_line, write_section  # noqa: E402
+from report import machine_line, median_ms, write_section  # noqa: E402
 
 import memlm.memory.fast.search_grad as search_grad  # noqa: E402
 
@@ -42,18 +40,6 @@ def step(query, keys, ratio):
         return q.grad, k.grad
 
 
-def median_ms(fns: dict, repeats: int = 7) -> dict[str, float]:
-    times = {name: [] for name in fns}
-    for f in fns.values():
-        f()
-    for _ in range(repeats):
-        for name, f in fns.items():
-            start = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
-
-
 def main() -> int:
     header = machine_line()
     print(header)
@@ -67,7 +53,8 @@ def main() -> int:
         grads = {name: step(query, keys, ratio) for name, ratio in FORCE.items()}
         for a, b in zip(grads["sparse"], grads["dense"]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # sums in a different order
-        t = median_ms({name: lambda r=ratio, q=query, k=keys: step(q, k, r) for name, ratio in FORCE.items()})
+        runs = {name: lambda r=ratio, q=query, k=keys: step(q, k, r) for name, ratio in FORCE.items()}
+        t = median_ms(runs, repeats=7)
         taken = "dense" if n_keys < search_grad.SPARSE_BACKWARD_RATIO * KNN else "sparse"
         lines.append(f"| {n_keys} | {k_dim} | {n_keys // KNN} | {t['sparse']:.1f} ms | {t['dense']:.1f} ms | "
                      f"{t['dense'] / t['sparse']:.2f}x | {taken} |")

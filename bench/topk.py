@@ -14,15 +14,13 @@ repeats; figures go to docs/benchmarks.md.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import machine_line, write_section  # noqa: E402
+from report import machine_line, median_ms, write_section  # noqa: E402
 
 import memlm.memory.fast.search as search  # noqa: E402
 from memlm.memory.fast import native_topk  # noqa: E402
@@ -38,18 +36,6 @@ SEARCH_TOKENS = 2048
 
 def torch_topk(x: torch.Tensor, k: int):
     return x.topk(k, dim=-1)
-
-
-def median_ms(fns: dict, repeats: int = 9) -> dict[str, float]:
-    times = {name: [] for name in fns}
-    for f in fns.values():
-        f()
-    for _ in range(repeats):
-        for name, f in fns.items():
-            start = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def search_with(topk_fn, scores):

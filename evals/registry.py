@@ -11,8 +11,8 @@ Kinds:
 - `bits`: knowledge capacity: the bits of random facts a model stores, from the
   teacher-forced cross-entropy of each fact's value given its question.
 
-Besides the fixed names, `qa:<folder>`, `choice:<folder>` and `ppl:<folder>`
-evaluate a user's own files under `<data_dir>/<folder>/` in that kind's format.
+Besides the fixed names, `qa:<folder>`, `choice:<folder>`, `ppl:<folder>` and
+`bits:<folder>` evaluate a user's own files under `<data_dir>/<folder>/` in that kind's format.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ MMLU_FORMAT = ("MMLU CSV files test/<subject>_test.csv (+ dev/<subject>_dev.csv)
                "Face Parquet (cais/mmlu: all/test-*.parquet + all/dev-*.parquet, the same columns)")
 FACTS_FORMAT = ('a run trained on data.kind=facts (memlm.data.facts): its facts.jsonl of '
                 '{"question": str, "answer": str, "values": int}')
+FACTS_FILE_FORMAT = ('JSONL of {"question": str, "answer": str, "values": int >= 2} (one fact per line; '
+                     'the facts.jsonl memlm.data.facts writes)')
 PPL_FORMAT = ('JSONL or Parquet of {"text": str} (one document per record) or a plain UTF-8 text file (one document)')
 
 # Hugging Face dataset repositories store each split as <split>-00000-of-0000N.parquet,
@@ -56,6 +58,7 @@ _CHOICE_POOL = ("train.jsonl", "dev.jsonl", "train-*.parquet", "dev-*.parquet")
 _QA_EVAL = ("test.jsonl", "test.json", "test-*.parquet", "validation-*.parquet")
 _QA_POOL = ("train.jsonl", "train.json", "train-*.parquet")
 _PPL_EVAL = ("test.jsonl", "test.txt", "test-*.parquet")
+_BITS_EVAL = ("facts.jsonl", "test.jsonl")
 # TriviaQA's Hugging Face test split has no answers: only validation is evaluated. The
 # no-context configs first (small files); rc.nocontext is the one lm-eval's triviaqa uses.
 _TRIVIAQA_CONFIGS = ("", "rc.nocontext/", "unfiltered.nocontext/", "rc/", "unfiltered/")
@@ -108,7 +111,8 @@ SYNTHETIC_QA_FILES = {"synthetic_qa": "qa", "synthetic_qa_seen": "qa_seen", "syn
                       "synthetic_qa_trained": "qa_trained"}
 
 # `<prefix>:<folder>`: the user's own data in a known format.
-PREFIXES = {"qa": (QA_FORMAT, "qa"), "choice": (CHOICE_FORMAT, "choice"), "ppl": (PPL_FORMAT, "ppl")}
+PREFIXES = {"qa": (QA_FORMAT, "qa"), "choice": (CHOICE_FORMAT, "choice"), "ppl": (PPL_FORMAT, "ppl"),
+            "bits": (FACTS_FILE_FORMAT, "")}
 
 
 def known_tasks() -> str:
@@ -127,5 +131,7 @@ def task_spec(name: str, key: str = "eval.tasks") -> TaskSpec:
             return TaskSpec(name, "qa", folder, _QA_EVAL, _QA_POOL, reader, fmt)
         if prefix == "choice":
             return TaskSpec(name, "choice", folder, _CHOICE_EVAL, _CHOICE_POOL, reader, fmt)
+        if prefix == "bits":  # stored bits of any facts file, e.g. facts a fine-tune should keep
+            return TaskSpec(name, "bits", folder, _BITS_EVAL, (), reader, fmt)
         return TaskSpec(name, "ppl", folder, _PPL_EVAL, (), reader, fmt)
     raise ConfigError(key, name, known_tasks())

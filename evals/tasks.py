@@ -44,7 +44,7 @@ def load_task(name: str, cfg: EvalConfig, data_cfg: Any = None) -> TaskData:
     k = cfg.fewshot_for(name) if spec.kind not in ("ppl", "bits") else 0
     if spec.name in SYNTHETIC_QA_FILES:
         (examples, source), pool = _synthetic_qa(data_cfg, spec.name), None
-    elif spec.kind == "bits":
+    elif spec.kind == "bits" and not spec.folder:
         (examples, source), pool = _facts(data_cfg, spec.name), None
     else:
         if not cfg.data_dir:
@@ -81,6 +81,8 @@ def _read(spec: TaskSpec, paths: list[Path], limit: int | None, split: str) -> l
         return read_mmlu(paths, split, spec.format)
     if spec.kind == "ppl":
         return read_texts(paths, spec.format)
+    if spec.kind == "bits":
+        return read_facts(paths, spec.format)
     records = read_records(paths, spec.format, limit, _QA_FIELDS if spec.kind == "qa" else _CHOICE_FIELDS)
     if spec.kind == "qa":
         return [parse_qa(where, r, spec.reader, spec.format) for where, r in records]
@@ -192,11 +194,16 @@ def _facts(data_cfg: Any, task: str) -> list[dict]:
     from memlm.data.corpus import materialize_facts
 
     path = Path(materialize_facts(data_cfg)["facts"])
+    return read_facts(path, FACTS_FORMAT), str(path)
+
+
+def read_facts(paths: Path | list[Path], fmt: str) -> list[dict]:
+    """[{"question", "answer", "values"}] of a facts file; a malformed record fails naming its line."""
     examples = []
-    for w, r in read_records(path, FACTS_FORMAT):
+    for w, r in read_records(paths, fmt):
         if not (isinstance(r.get("question"), str) and isinstance(r.get("answer"), str)
                 and isinstance(r.get("values"), int) and r["values"] >= 2):
             raise TaskDataError(f"{w}: expected {{\"question\": str, \"answer\": str, \"values\": int >= 2}}, "
                                 f"got {json.dumps(r)[:200]}")
         examples.append({"question": r["question"], "answer": r["answer"], "values": r["values"]})
-    return examples, str(path)
+    return examples

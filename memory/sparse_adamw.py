@@ -59,25 +59,14 @@ from torch.optim.adamw import adamw
 from memlm.memory.fast.hugepages import advise_huge_pages
 
 
-class SparseRowAdamW(torch.optim.Optimizer):
+class RowOptimizer(torch.optim.Optimizer):
+    """The frame the table optimizers share (this one, memory/sparse_sgd.py): a
+    step reads each parameter's gradient where the table keeps it
+    (`table_grad`), hands it to `_update_param`, and passes the `found_inf`
+    flag on; `zero_grad` also clears the row gradients kept beside DTensors."""
+
     # Honours `self.found_inf` (as torch.amp.GradScaler expects of fused optimizers).
     _step_supports_amp_scaling = True
-
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor] | Iterable[dict],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-    ):
-        if lr < 0:
-            raise ValueError(f"invalid learning rate {lr}: expected >= 0")
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"invalid betas {betas}: each in [0, 1)")
-        if eps < 0 or weight_decay < 0:
-            raise ValueError(f"invalid eps={eps} or weight_decay={weight_decay}: expected >= 0")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -95,28 +84,53 @@ class SparseRowAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for param in group["params"]:
                 grad = table_grad(param)
-                if grad is None:
-                    continue
-                state = self.state[param]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=_local(param).device)
-                    state["exp_avg"] = _zeros_like_table(param, moment_dtype(param.dtype))
-                    state["exp_avg_sq"] = _zeros_like_table(param, moment_dtype(param.dtype))
-                elif not torch.is_tensor(state["step"]):  # a state saved when the count was an int
-                    state["step"] = torch.tensor(float(state["step"]), device=_local(param).device)
-                # Local tensors of DTensors: the same storage, updated in place.
-                p, moments = _local(param), {k: _local(state[k]) for k in ("exp_avg", "exp_avg_sq")}
-                local_state = {"step": state["step"], **moments}
-                if grad.is_sparse:
-                    self._sparse_update(p, grad, local_state, group, found_inf)
-                else:
-                    self._dense_update(p, _local(grad), local_state, group, found_inf)
-                # The count moves only for a step taken (1 - found_inf), on the device.
-                state["step"].add_(1.0 if found_inf is None else 1.0 - found_inf.to(state["step"].device))
+                if grad is not None:
+                    self._update_param(param, grad, group, found_inf)
         return loss
 
+    def _update_param(self, param: torch.Tensor, grad: torch.Tensor, group: dict,
+                      found_inf: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+
+class SparseRowAdamW(RowOptimizer):
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
+        if lr < 0:
+            raise ValueError(f"invalid learning rate {lr}: expected >= 0")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"invalid betas {betas}: each in [0, 1)")
+        if eps < 0 or weight_decay < 0:
+            raise ValueError(f"invalid eps={eps} or weight_decay={weight_decay}: expected >= 0")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    def _update_param(self, param, grad, group, found_inf) -> None:
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=local_tensor(param).device)
+            state["exp_avg"] = _zeros_like_table(param, moment_dtype(param.dtype))
+            state["exp_avg_sq"] = _zeros_like_table(param, moment_dtype(param.dtype))
+        elif not torch.is_tensor(state["step"]):  # a state saved when the count was an int
+            state["step"] = torch.tensor(float(state["step"]), device=local_tensor(param).device)
+        # Local tensors of DTensors: the same storage, updated in place.
+        p, moments = local_tensor(param), {k: local_tensor(state[k]) for k in ("exp_avg", "exp_avg_sq")}
+        local_state = {"step": state["step"], **moments}
+        if grad.is_sparse:
+            self._sparse_update(p, grad, local_state, group, found_inf)
+        else:
+            self._dense_update(p, local_tensor(grad), local_state, group, found_inf)
+        # The count moves only for a step taken (1 - found_inf), on the device.
+        state["step"].add_(1.0 if found_inf is None else 1.0 - found_inf.to(state["step"].device))
+
     def _dense_update(self, p, grad, state, group, found_inf=None) -> None:
-        p, grad, m, v = (_local(t) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"]))
+        p, grad, m, v = (local_tensor(t) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"]))
         if p.dtype == m.dtype or p.dim() == 0:
             _adamw(p, grad, m, v, state["step"], group, found_inf)
             return
@@ -180,7 +194,7 @@ def moment_dtype(param_dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(param_dtype, torch.float32)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (an alias: in-place updates reach the DTensor);
     AdamW is elementwise, so each rank updates its own shard."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -190,7 +204,7 @@ def _zeros_like_table(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A moment buffer: zeros like `p` in `dtype`, on huge pages when large
     (its rows are updated at random, like the table's; see memory/fast/hugepages.py)."""
     buf = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
-    advise_huge_pages(_local(buf))  # before the first write
+    advise_huge_pages(local_tensor(buf))  # before the first write
     return buf.zero_()
 
 

@@ -20,54 +20,29 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from memlm.memory.sparse_adamw import clear_local_sparse_grad, sparse_rows, table_grad
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from memlm.memory.sparse_adamw import RowOptimizer, local_tensor, sparse_rows
 
 
-class SparseRowSGD(torch.optim.Optimizer):
-    _step_supports_amp_scaling = True  # honours found_inf (train/step_guard.py)
-
+class SparseRowSGD(RowOptimizer):
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict], lr: float = 1.0, weight_decay: float = 0.0):
         if lr < 0 or weight_decay < 0:
             raise ValueError(f"invalid lr={lr} or weight_decay={weight_decay}: expected >= 0")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        for group in self.param_groups:
-            for p in group["params"]:
-                clear_local_sparse_grad(p)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        found_inf = getattr(self, "found_inf", None)
-        for group in self.param_groups:
-            lr, decay = group["lr"], group["weight_decay"]
-            for param in group["params"]:
-                grad = table_grad(param)
-                if grad is None:
-                    continue
-                p = _local(param)
-                if grad.is_sparse:
-                    rows, g = sparse_rows(grad)
-                    before = p.index_select(0, rows)
-                else:
-                    rows, g, before = None, _local(grad), p
-                after = before * (1.0 - lr * decay) if decay else before.clone()
-                after.add_(g.to(after.dtype), alpha=-lr)
-                if found_inf is not None:
-                    after = torch.where(found_inf.to(p.device) > 0, before, after)
-                if rows is None:
-                    p.copy_(after)
-                else:
-                    p.index_copy_(0, rows, after)
-        return loss
+    def _update_param(self, param, grad, group, found_inf) -> None:
+        lr, decay = group["lr"], group["weight_decay"]
+        p = local_tensor(param)
+        if grad.is_sparse:
+            rows, g = sparse_rows(grad)
+            before = p.index_select(0, rows)
+        else:
+            rows, g, before = None, local_tensor(grad), p
+        after = before * (1.0 - lr * decay) if decay else before.clone()
+        after.add_(g.to(after.dtype), alpha=-lr)
+        if found_inf is not None:
+            after = torch.where(found_inf.to(p.device) > 0, before, after)
+        if rows is None:
+            p.copy_(after)
+        else:
+            p.index_copy_(0, rows, after)

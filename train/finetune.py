@@ -36,7 +36,7 @@ from memlm.errors import ConfigError
 from memlm.hf.load import resolve_checkpoint_dir
 from memlm.memory.slot_selection import restrict_table_grad_, slot_scores, top_slots
 from memlm.memory.tables import sparse_tables
-from memlm.train.slot_usage import FILE, load_usage, memory_layers
+from memlm.train.slot_usage import FILE, StepReads, load_usage, memory_layers
 
 
 def freeze_for(model: nn.Module, mode: str) -> None:
@@ -85,14 +85,14 @@ class SlotSelection:
         device = next(iter(self.layers.values())).usage.counts.device
         self.tables = [(weight, names, sum(background[n] for n in names).to(device))
                        for weight, names in tables.values()]
-        self._before: dict[str, torch.Tensor] = {}
+        self._reads = StepReads(self.layers)
 
     def start_step(self) -> None:
-        self._before = {name: layer.usage.counts.clone() for name, layer in self.layers.items()}
+        self._reads.start()
 
     def batch_counts(self, names: list[str]) -> torch.Tensor:
         """(N,) reads of one table's layers since start_step, summed over every rank's batch."""
-        counts = sum(self.layers[n].usage.counts - self._before[n] for n in names)
+        counts = sum(self._reads.since(n) for n in names)
         if self.distributed:
             dist.all_reduce(counts)
         return counts

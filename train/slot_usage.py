@@ -87,6 +87,32 @@ def describe(counts: dict[str, torch.Tensor]) -> list[str]:
     return lines
 
 
+class StepReads:
+    """Each memory layer's reads since `start()`. The layers' usage counters
+    (memory/usage.py) only grow; a step's reads are the difference.
+
+        reads = StepReads(memory_layers(model)); reads.start(); trainer.train_step(); reads.since("layer1")
+    """
+
+    def __init__(self, layers: dict[str, torch.nn.Module]):
+        self.layers = layers
+        self._before: dict[str, torch.Tensor] = {}
+
+    @property
+    def started(self) -> bool:
+        return bool(self._before)
+
+    def start(self) -> None:
+        self._before = {name: layer.usage.counts.clone() for name, layer in self.layers.items()}
+
+    def since(self, name: str) -> torch.Tensor:
+        """(n_slots,) int64 reads of layer `name` since start()."""
+        return self.layers[name].usage.counts - self._before[name]
+
+    def stop(self) -> None:
+        self._before = {}
+
+
 class UsageRecorder:
     """checkpoint.slot_usage_steps=N: the reads of every memory layer over a
     run's last N steps, summed over the ranks and written beside its final
@@ -103,21 +129,21 @@ class UsageRecorder:
         self.tokens_per_step, self.distributed = tokens_per_step, distributed
         self.counts = {name: torch.zeros_like(layer.usage.counts) for name, layer in self.layers.items()}
         self.tokens = 0
-        self._before: dict[str, torch.Tensor] = {}
+        self._reads = StepReads(self.layers)
 
     def _on(self, step: int) -> bool:
         return bool(self.layers) and step >= self.first
 
     def before_step(self, step: int) -> None:
         if self._on(step):
-            self._before = {name: layer.usage.counts.clone() for name, layer in self.layers.items()}
+            self._reads.start()
 
     def after_step(self, step: int) -> None:
-        if self._on(step) and self._before:
-            for name, layer in self.layers.items():
-                self.counts[name] += layer.usage.counts - self._before[name]
+        if self._on(step) and self._reads.started:
+            for name in self.layers:
+                self.counts[name] += self._reads.since(name)
             self.tokens += self.tokens_per_step
-            self._before = {}
+            self._reads.stop()
 
     def write(self, directory: Path, is_main: bool) -> Path | None:
         if not self.layers or not self.tokens:

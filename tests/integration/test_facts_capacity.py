@@ -99,6 +99,32 @@ def test_a_model_overfit_on_a_handful_of_facts_stores_about_log2v_bits_each(tmp_
     assert result["exact_match"] == 1.0
 
 
+def test_bits_of_a_facts_folder_equal_facts_bits_of_the_run_corpus(tmp_path):
+    """`bits:<folder>` scores any facts file (a fine-tune's old and new facts): on
+    a copy of the run's own facts.jsonl it is facts_bits, record for record."""
+    from conftest import compose_and_build
+
+    from memlm.data.corpus import materialize_facts
+    from memlm.data.tokenizer import Tokenizer
+    from memlm.evals import run_suite
+
+    model, cfg = compose_and_build([*TINY_FACTS, f"data.cache_dir={tmp_path}", "eval.tasks=[facts_bits,bits:old]",
+                                    f"eval.data_dir={tmp_path / 'evals'}"])
+    paths = materialize_facts(cfg.data)
+    (tmp_path / "evals" / "old").mkdir(parents=True)
+    (tmp_path / "evals" / "old" / "facts.jsonl").write_text(open(paths["facts"]).read())
+    results = run_suite(model.eval(), Tokenizer(paths["tokenizer"]), cfg.eval, 0, None, data_cfg=cfg.data)
+    assert results["bits:old"]["n"] == 8 and results["bits:old"]["ce_bits"] > 0
+    for key in ("stored_bits", "corpus_bits", "exact_match", "ce_bits", "n"):
+        assert results["bits:old"][key] == results["facts_bits"][key], key
+    (tmp_path / "evals" / "old" / "facts.jsonl").write_text('{"question": "Q: x?\\nA:", "answer": "y"}\n')
+    from memlm.evals.formats import TaskDataError
+    from memlm.evals.tasks import load_task
+
+    with pytest.raises(TaskDataError, match=r"facts.jsonl:1.*values"):
+        load_task("bits:old", cfg.eval, cfg.data)
+
+
 def test_facts_bits_on_a_run_of_another_corpus_names_the_data_kind():
     from memlm.config.run import compose
     from memlm.evals.tasks import load_task

@@ -1,0 +1,185 @@
+"""The continual-learning study, run by run: base model, fine-tuning sweep, rounds.
+
+    OMP_NUM_THREADS=1 python -m memlm.launch.continual_study [--stage base|sweep|rounds|all] [--seed 0]
+
+Each run is a plain `python -m memlm.train experiment=continual_* ...`
+(configs/experiment/continual_base.yaml, continual_finetune.yaml), one after
+another on this machine. Its dump goes to `runs/continual/<name>`; when it
+finishes, its record (config.yaml, metrics.jsonl, summary.json, evals/ and
+the command) is copied to `docs/runs/continual/<name>`, and a run whose
+record exists is skipped: a study stopped halfway keeps every finished run
+and resumes where it stopped. `python -m memlm.studies.continual_report`
+turns the records into the tables and plot of docs/results.md.
+
+Stages:
+- `base`: the corpora (memlm.data.continual) and the base model, pretrained
+  on biographies + facts A, with its background slot usage.
+- `sweep`: facts B taught by every mode from the base's final checkpoint,
+  over learning rates (and `top_t` for sparse).
+- `rounds`: facts B in rounds (facts_b1 ... facts_b5), each round starting
+  from the previous round's final weights, for the best setting of full,
+  memory and sparse in the sweep (the least facts-A loss among the runs that
+  learned at least LEARNED of facts B).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+DATA = Path("data_cache/continual")
+RUNS = Path("runs/continual")
+RECORDS = Path("docs/runs/continual")
+LEARNED = 0.95  # facts-B exact match a setting must reach to count as having learned them
+ROUND_STEPS = 60  # per round: 1/5 of the facts at the sweep's 300 steps keeps the exposures per fact
+
+# (mode, overrides) of the sweep: SGD for the value tables (Lin et al.'s optimizer), AdamW otherwise.
+SGD = ["finetune.optimizer=sgd"]
+SWEEP = (
+    [("full", [f"optim.lr={lr}"]) for lr in ("3e-4", "1e-3", "3e-3")]
+    + [("lora", [f"optim.lr={lr}"]) for lr in ("1e-3", "3e-3", "1e-2")]
+    + [("memory", [*SGD, f"memory.value_lr={lr}"]) for lr in ("10", "30", "100", "300")]
+    + [("sparse", [*SGD, f"finetune.top_t={t}", f"memory.value_lr={lr}"])
+       for t in (500, 2000, 8000) for lr in ("100", "300", "1000")]
+)
+
+
+@dataclass
+class Run:
+    name: str
+    overrides: list[str]
+
+    @property
+    def dump(self) -> Path:
+        return RUNS / self.name
+
+    @property
+    def record(self) -> Path:
+        return RECORDS / self.name
+
+    def command(self) -> str:
+        return "python -m memlm.train " + " ".join(shlex.quote(o) for o in self.overrides)
+
+
+def _label(overrides: list[str]) -> str:
+    keep = [o.split("=", 1) for o in overrides if o not in SGD]
+    return "_".join(f"{k.rsplit('.', 1)[-1]}{v}" for k, v in keep)
+
+
+def base_run(seed: int) -> Run:
+    name = f"base_s{seed}"
+    return Run(name, ["experiment=continual_base", f"seed={seed}", f"dump_dir={RUNS / name}"])
+
+
+def final_checkpoint(run: Run) -> Path:
+    steps = json.loads((run.record / "summary.json").read_text())["steps"]
+    return run.dump / "checkpoints" / f"step_{steps:08d}"
+
+
+def sweep_runs(seed: int, base: Run) -> list[Run]:
+    runs = []
+    for mode, overrides in SWEEP:
+        name = f"s{seed}_{mode}_{_label(overrides)}"
+        runs.append(Run(name, ["experiment=continual_finetune", f"finetune={mode}", *overrides, f"seed={seed}",
+                               f"init_from={final_checkpoint(base)}", f"dump_dir={RUNS / name}"]))
+    return runs
+
+
+def facts_b_exact_match(run: Run) -> tuple[float, float]:
+    """(facts-B exact match, facts-A stored bits) of a finished run's last evaluation."""
+    results = json.loads((run.record / "summary.json").read_text())["evals"]
+    return results["bits:facts_b"]["exact_match"], results["bits:facts_a"]["stored_bits"]
+
+
+def best_setting(runs: list[Run], mode: str) -> Run | None:
+    """The mode's run that kept the most facts-A bits among those that learned facts B (else the best learner)."""
+    done = [r for r in runs if r.name.split("_")[1] == mode and (r.record / "summary.json").exists()]
+    if not done:
+        return None
+    learned = [r for r in done if facts_b_exact_match(r)[0] >= LEARNED]
+    if learned:
+        return max(learned, key=lambda r: facts_b_exact_match(r)[1])
+    return max(done, key=lambda r: facts_b_exact_match(r)[0])
+
+
+def round_runs(seed: int, base: Run, best: Run, rounds: int) -> list[Run]:
+    mode = best.name.split("_")[1]
+    settings = [o for o in best.overrides if o.startswith(("finetune.", "memory.", "optim."))]
+    background = final_checkpoint(base) / "slot_usage.safetensors"
+    evals = ",".join(f'"bits:facts_b{r + 1}"' for r in range(rounds))
+    runs, init = [], final_checkpoint(base)
+    for r in range(1, rounds + 1):
+        name = f"s{seed}_rounds_{mode}_r{r}"
+        run = Run(name, ["experiment=continual_finetune", f"finetune={mode}", *settings, f"seed={seed}",
+                         f"steps={ROUND_STEPS}", f"data.sources.0.path={DATA}/facts_b{r}/train.jsonl",
+                         "checkpoint.at_end=true", f"finetune.background={background}",
+                         f"eval.tasks=[{evals},\"bits:facts_a\",\"ppl:bio_heldout\",\"qa:bio_qa\"]",
+                         f"init_from={init}", f"dump_dir={RUNS / name}"])
+        runs.append(run)
+        init = run.dump / "checkpoints" / f"step_{ROUND_STEPS:08d}"
+    return runs
+
+
+def execute(run: Run) -> None:
+    """Train `run` unless its record exists; then copy the record."""
+    if (run.record / "summary.json").exists():
+        print(f"[study] {run.name}: recorded, skipped", flush=True)
+        return
+    if run.dump.exists():  # an unfinished attempt: start it over (runs are minutes long)
+        shutil.rmtree(run.dump)
+    print(f"[study] {run.name}: {run.command()}", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_SILENT": "true"}
+    with open(RUNS / f"{run.name}.log", "w") as log:
+        rc = subprocess.run([sys.executable, "-m", "memlm.train", *run.overrides], stdout=log,
+                            stderr=subprocess.STDOUT, env=env).returncode
+    if rc != 0:
+        raise SystemExit(f"[study] {run.name} failed (exit {rc}); its log: {RUNS / f'{run.name}.log'}")
+    run.record.mkdir(parents=True, exist_ok=True)
+    for name in ("config.yaml", "metrics.jsonl", "summary.json"):
+        shutil.copy2(run.dump / name, run.record / name)
+    shutil.copytree(run.dump / "evals", run.record / "evals", dirs_exist_ok=True)
+    (run.record / "command.txt").write_text(f"OMP_NUM_THREADS=1 {run.command()}\n")
+    print(f"[study] {run.name}: done -> {run.record}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m memlm.launch.continual_study", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", choices=("base", "sweep", "rounds", "all"), default="all")
+    parser.add_argument("--seed", type=int, default=0, help="the base model's and the fine-tunes' seed")
+    parser.add_argument("--modes", default="", help="comma-separated modes to run in the sweep (default: all)")
+    args = parser.parse_args(argv)
+    RUNS.mkdir(parents=True, exist_ok=True)
+    if not (DATA / "manifest.json").exists():
+        from memlm.data.continual import write_study
+
+        write_study(str(DATA))
+    base = base_run(args.seed)
+    execute(base)
+    sweep = sweep_runs(args.seed, base)
+    if args.stage in ("sweep", "all"):
+        modes = set(args.modes.split(",")) if args.modes else None
+        for run in sweep:
+            if modes is None or run.name.split("_")[1] in modes:
+                execute(run)
+    if args.stage in ("rounds", "all"):
+        rounds = json.loads((DATA / "manifest.json").read_text())["rounds"]
+        for mode in ("full", "memory", "sparse"):
+            best = best_setting(sweep, mode)
+            if best is None:
+                print(f"[study] rounds of {mode}: no finished sweep run of that mode, skipped", flush=True)
+                continue
+            for run in round_runs(args.seed, base, best, rounds):
+                execute(run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

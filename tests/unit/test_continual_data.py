@@ -1,0 +1,60 @@
+"""The continual-learning study's corpora (memlm.data.continual)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memlm.data import continual, facts
+from memlm.data.tokenizer import Tokenizer
+from memlm.errors import ConfigError
+
+
+def _jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _write(out, **kw):
+    args = dict(entities=12, new_entities=6, rounds=3, people=10, docs_per_person=2, qa_fraction=0.5, vocab_size=400)
+    return continual.write_study(str(out), **{**args, **kw})
+
+
+def test_old_and_new_facts_share_values_but_no_entity(tmp_path):
+    manifest = _write(tmp_path)
+    a, b = _jsonl(tmp_path / "facts_a" / "facts.jsonl"), _jsonl(tmp_path / "facts_b" / "facts.jsonl")
+    assert a + b == facts.generate(18, 4, 256, 0)  # one draw: the same candidate values per attribute
+    assert len(a) == 12 * 4 and len(b) == 6 * 4
+    assert not {f["entity"] for f in a} & {f["entity"] for f in b}
+    assert manifest["bits_a"] == 48 * 8 and manifest["bits_b"] == 24 * 8
+    rounds = [_jsonl(tmp_path / f"facts_b{r}" / "facts.jsonl") for r in (1, 2, 3)]
+    assert sum(rounds, []) == b and [len({f["entity"] for f in r}) for r in rounds] == [2, 2, 2]
+    train_b = {d["text"] for d in _jsonl(tmp_path / "facts_b" / "train.jsonl")}
+    assert train_b == {facts.document(f["entity"], f["attribute"], f["answer"]) for f in b}
+
+
+def test_general_text_holds_out_a_paraphrase_and_question_phrasings(tmp_path):
+    _write(tmp_path)
+    train = [d["text"] for d in _jsonl(tmp_path / "bio" / "train.jsonl")]
+    heldout = [d["text"] for d in _jsonl(tmp_path / "bio_heldout" / "test.jsonl")]
+    questions = _jsonl(tmp_path / "bio_qa" / "test.jsonl")
+    assert len(heldout) == 10 and not set(heldout) & set(train)
+    assert len(questions) == 5 * 7  # the 5 people with QA text, every attribute
+    assert not any(q["question"] in t for q in questions for t in train)
+    tok = Tokenizer(str(tmp_path / "tokenizer.model"))
+    assert tok.decode(tok.encode(heldout[0])) == heldout[0]
+
+
+def test_the_same_arguments_give_the_same_bytes(tmp_path):
+    _write(tmp_path / "x")
+    _write(tmp_path / "y")
+    names = sorted(p.relative_to(tmp_path / "x") for p in (tmp_path / "x").rglob("*") if p.is_file())
+    assert len(names) == (2 + 3) * 2 + 3 + 2 and all(  # facts parts, biography parts, tokenizer + manifest
+        (tmp_path / "x" / n).read_bytes() == (tmp_path / "y" / n).read_bytes() for n in names)
+
+
+@pytest.mark.parametrize("key, kw", [("rounds", {"rounds": 7}), ("rounds", {"rounds": 0}),
+                                     ("qa_fraction", {"qa_fraction": 0.0})])
+def test_bad_arguments_name_the_value_and_what_is_valid(tmp_path, key, kw):
+    with pytest.raises(ConfigError, match=key):
+        _write(tmp_path, **kw)

@@ -1,0 +1,66 @@
+"""The continual-learning study's driver (memlm.launch.continual_study), with training faked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from memlm.launch import continual_study as study
+
+
+def _fake_train(calls, fail=()):
+    """A subprocess.run stand-in: writes what a finished run leaves in its dump_dir."""
+    def run(cmd, **kw):
+        overrides = dict(o.split("=", 1) for o in cmd[3:])
+        calls.append(overrides)
+        name = overrides["dump_dir"].rsplit("/", 1)[1]
+        if name in fail:
+            return subprocess.CompletedProcess(cmd, 1)
+        dump = study.RUNS / name
+        (dump / "evals").mkdir(parents=True)
+        steps = int(overrides.get("steps", 300))
+        em = {"full": 0.99, "memory": 0.97, "sparse": 0.96, "lora": 0.5}.get(overrides.get("finetune"), 0.0)
+        lr = float(overrides.get("memory.value_lr", overrides.get("optim.lr", 1.0)))
+        evals = {"bits:facts_a": {"stored_bits": 1000.0 - lr}, "bits:facts_b": {"exact_match": em}}
+        (dump / "summary.json").write_text(json.dumps({"steps": steps, "evals": evals}))
+        for f in ("config.yaml", "metrics.jsonl"):
+            (dump / f).write_text("")
+        (dump / "evals" / f"{steps}.json").write_text("{}")
+        return subprocess.CompletedProcess(cmd, 0)
+    return run
+
+
+def test_runs_chain_from_the_base_and_a_recorded_run_is_skipped(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / study.DATA).mkdir(parents=True)
+    (tmp_path / study.DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    calls = []
+    monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
+    assert study.main(["--stage", "base"]) == 0
+    assert calls[0]["experiment"] == "continual_base" and (study.RECORDS / "base_s0" / "command.txt").exists()
+    assert study.main(["--stage", "all", "--modes", "memory,sparse"]) == 0
+    base_ckpt = str(study.RUNS / "base_s0" / "checkpoints" / "step_00000300")
+    sweep = [c for c in calls[1:] if "steps" not in c]
+    assert len(sweep) == 4 + 9 and all(c["init_from"] == base_ckpt for c in sweep)  # the base was not rerun
+    rounds = [c for c in calls if c.get("steps") == str(study.ROUND_STEPS)]
+    # memory's best: the smallest value lr of those that learned (the fake loses lr bits of facts A)
+    assert [(c["finetune"], c.get("memory.value_lr"), c["data.sources.0.path"].split("/")[-2]) for c in rounds] == [
+        ("memory", "10", "facts_b1"), ("memory", "10", "facts_b2"),
+        ("sparse", "100", "facts_b1"), ("sparse", "100", "facts_b2")]
+    assert rounds[0]["init_from"] == base_ckpt
+    assert rounds[1]["init_from"] == str(study.RUNS / "s0_rounds_memory_r1" / "checkpoints" / "step_00000060")
+    assert all(c["finetune.background"] == f"{base_ckpt}/slot_usage.safetensors" for c in rounds)
+    n = len(calls)
+    assert study.main(["--stage", "all", "--modes", "memory,sparse"]) == 0 and len(calls) == n  # all recorded
+
+
+def test_a_failed_run_stops_the_study_naming_its_log(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / study.DATA).mkdir(parents=True)
+    (tmp_path / study.DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    monkeypatch.setattr(study.subprocess, "run", _fake_train([], fail=("base_s0",)))
+    with pytest.raises(SystemExit, match=r"base_s0 failed \(exit 1\).*runs/continual/base_s0.log"):
+        study.main(["--stage", "base"])
+    assert not (study.RECORDS / "base_s0").exists()

@@ -1,0 +1,88 @@
+"""The continual-learning report (memlm.studies.continual_report) on small fabricated run records."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memlm.config.run import compose, to_yaml
+from memlm.studies import continual_report as report
+from memlm.studies.ablation_report import ReportError
+
+
+def _bits(stored, corpus, em):
+    return {"stored_bits": stored, "corpus_bits": corpus, "exact_match": em}
+
+
+def _record(root, name, overrides, a_bits, b=None, rounds=None, seed=0, ppl=9.0):
+    cfg = compose(["experiment=continual_finetune" if b or rounds else "experiment=continual_base",
+                   f"seed={seed}", *overrides])
+    record = root / name
+    record.mkdir(parents=True)
+    (record / "config.yaml").write_text(to_yaml(cfg))
+    evals = {"bits:facts_a": _bits(a_bits, 1000.0, a_bits / 1000), "ppl:bio_heldout": {"token_ppl": ppl},
+             "qa:bio_qa": {"exact_match": 0.1}}
+    if b:
+        evals["bits:facts_b"] = _bits(b[0] * 200, 200.0, b[0])
+    for r, (stored, em) in (rounds or {}).items():
+        evals[f"bits:facts_b{r}"] = _bits(stored, 100.0, em)
+    (record / "summary.json").write_text(json.dumps({"steps": 300, "evals": evals}))
+    (record / "command.txt").write_text(f"OMP_NUM_THREADS=1 python -m memlm.train {' '.join(overrides)}\n")
+
+
+SPARSE = ["finetune=sparse", "finetune.optimizer=sgd"]
+MEMORY = ["finetune=memory", "finetune.optimizer=sgd"]
+
+
+def _study(root):
+    _record(root, "base_s0", [], 800.0)
+    _record(root, "s0_full_lr1e-3", ["finetune=full", "optim.lr=1e-3"], 40.0, b=(0.99,))  # lost 95%
+    _record(root, "s0_full_lr3e-4", ["finetune=full", "optim.lr=3e-4"], 700.0, b=(0.2,))
+    _record(root, "s0_memory_lr100", [*MEMORY, "memory.value_lr=100"], 760.0, b=(0.98,))  # lost 5%
+    _record(root, "s0_sparse_a", [*SPARSE, "finetune.top_t=2000", "memory.value_lr=300"], 792.0, b=(0.96,))  # 1%
+    _record(root, "s0_sparse_b", [*SPARSE, "finetune.top_t=500", "memory.value_lr=1000"], 780.0, b=(0.9,))  # dominated
+    _record(root, "s0_sparse_c", [*SPARSE, "finetune.top_t=8000", "memory.value_lr=1000"], 600.0, b=(1.0,))
+
+
+def test_rows_take_mode_and_setting_from_the_saved_config_and_forgetting_from_the_base(tmp_path):
+    _study(tmp_path)
+    bases, sweep, rounds = report.load_study(tmp_path)
+    assert list(bases) == [0] and rounds == []
+    by_name = {r["name"]: r for r in sweep}
+    assert by_name["s0_sparse_a"]["setting"] == "top_t 2,000, sgd lr 300"
+    assert by_name["s0_memory_lr100"]["setting"] == "sgd lr 100"
+    assert by_name["s0_full_lr1e-3"]["setting"] == "AdamW lr 0.001"
+    assert by_name["s0_full_lr1e-3"]["forgetting"] == pytest.approx(0.95)
+    assert by_name["s0_sparse_a"]["forgetting"] == pytest.approx(0.01)
+
+
+def test_the_front_and_goals_follow_from_the_rows(tmp_path):
+    _study(tmp_path)
+    _, sweep, _ = report.load_study(tmp_path)
+    front = report.pareto([r for r in sweep if r["mode"] == "sparse"])
+    assert [r["name"] for r in front] == ["s0_sparse_a", "s0_sparse_c"]  # b: less learned and more lost than a
+    text = "\n".join(report.findings(sweep))
+    assert "full forgets 95.0% of facts A (AdamW lr 0.001), sparse 1.0% (top_t 2,000, sgd lr 300): a ratio of 95.0x" \
+        in text
+    assert "Goal (b): sparse forgets less than memory (values only, every row): 1.0% against 5.0%" in text
+    assert "`lora`" not in text  # no lora runs: nothing said about it
+
+
+def test_rounds_report_each_earlier_round_kept_relative_to_when_it_was_taught(tmp_path):
+    _record(tmp_path, "base_s0", [], 800.0)
+    mem = [*MEMORY, "memory.value_lr=100"]
+    _record(tmp_path, "s0_rounds_memory_r1", mem, 790.0, rounds={1: (80.0, 0.99), 2: (0.0, 0.0)})
+    _record(tmp_path, "s0_rounds_memory_r2", mem, 780.0, rounds={1: (72.0, 0.9), 2: (90.0, 1.0)})
+    bases, sweep, rounds = report.load_study(tmp_path)
+    text = "\n".join(report.rounds_table(rounds))
+    assert "| memory | 1 | taught: EM 99.0% | - | 98.8% |" in text
+    assert "| memory | 2 | 90.0% | taught: EM 100.0% | 97.5% |" in text
+    assert "the worst share of an earlier round kept after a later one is 90.0%" in text
+    assert "`s0_rounds_memory_r2`: `OMP_NUM_THREADS=1 python -m memlm.train" in report.render(bases, sweep, rounds)
+
+
+def test_a_fine_tune_without_its_base_is_refused(tmp_path):
+    _record(tmp_path, "s1_memory_lr100", [*MEMORY, "memory.value_lr=100"], 760.0, b=(0.98,), seed=1)
+    with pytest.raises(ReportError, match="no base_s1 record"):
+        report.load_study(tmp_path)
