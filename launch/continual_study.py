@@ -20,6 +20,8 @@ Stages:
   from the previous round's final weights, for the best setting of full,
   memory and sparse in the sweep (the least facts-A loss among the runs that
   learned at least LEARNED of facts B).
+- `seeds`: with `--seed S` (S > 0), a second base model and the best
+  setting of full, memory and sparse found in seed 0's sweep, at seed S.
 """
 
 from __future__ import annotations
@@ -109,6 +111,13 @@ def best_setting(runs: list[Run], mode: str) -> Run | None:
     return max(done, key=lambda r: facts_b_exact_match(r)[0])
 
 
+def reseeded(run: Run, seed: int, base: Run) -> Run:
+    """`run` (a sweep run of seed 0) at another seed, from that seed's base model."""
+    name = f"s{seed}_" + run.name.split("_", 1)[1]
+    keep = [o for o in run.overrides if not o.startswith(("seed=", "init_from=", "dump_dir="))]
+    return Run(name, [*keep, f"seed={seed}", f"init_from={final_checkpoint(base)}", f"dump_dir={RUNS / name}"])
+
+
 def round_runs(seed: int, base: Run, best: Run, rounds: int) -> list[Run]:
     mode = best.name.split("_")[1]
     settings = [o for o in best.overrides if o.startswith(("finetune.", "memory.", "optim."))]
@@ -152,7 +161,7 @@ def execute(run: Run) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memlm.launch.continual_study", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", choices=("base", "sweep", "rounds", "all"), default="all")
+    parser.add_argument("--stage", choices=("base", "sweep", "rounds", "seeds", "all"), default="all")
     parser.add_argument("--seed", type=int, default=0, help="the base model's and the fine-tunes' seed")
     parser.add_argument("--modes", default="", help="comma-separated modes to run in the sweep (default: all)")
     args = parser.parse_args(argv)
@@ -163,6 +172,19 @@ def main(argv: list[str] | None = None) -> int:
         write_study(str(DATA))
     base = base_run(args.seed)
     execute(base)
+    if args.stage == "seeds":
+        if args.seed == 0:
+            raise SystemExit("--stage seeds repeats seed 0's best settings at another seed: pass --seed 1 (or more)")
+        if not (base_run(0).record / "summary.json").exists():
+            raise SystemExit(f"--stage seeds: no seed 0 base model ({base_run(0).record} is missing): "
+                             "run seed 0's sweep first")
+        seed0 = sweep_runs(0, base_run(0))
+        for mode in ("full", "memory", "sparse"):
+            best = best_setting(seed0, mode)
+            if best is None:
+                raise SystemExit(f"--stage seeds: seed 0's sweep has no finished {mode} run to repeat")
+            execute(reseeded(best, args.seed, base))
+        return 0
     sweep = sweep_runs(args.seed, base)
     if args.stage in ("sweep", "all"):
         modes = set(args.modes.split(",")) if args.modes else None

@@ -8,5 +8,7 @@ package reads what those processes left behind (saved configs, summaries,
 eval JSON) and writes the generated tables of docs/results.md.
 `replicates` pools runs of one config across seeds, `levers` pairs runs that
 change one setting with the study's runs at the same seeds, and
-`ablation_report` writes the tables and docs/scaling.png.
+`ablation_report` writes the tables and docs/scaling.png; `capacity_report` and
+`continual_report` write the knowledge-capacity and learning-vs-forgetting
+sections (the latter's runs come from memlm.launch.continual_study).
 """

@@ -102,9 +102,10 @@ def test_slot_usage_reports_and_refuses_a_dense_model(base, tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,memory_parallel", [(2, 2), (4, 2), (4, 4)])
+@pytest.mark.parametrize("world,memory_parallel", [(2, 2), (4, 2)])
 def test_the_selection_is_the_same_on_sharded_ranks(tmp_path, world, memory_parallel):
-    """SGD with a large lr: a row selected on one side and not the other would differ by ~lr x its gradient."""
+    """SGD with a large lr: a row selected on one side and not the other would differ by ~lr x its gradient.
+    4 ranks with memory_parallel=2 shard the table and replicate it: the counts are summed over both."""
     run = tmp_path / "base"
     Trainer(compose([*MEMPLUS, "data.micro_batch=4", "steps=2", "checkpoint.at_end=true", f"dump_dir={run}"])).fit()
     (ckpt,) = (run / "checkpoints").glob("step_*")

@@ -64,3 +64,25 @@ def test_a_failed_run_stops_the_study_naming_its_log(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"base_s0 failed \(exit 1\).*runs/continual/base_s0.log"):
         study.main(["--stage", "base"])
     assert not (study.RECORDS / "base_s0").exists()
+
+
+def test_a_second_seed_repeats_seed_0s_best_settings_from_its_own_base(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / study.DATA).mkdir(parents=True)
+    (tmp_path / study.DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    calls = []
+    monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
+    with pytest.raises(SystemExit, match="no seed 0 base model .*base_s0 is missing"):
+        study.main(["--stage", "seeds", "--seed", "1"])
+    assert study.main(["--stage", "base"]) == 0
+    with pytest.raises(SystemExit, match="seed 0's sweep has no finished full run"):
+        study.main(["--stage", "seeds", "--seed", "1"])
+    assert study.main(["--stage", "sweep"]) == 0
+    n = len(calls)
+    assert study.main(["--stage", "seeds", "--seed", "1"]) == 0
+    repeated = calls[n:]
+    assert [c["dump_dir"].rsplit("/", 1)[1] for c in repeated] == [
+        "s1_full_lr3e-4", "s1_memory_value_lr10", "s1_sparse_top_t500_value_lr100"]
+    ckpt = str(study.RUNS / "base_s1" / "checkpoints" / "step_00000300")
+    assert all(c["seed"] == "1" and c["init_from"] == ckpt for c in repeated)
+    assert repeated[2]["finetune.top_t"] == "500" and repeated[2]["finetune.optimizer"] == "sgd"
