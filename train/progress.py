@@ -49,7 +49,10 @@ class Progress:
 
     def console_line(self, r: dict[str, Any], eta: float) -> str:
         parts = [f"step {r['step']}/{self.cfg.steps}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}",
-                 f"gnorm {r['grad_norm']:.3f}", f"tok/s {r['tokens_per_s']:,.0f}"]
+                 f"gnorm {r['grad_norm']:.3f}"]
+        if r.get("value_grad_norm"):  # the value tables' own norm (all that trains with finetune=memory|sparse)
+            parts.append(f"vgnorm {r['value_grad_norm']:.3f}")
+        parts.append(f"tok/s {r['tokens_per_s']:,.0f}")
         if "mfu" in r:
             parts.append(f"mfu {r['mfu']:.1%}")
         parts += [f"mem {r['peak_mem_gib']:.2f}GiB", f"eta {format_eta(eta)}"]
