@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import time
 import warnings
@@ -34,8 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
@@ -66,6 +63,7 @@ from memlm.checkpoint.folder import (
     verify,
     write_latest,
 )
+from memlm.checkpoint.rng import rng_state, set_rng_state
 from memlm.config.run import CheckpointConfig
 from memlm.files import atomic_write_text
 from memlm.model.lora import is_lora_key
@@ -136,29 +134,6 @@ def _rank() -> int:
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def rng_state() -> dict[str, Any]:
-    version, internal, gauss = random.getstate()
-    np_state = np.random.get_state()
-    state = {
-        "python": [version, list(internal), gauss],
-        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-        "torch": torch.get_rng_state().tolist(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state().tolist()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
 def check_shapes(directory: Path, model_state: dict[str, Any]) -> None:
