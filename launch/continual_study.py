@@ -44,12 +44,17 @@ ROUND_STEPS = 60  # per round: 1/5 of the facts at the sweep's 300 steps keeps t
 
 # (mode, overrides) of the sweep: SGD for the value tables (Lin et al.'s optimizer), AdamW otherwise.
 SGD = ["finetune.optimizer=sgd"]
+ADAMW = ["finetune.optimizer=adamw"]
 SWEEP = (
-    [("full", [f"optim.lr={lr}"]) for lr in ("3e-4", "1e-3", "3e-3")]
-    + [("lora", [f"optim.lr={lr}"]) for lr in ("1e-3", "3e-3", "1e-2")]
-    + [("memory", [*SGD, f"memory.value_lr={lr}"]) for lr in ("10", "30", "100", "300")]
+    [("full", [f"optim.lr={lr}"]) for lr in ("1e-4", "3e-4", "1e-3", "3e-3")]
+    + [("lora", [f"optim.lr={lr}"]) for lr in ("3e-4", "1e-3", "3e-3", "1e-2")]
+    + [("lora", ["finetune.lora_rank=64", "optim.lr=1e-3"])]
+    + [("memory", [*SGD, f"memory.value_lr={lr}"]) for lr in ("10", "30", "100", "300", "1000")]
+    + [("memory", [*ADAMW, f"memory.value_lr={lr}"]) for lr in ("1e-3", "1e-2")]
     + [("sparse", [*SGD, f"finetune.top_t={t}", f"memory.value_lr={lr}"])
        for t in (500, 2000, 8000) for lr in ("100", "300", "1000")]
+    + [("sparse", [*SGD, f"finetune.top_t={t}", f"memory.value_lr={lr}"]) for t, lr in ((4000, "1000"), (8000, "3000"))]
+    + [("sparse", [*ADAMW, f"finetune.top_t={t}", "memory.value_lr=1e-2"]) for t in (2000, 8000)]
 )
 
 
@@ -72,7 +77,7 @@ class Run:
 
 def _label(overrides: list[str]) -> str:
     keep = [o.split("=", 1) for o in overrides if o not in SGD]
-    return "_".join(f"{k.rsplit('.', 1)[-1]}{v}" for k, v in keep)
+    return "_".join(f"{k.rsplit('.', 1)[-1]}{v}" for k, v in keep if not k.startswith(("seed", "init_from", "dump")))
 
 
 def base_run(seed: int) -> Run:
@@ -121,11 +126,12 @@ def reseeded(run: Run, seed: int, base: Run) -> Run:
 def round_runs(seed: int, base: Run, best: Run, rounds: int) -> list[Run]:
     mode = best.name.split("_")[1]
     settings = [o for o in best.overrides if o.startswith(("finetune.", "memory.", "optim."))]
+    label = _label(settings)  # in the name: a later sweep that picks another best setting does not reuse these
     background = final_checkpoint(base) / "slot_usage.safetensors"
     evals = ",".join(f'"bits:facts_b{r + 1}"' for r in range(rounds))
     runs, init = [], final_checkpoint(base)
     for r in range(1, rounds + 1):
-        name = f"s{seed}_rounds_{mode}_r{r}"
+        name = f"s{seed}_rounds_{mode}_{label}_r{r}"
         run = Run(name, ["experiment=continual_finetune", f"finetune={mode}", *settings, f"seed={seed}",
                          f"steps={ROUND_STEPS}", f"data.sources.0.path={DATA}/facts_b{r}/train.jsonl",
                          "checkpoint.at_end=true", f"finetune.background={background}",

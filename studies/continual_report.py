@@ -148,8 +148,9 @@ def rounds_table(rounds: list[dict]) -> list[str]:
     out = ["", f"Rounds: facts B taught in {n} rounds of equal entity groups, each starting from the previous "
            "round's weights; the share of each earlier round's bits kept after each later round (relative to just "
            "after it was taught), and facts A kept (of the base's bits).", "",
-           "| mode | after round | " + " | ".join(f"round {i} kept" for i in range(1, n + 1)) + " | facts A kept |",
-           "|---|---:|" + "---:|" * n + "---:|"]
+           "| mode | setting | after round | " + " | ".join(f"round {i} kept" for i in range(1, n + 1))
+           + " | facts A kept |",
+           "|---|---|---:|" + "---:|" * n + "---:|"]
     worst = {}
     for mode in MODES:
         rows = sorted((r for r in rounds if r["mode"] == mode and r["seed"] == 0), key=lambda r: r["round"])
@@ -166,7 +167,8 @@ def rounds_table(rounds: list[dict]) -> list[str]:
                 cells.append(_pct(kept) if i < r["round"] else f"taught: EM {_pct(r['rounds'][i]['exact_match'])}")
                 if i < r["round"]:
                     worst[mode] = min(worst.get(mode, 1.0), kept)
-            out.append(f"| {mode} | {r['round']} | " + " | ".join(cells) + f" | {_pct(1 - r['forgetting'])} |")
+            out.append(f"| {mode} | {r['setting']} | {r['round']} | " + " | ".join(cells)
+                       + f" | {_pct(1 - r['forgetting'])} |")
     out += [""] + [f"- `{m}`: the worst share of an earlier round kept after a later one is {_pct(w)} "
                    f"(goal: at least 90%)." for m, w in worst.items()]
     return out

@@ -43,14 +43,16 @@ def test_runs_chain_from_the_base_and_a_recorded_run_is_skipped(tmp_path, monkey
     assert study.main(["--stage", "all", "--modes", "memory,sparse"]) == 0
     base_ckpt = str(study.RUNS / "base_s0" / "checkpoints" / "step_00000300")
     sweep = [c for c in calls[1:] if "steps" not in c]
-    assert len(sweep) == 4 + 9 and all(c["init_from"] == base_ckpt for c in sweep)  # the base was not rerun
+    assert len(sweep) == 7 + 13 and all(c["init_from"] == base_ckpt for c in sweep)  # the base was not rerun
     rounds = [c for c in calls if c.get("steps") == str(study.ROUND_STEPS)]
-    # memory's best: the smallest value lr of those that learned (the fake loses lr bits of facts A)
-    assert [(c["finetune"], c.get("memory.value_lr"), c["data.sources.0.path"].split("/")[-2]) for c in rounds] == [
-        ("memory", "10", "facts_b1"), ("memory", "10", "facts_b2"),
-        ("sparse", "100", "facts_b1"), ("sparse", "100", "facts_b2")]
+    # each mode's best: the smallest value lr of those that learned (the fake loses lr bits of facts A)
+    assert [(c["finetune"], c["finetune.optimizer"], c.get("memory.value_lr"), c["data.sources.0.path"].split("/")[-2])
+            for c in rounds] == [
+        ("memory", "adamw", "1e-3", "facts_b1"), ("memory", "adamw", "1e-3", "facts_b2"),
+        ("sparse", "adamw", "1e-2", "facts_b1"), ("sparse", "adamw", "1e-2", "facts_b2")]
     assert rounds[0]["init_from"] == base_ckpt
-    assert rounds[1]["init_from"] == str(study.RUNS / "s0_rounds_memory_r1" / "checkpoints" / "step_00000060")
+    first = study.RUNS / "s0_rounds_memory_optimizeradamw_value_lr1e-3_r1"
+    assert rounds[1]["init_from"] == str(first / "checkpoints" / "step_00000060")
     assert all(c["finetune.background"] == f"{base_ckpt}/slot_usage.safetensors" for c in rounds)
     n = len(calls)
     assert study.main(["--stage", "all", "--modes", "memory,sparse"]) == 0 and len(calls) == n  # all recorded
@@ -82,7 +84,7 @@ def test_a_second_seed_repeats_seed_0s_best_settings_from_its_own_base(tmp_path,
     assert study.main(["--stage", "seeds", "--seed", "1"]) == 0
     repeated = calls[n:]
     assert [c["dump_dir"].rsplit("/", 1)[1] for c in repeated] == [
-        "s1_full_lr3e-4", "s1_memory_value_lr10", "s1_sparse_top_t500_value_lr100"]
+        "s1_full_lr1e-4", "s1_memory_optimizeradamw_value_lr1e-3", "s1_sparse_optimizeradamw_top_t2000_value_lr1e-2"]
     ckpt = str(study.RUNS / "base_s1" / "checkpoints" / "step_00000300")
     assert all(c["seed"] == "1" and c["init_from"] == ckpt for c in repeated)
-    assert repeated[2]["finetune.top_t"] == "500" and repeated[2]["finetune.optimizer"] == "sgd"
+    assert repeated[2]["finetune.top_t"] == "2000" and repeated[2]["finetune.optimizer"] == "adamw"

@@ -76,8 +76,8 @@ def test_rounds_report_each_earlier_round_kept_relative_to_when_it_was_taught(tm
     _record(tmp_path, "s0_rounds_memory_r2", mem, 780.0, rounds={1: (72.0, 0.9), 2: (90.0, 1.0)})
     bases, sweep, rounds = report.load_study(tmp_path)
     text = "\n".join(report.rounds_table(rounds))
-    assert "| memory | 1 | taught: EM 99.0% | - | 98.8% |" in text
-    assert "| memory | 2 | 90.0% | taught: EM 100.0% | 97.5% |" in text
+    assert "| memory | sgd lr 100 | 1 | taught: EM 99.0% | - | 98.8% |" in text
+    assert "| memory | sgd lr 100 | 2 | 90.0% | taught: EM 100.0% | 97.5% |" in text
     assert "the worst share of an earlier round kept after a later one is 90.0%" in text
     assert "`s0_rounds_memory_r2`: `OMP_NUM_THREADS=1 python -m memlm.train" in report.render(bases, sweep, rounds)
 
