@@ -50,13 +50,18 @@ def load_record(record: Path) -> dict:
         setting = f"top_t {cfg.finetune.top_t:,}, {cfg.finetune.optimizer} lr {cfg.memory.value_lr:g}"
     elif mode == "memory":
         setting = f"{cfg.finetune.optimizer} lr {cfg.memory.value_lr:g}"
+    elif mode == "lora":
+        setting = f"rank {cfg.finetune.lora_rank}, AdamW lr {cfg.optim.lr:g}"
     else:
         setting = f"AdamW lr {cfg.optim.lr:g}"
     command = (record / "command.txt").read_text().strip() if (record / "command.txt").exists() else ""
     rounds = {int(k.removeprefix("bits:facts_b")): v for k, v in res.items()
               if k.startswith("bits:facts_b") and k != "bits:facts_b"}
     b = res.get("bits:facts_b", {})  # the base and the rounds have none
+    lr = cfg.memory.value_lr if mode in ("memory", "sparse") else cfg.optim.lr
+    order = (cfg.finetune.optimizer, cfg.finetune.top_t if mode == "sparse" else 0, cfg.finetune.lora_rank, lr)
     return {"name": record.name, "seed": cfg.seed, "mode": mode, "setting": setting, "command": command,
+            "order": order,
             "b_em": b.get("exact_match"), "b_bits": b.get("stored_bits"), "b_corpus": b.get("corpus_bits"),
             "a_bits": res["bits:facts_a"]["stored_bits"], "a_corpus": res["bits:facts_a"]["corpus_bits"],
             "ppl": res["ppl:bio_heldout"]["token_ppl"], "qa_em": res["qa:bio_qa"]["exact_match"],
@@ -105,7 +110,8 @@ def sweep_table(bases: dict[int, dict], sweep: list[dict]) -> list[str]:
         out.append(f"| {seed} | base | pretrained (`{base['name']}`) | - | - | {base['a_bits']:,.0f} bits "
                    f"({_pct(base['a_bits'] / base['a_corpus'])} of {base['a_corpus']:,.0f}) | {base['ppl']:.2f} | "
                    f"{_pct(base['qa_em'])} |")
-        for r in sorted((r for r in sweep if r["seed"] == seed), key=lambda r: (MODES.index(r["mode"]), r["name"])):
+        rows = sorted((r for r in sweep if r["seed"] == seed), key=lambda r: (MODES.index(r["mode"]), r["order"]))
+        for r in rows:
             out.append(f"| {seed} | {r['mode']} | {r['setting']} | {_pct(r['b_em'])} | {r['b_bits']:,.0f} | "
                        f"{_pct(1 - r['forgetting'])} | {r['ppl']:.2f} | {_pct(r['qa_em'])} |")
     return out
@@ -128,10 +134,11 @@ def findings(sweep: list[dict]) -> list[str]:
                    f"of facts A ({best['full']['setting']}), sparse {_pct(best['sparse']['forgetting'])} "
                    f"({best['sparse']['setting']}): a ratio of {ratio:.1f}x (goal: at least 20x).")
     if best["memory"] and best["sparse"]:
-        verdict = "less" if best["sparse"]["forgetting"] < best["memory"]["forgetting"] else "not less"
+        gap = best["memory"]["forgetting"] - best["sparse"]["forgetting"]
+        verdict = "less" if gap > 0 else "not less"
         out.append(f"- Goal (b): sparse forgets {verdict} than memory (values only, every row): "
                    f"{_pct(best['sparse']['forgetting'])} against {_pct(best['memory']['forgetting'])} "
-                   f"({best['memory']['setting']}).")
+                   f"({best['memory']['setting']}), {100 * abs(gap):.1f} points apart.")
     pairs = [(m, [r for r in sweep if r["mode"] == m and r["setting"] == best[m]["setting"]])
              for m in ("memory", "sparse") if best[m]]
     for mode, runs in pairs:
@@ -197,7 +204,7 @@ def plot(sweep: list[dict], path: Path) -> None:
         ax.plot([100 * r["forgetting"] for r in front], [100 * r["b_em"] for r in front], color=color, alpha=0.6)
     ax.axhline(100 * LEARNED, color="k", linestyle=":", linewidth=1)
     ax.set(xlabel="facts A lost (% of the base's bits)", ylabel="facts B exact match (%)",
-           title="Learning vs forgetting per fine-tuning mode", xscale="symlog")
+           title="Learning vs forgetting per fine-tuning mode", xlim=(0, 100))
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -65,7 +65,8 @@ def test_the_front_and_goals_follow_from_the_rows(tmp_path):
     text = "\n".join(report.findings(sweep))
     assert "full forgets 95.0% of facts A (AdamW lr 0.001), sparse 1.0% (top_t 2,000, sgd lr 300): a ratio of 95.0x" \
         in text
-    assert "Goal (b): sparse forgets less than memory (values only, every row): 1.0% against 5.0%" in text
+    assert "Goal (b): sparse forgets less than memory (values only, every row): 1.0% against 5.0% (sgd lr 100), " \
+        "4.0 points apart." in text
     assert "`lora`" not in text  # no lora runs: nothing said about it
 
 
