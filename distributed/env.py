@@ -8,6 +8,7 @@ NCCL on CUDA with gloo beside it for CPU tensors (async checkpoints), gloo on CP
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import random
 import signal
@@ -94,8 +95,19 @@ def init_distributed(device: str = "auto") -> DistEnv:
 
 
 def shutdown() -> None:
+    """Destroy the process groups while the interpreter is fully alive.
+
+    A finished Trainer lives on in reference cycles (module hooks, FSDP state)
+    that hold its meshes' process groups, so destroy_process_group alone would
+    leave gloo's worker threads to interpreter finalization, where a rank can
+    abort ("terminate called without an active exception") after a successful
+    run; torchrun then sees a failed rank, and a peer node waits out its exit
+    barrier. Collecting the cycles first frees them here, in order.
+    """
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
 
 
 def seed_everything(seed: int) -> None:

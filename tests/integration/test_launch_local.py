@@ -81,23 +81,32 @@ def test_two_nodes_with_c10d_rendezvous(tmp_path):
     rendezvous without node ranks; one is plain torchrun as in docs/launch.md,
     the other the launcher. Hybrid FSDP: replicate across the nodes."""
     endpoint, rdzv_id = f"127.0.0.1:{free_port()}", f"test-{uuid.uuid4().hex[:8]}"
-    overrides = [*TINY, "checkpoint.every=2", "parallel.fsdp=hybrid", f"dump_dir={tmp_path}"]
+    overrides = [*TINY, "checkpoint.every=2", "parallel.fsdp=hybrid", f"dump_dir={tmp_path / 'run'}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    plain = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
-                              "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
-                              "-m", "memlm.train", *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, env=env)
+    # Output to files, not pipes: a pipe nobody reads while the other node runs can fill and stall
+    # an agent, and a failure must show both nodes' output.
+    plain_log = tmp_path / "plain.log"
+    with plain_log.open("w") as log:
+        plain = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
+                                  "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
+                                  "-m", "memlm.train", *overrides], stdout=log, stderr=subprocess.STDOUT, text=True,
+                                 env=env)
     try:
         other = launch("local", "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
                        "--", *overrides, env=env)
-        plain_out, _ = plain.communicate(timeout=300)
+        try:  # a node whose peer failed waits out torchrun's 300 s exit barrier: do not wait for that
+            plain.wait(timeout=120 if other.returncode == 0 else 5)
+        except subprocess.TimeoutExpired:
+            pass  # killed below; the assertion shows both nodes' output
     finally:
         if plain.poll() is None:
             plain.kill()
-    both = plain_out + other.stdout + other.stderr
+            plain.wait()
+    both = (f"--- plain torchrun (rc {plain.returncode}):\n{plain_log.read_text()}\n"
+            f"--- memlm.launch (rc {other.returncode}):\n{other.stdout}{other.stderr}")
     assert plain.returncode == 0 and other.returncode == 0, both
     assert "2 rank(s) on cpu" in both
-    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 4
 
 
 @pytest.mark.slow
