@@ -78,7 +78,7 @@ def test_report_fills_only_its_own_markers(tmp_path):
     assert report.main([str(tmp_path / "runs"), "--out", str(doc)]) == 0
     text = doc.read_text()
     assert text.startswith("# Results\n\nintro\n\n") and text.endswith("\n\nafter\n") and "old" not in text
-    assert "| d20 | Dense | 0 | - | 229,696 |" in text and "needs Dense at two corpus sizes" in text
+    assert "| d20 | Dense | 0 | - | - | 229,696 |" in text and "needs Dense at two corpus sizes" in text
 
 
 def test_no_capacity_runs_is_a_clear_error(tmp_path, capsys):
@@ -139,13 +139,43 @@ def test_a_run_under_two_roots_counts_once_from_the_first(tmp_path):
     assert [(r["run"], r["stored_bits"]) for r in rows] == [("d20", 90.0), ("d40", 100.0)]
 
 
-def test_plot_draws_both_panels(tmp_path):
+def test_plot_draws_every_panel(tmp_path):
     small = ["memory.n_keys=16", "memory.knn=8", "memory.eval_knn=8"]
     _run(tmp_path / "runs", "d20", "capacity_dense", 20, 100.0)
     _run(tmp_path / "runs", "d40", "capacity_dense", 40, 100.0)
     _run(tmp_path / "runs", "m40", "capacity_memplus", 40, 250.0, extra=small)
     _run(tmp_path / "runs", "m40_k32", "capacity_memplus", 40, 500.0,
          extra=["memory.n_keys=32", "memory.knn=8", "memory.eval_knn=8"])
+    _run(tmp_path / "runs", "m40_lr", "capacity_memplus", 40, 400.0, extra=[*small, "memory.value_lr=3e-2"])
     out = tmp_path / "capacity.png"
     assert report.main([str(tmp_path / "runs"), "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_value_lr_sweep_names_each_variants_best_setting_and_the_order(tmp_path):
+    small = ["memory.n_keys=16", "memory.knn=8", "memory.eval_knn=8"]
+    _run(tmp_path, "d20", "capacity_dense", 20, 100.0)
+    _run(tmp_path, "d40", "capacity_dense", 40, 100.0)
+    _run(tmp_path, "m20", "capacity_memplus", 20, 200.0, extra=small)  # the study lr (1e-2) at two N
+    _run(tmp_path, "m40", "capacity_memplus", 40, 300.0, extra=small)
+    _run(tmp_path, "m40_3e-2", "capacity_memplus", 40, 600.0, extra=[*small, "memory.value_lr=3e-2"])
+    _run(tmp_path, "m40_3e-2_s1", "capacity_memplus", 40, 400.0, extra=[*small, "memory.value_lr=3e-2", "seed=1"])
+    _run(tmp_path, "m40_1e-1", "capacity_memplus", 40, 700.0, extra=[*small, "memory.value_lr=1e-1"])
+    _run(tmp_path, "p40", "capacity_memory", 40, 550.0, extra=small)
+    _run(tmp_path, "p40_3e-3", "capacity_memory", 40, 450.0, extra=[*small, "memory.value_lr=3e-3"])
+    (tmp_path / "m40_3e-2" / "command.txt").write_text("python -m memlm.train memory.value_lr=3e-2\n")
+    rows = report.load_runs([tmp_path])
+    text = report.render(rows)
+    # The study's comparison stays at the study value lr: the tuned runs are not seeds of it.
+    assert "Memory+ stores 3.00x the bits of Dense at N = 40 (300 vs 100;" in text
+    assert "| Memory+ | 0.03 | 2 | 500 (mean of 2 seeds: 600, 400) |" in text
+    assert "| Memory | 0.003 | 1 | 450 |" in text and "| Memory | 0.01 | 1 | 550 |" in text
+    assert ("Memory+'s best value lr at N = 40: 0.1, 700 bits (1 seed); among two-seed settings: 0.03, "
+            "500 (mean of 2 seeds: 600, 400).") in text
+    assert "Memory's best value lr at N = 40: 0.01, 550 bits (1 seed)." in text
+    assert ("Order at each variant's best setting at N = 40: Memory+ (700, value lr 0.1, 1 seed(s)) > "
+            "Memory (550, value lr 0.01, 1 seed(s)) > Dense (100, value lr -, 1 seed(s))") in text
+    assert ("Memory+ at its best two-seed setting (value lr 0.03) stores 5.00x Dense's bits (two-seed means; "
+            "goal at least 5x): met.") in text
+    assert "- `m40_3e-2`: `python -m memlm.train memory.value_lr=3e-2`" in text
+    assert "| m40_1e-1 | Memory+ | 0 | 256 | 0.1 |" in text

@@ -1,0 +1,115 @@
+"""The value-lr sweep of the knowledge-capacity report (memlm.studies.capacity_report).
+
+    lines = section(rows, entities, runs_at)   # markdown: table, findings, commands
+    panel(axes, rows, entities, runs_at)       # bits stored against memory.value_lr
+
+The capacity study ran every product-key variant at one `memory.value_lr`
+(its study value lr); the sweep reruns Memory and Memory+ at others, same
+shapes, steps and exposures. Here each (variant, value lr) at the largest N
+is one setting, its seeds averaged; a variant's best setting is the one
+with the most bits stored (two-seed means where two seeds exist, and the
+text says how many seeds each mean has). The order of the five variants at
+their best settings is stated against the paper's.
+
+`runs_at(variant, entities, value_lr)` returns the runs of one setting (one
+per seed), as the report groups them; value_lr None means the study's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+RunsAt = Callable[[str, int, float | None], list[dict]]
+ORDER = ["Dense", "MoE", "PEER", "Memory", "Memory+"]
+PAPER_ORDER = "Memory+ > PEER > Memory > MoE > Dense"
+GOAL_VS_DENSE = 5.0  # issue #32: Memory+ at its best stores at least 5x Dense's bits (two-seed means)
+
+
+def mean_bits(runs: list[dict]) -> float:
+    return sum(r["stored_bits"] for r in runs) / len(runs)
+
+
+def said(runs: list[dict]) -> str:
+    """Bits of one run, or the mean of several seeds with each seed's value."""
+    if len(runs) == 1:
+        return f"{runs[0]['stored_bits']:,.0f}"
+    return f"{mean_bits(runs):,.0f} (mean of {len(runs)} seeds: " + ", ".join(
+        f"{r['stored_bits']:,.0f}" for r in runs) + ")"
+
+
+def settings(rows: list[dict], entities: int, runs_at: RunsAt) -> dict[str, list[tuple[float | None, list[dict]]]]:
+    """variant -> [(value lr, runs)] at N, by value lr; variants without a value lr (Dense, MoE): [(None, runs)]."""
+    out: dict[str, list[tuple[float | None, list[dict]]]] = {}
+    for variant in ORDER:
+        lrs = sorted({r["value_lr"] for r in rows if r["variant"] == variant and r["entities"] == entities
+                      and r["value_lr"] is not None})
+        found = [(lr, runs) for lr in (lrs or [None]) if (runs := runs_at(variant, entities, lr))]
+        if found:
+            out[variant] = found
+    return out
+
+
+def best(found: list[tuple[float | None, list[dict]]]) -> tuple[float | None, list[dict]]:
+    return max(found, key=lambda item: mean_bits(item[1]))
+
+
+def _lr(lr: float | None) -> str:
+    return "-" if lr is None else f"{lr:g}"
+
+
+def section(rows: list[dict], entities: int, runs_at: RunsAt) -> list[str]:
+    """The sweep's table, each variant's best setting, the order and the goal, and every run's command."""
+    found = settings(rows, entities, runs_at)
+    swept = {v: s for v, s in found.items() if len(s) >= 2}
+    if not swept:
+        return [f"- Value-lr sweep at N = {entities:,}: no variant was run at two value lrs yet."]
+    out = [f"Value-lr sweep at N = {entities:,} (`memory.value_lr`; bits stored, mean over seeds):", "",
+           "| variant | value lr | seeds | bits stored | EM % (mean) | runs |", "|---|---:|---:|---:|---:|---|"]
+    for variant, points in swept.items():
+        for lr, runs in points:
+            em = 100 * sum(r["exact_match"] for r in runs) / len(runs)
+            out.append(f"| {variant} | {_lr(lr)} | {len(runs)} | {said(runs)} | {em:.1f} "
+                       f"| {', '.join(r['run'] for r in runs)} |")
+    out.append("")
+    for variant, points in swept.items():
+        lr, runs = best(points)
+        two = [(x, r) for x, r in points if len(r) >= 2]
+        line = (f"- {variant}'s best value lr at N = {entities:,}: {_lr(lr)}, {said(runs)} bits "
+                f"({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+        if len(runs) < 2 and two:
+            lr2, runs2 = best(two)
+            line += f"; among two-seed settings: {_lr(lr2)}, {said(runs2)}"
+        out.append(line + ".")
+    tops = sorted(((v, *best(points)) for v, points in found.items()), key=lambda t: -mean_bits(t[2]))
+    out.append(f"- Order at each variant's best setting at N = {entities:,}: "
+               + " > ".join(f"{v} ({mean_bits(runs):,.0f}, value lr {_lr(lr)}, {len(runs)} seed(s))"
+                            for v, lr, runs in tops)
+               + f"; the paper's order on NQ: {PAPER_ORDER}.")
+    if "Memory+" in found and "Dense" in found:
+        dense = mean_bits(best(found["Dense"])[1])
+        lr, runs = best([p for p in found["Memory+"] if len(p[1]) >= 2] or found["Memory+"])
+        ratio = mean_bits(runs) / max(dense, 1e-9)
+        seeds = "two-seed means" if len(runs) >= 2 else "one seed only: not yet a two-seed mean"
+        out.append(f"- Memory+ at its best two-seed setting (value lr {_lr(lr)}) stores {ratio:.2f}x Dense's bits "
+                   f"({seeds}; goal at least {GOAL_VS_DENSE:g}x): "
+                   f"{'met' if ratio >= GOAL_VS_DENSE and len(runs) >= 2 else 'NOT met'}.")
+    commands = [f"- `{r['run']}`: `{r['command']}`" for points in swept.values() for _, runs in points
+                for r in runs if r.get("command")]
+    if commands:
+        out += ["", "<details><summary>The command of every sweep run</summary>", "", *commands, "", "</details>"]
+    return out
+
+
+def panel(axes, rows: list[dict], entities: int, runs_at: RunsAt) -> None:
+    """Bits stored against value lr at N: each seed a dot, the mean a line, per swept variant."""
+    swept = {v: s for v, s in settings(rows, entities, runs_at).items() if len(s) >= 2}
+    for variant, points in swept.items():
+        lrs = [lr for lr, _ in points]
+        (line,) = axes.plot(lrs, [mean_bits(runs) for _, runs in points], marker="o", label=variant)
+        for lr, runs in points:
+            axes.scatter([lr] * len(runs), [r["stored_bits"] for r in runs], color=line.get_color(), s=12,
+                         alpha=0.5)
+    axes.set(xscale="log", xlabel="memory.value_lr", ylabel="bits stored",
+             title=f"value-lr sweep at N = {entities:,}")
+    if swept:
+        axes.legend()
