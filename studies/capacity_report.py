@@ -125,24 +125,25 @@ def table(rows: list[dict]) -> list[str]:
     return out
 
 
-def _reference_slots(rows: list[dict]) -> int | None:
-    """Memory+'s study size: the slot count run at the most corpus sizes (ties: the larger).
-    The sweep's other sizes are extra runs at the largest N, so they never set it."""
-    seen: dict[int, set[int]] = {}
+def _study_setting(rows: list[dict], variant: str, key: str, tie: int):
+    """A variant's study value of `key` (slots, value_lr): the one run at the most corpus
+    sizes, ties broken toward the larger (tie=1) or smaller (tie=-1) value. A sweep's
+    other values are extra runs at the largest N, so they never set it."""
+    seen: dict = {}
     for r in rows:
-        if r["variant"] == "Memory+":
-            seen.setdefault(r["slots"], set()).add(r["entities"])
-    return max(seen, key=lambda s: (len(seen[s]), s)) if seen else None
+        if r["variant"] == variant and r[key] is not None:
+            seen.setdefault(r[key], set()).add(r["entities"])
+    return max(seen, key=lambda v: (len(seen[v]), tie * v)) if seen else None
+
+
+def _reference_slots(rows: list[dict]) -> int | None:
+    """Memory+'s study size (ties: the larger)."""
+    return _study_setting(rows, "Memory+", "slots", tie=1)
 
 
 def _study_lr(rows: list[dict], variant: str) -> float | None:
-    """A variant's study value lr: the one run at the most corpus sizes (ties: the smaller);
-    the value-lr sweep's other settings are extra runs at the largest N, so they never set it."""
-    seen: dict[float, set[int]] = {}
-    for r in rows:
-        if r["variant"] == variant and r["value_lr"] is not None:
-            seen.setdefault(r["value_lr"], set()).add(r["entities"])
-    return max(seen, key=lambda lr: (len(seen[lr]), -lr)) if seen else None
+    """A variant's study value lr (ties: the smaller)."""
+    return _study_setting(rows, variant, "value_lr", tie=-1)
 
 
 def _runs(rows: list[dict], variant: str, entities: int, slots: int | None = None,
