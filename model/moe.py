@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memlm.errors import ConfigError
-from memlm.memory.fast.search import full_precision
+from memlm.memory.fast.search import autocast_available, full_precision
 from memlm.model.ffn import FFNContext, register_ffn
 
 GROUPED, DENSE = "grouped", "dense"
@@ -113,7 +113,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the expert matmuls run in: autocast's when it is on for x's
     device and x is float32 (what autocast would cast), else x's own."""
     kind = x.device.type
-    if x.dtype == torch.float32 and torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+    if x.dtype == torch.float32 and autocast_available(kind) and torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return x.dtype
 

@@ -45,9 +45,13 @@ VALUE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
 
 
+# Read once: torch.compile 2.11 cannot trace torch.amp.is_autocast_available (a graph break per call).
+_AUTOCAST_TYPES = frozenset(t for t in ("cpu", "cuda", "xpu", "mps", "hpu") if torch.amp.is_autocast_available(t))
+
+
 def _full_precision(device: torch.device):
     """Autocast off: product-key scores, top-k and softmax run in float32 (as in memlm)."""
-    if not torch.amp.is_autocast_available(device.type):
+    if device.type not in _AUTOCAST_TYPES:
         return contextlib.nullcontext()
     return torch.autocast(device.type, enabled=False)
 

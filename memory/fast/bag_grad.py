@@ -1,9 +1,9 @@
-"""The CPU gradients of the memory read, grouped by destination slot.
+"""The gradients of the memory read on the torch path (memory.kernel=torch), grouped by destination slot.
 
     y[t] = sum_k weights[t, k] * values[indices[t, k]]
     reads = sort_reads(indices, n_slots)                   # once per backward
     grad_values = dense_gradient(indices, weights, grad_y, n_slots, reads)   # (N, v_dim)
-    grad_weights = weight_gradients(values, indices, weights, grad_y, reads)  # (B, K)
+    grad_weights = weight_gradients(values, indices, grad_y, reads)           # (B, K)
 
 See memory/fast/ops.py (the read and its custom op) for why the gradient is
 computed by destination slot; memory/fast/search_grad.py reuses these for the
@@ -92,10 +92,13 @@ def dense_gradient(
     return F.embedding_bag(reads.bag, grad_out, offsets, mode="sum", per_sample_weights=w)
 
 
+# Reads the non-CPU route gathers at once: 2**26 elements (256 MB in float32).
+GATHER_ELEMENTS = 1 << 26
+
+
 def weight_gradients(
     values: torch.Tensor,
     indices: torch.Tensor,
-    weights: torch.Tensor,
     grad_out: torch.Tensor,
     reads: ReadsBySlot | None = None,
 ) -> torch.Tensor:
@@ -110,8 +113,7 @@ def weight_gradients(
     in token order every read is a random access into the table (2-3x faster
     at bench/memory_layer.py's shapes; each dot product is the same
     computation, so the result is bit for bit the same). Elsewhere, or if the
-    op's signature ever changes, the public route re-runs the cheap forward
-    under autograd."""
+    op's signature ever changes, `gathered_dots`."""
     bags, k = indices.shape
     if values.device.type == "cpu":
         if reads is None:
@@ -131,8 +133,26 @@ def weight_gradients(
             if reads is None:
                 return dots.view(bags, k)
             return torch.empty_like(dots).index_put_((reads.order,), dots).view(bags, k)
-    with torch.enable_grad():
-        w = weights.detach().requires_grad_()
-        y = F.embedding_bag(indices, values.detach(), per_sample_weights=w, mode="sum")
-        (grad_weights,) = torch.autograd.grad(y, w, grad_out)
-    return grad_weights
+    return gathered_dots(values, indices, grad_out)
+
+
+def gathered_dots(values: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """values (N, v_dim), indices (B, K), grad_out (B, v_dim) -> (B, K) dot
+    products in float32 (or wider), by gathering the rows read, a chunk of
+    tokens at a time so at most GATHER_ELEMENTS are gathered at once.
+
+    No autograd here: the read's backward (memory/fast/ops.py) runs inside a
+    custom op, where autograd is off below the dispatcher and
+    torch.enable_grad() cannot turn it back on; and CUDA's per-sample-weights
+    backward has no bfloat16 kernel. Both failed on an H200 (bench/device_check.sh)."""
+    bags, k = indices.shape
+    v_dim = values.shape[1]
+    compute = torch.promote_types(torch.promote_types(values.dtype, grad_out.dtype), torch.float32)
+    out = torch.empty(bags, k, dtype=compute, device=values.device)
+    chunk = max(1, GATHER_ELEMENTS // max(1, k * v_dim))
+    for start in range(0, bags, chunk):
+        idx = indices[start:start + chunk]
+        rows = values.detach().index_select(0, idx.reshape(-1)).view(idx.shape[0], k, v_dim)
+        g = grad_out[start:start + chunk].to(compute).unsqueeze(-1)  # (b, v_dim, 1)
+        out[start:start + chunk] = torch.bmm(rows.to(compute), g).squeeze(-1)
+    return out

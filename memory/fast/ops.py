@@ -246,7 +246,7 @@ def _bag_gradients(grad_out, values, indices, weights, sparse, kernel, need_valu
     # One sort for both gradients; the weights' alone need none.
     reads = sort_reads(indices, values.shape[0]) if need_values else None
     if need_weights:
-        grad_weights = weight_gradients(values, indices, w, grad_out, reads).to(weights.dtype)
+        grad_weights = weight_gradients(values, indices, grad_out, reads).to(weights.dtype)
     if need_values:
         if sparse:
             slots, rows = row_gradients(indices, w, grad_out, reads)

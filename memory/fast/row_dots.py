@@ -30,10 +30,7 @@ class _RowDots(torch.autograd.Function):
     def forward(ctx, table, indices, x):
         # table (N, dim); indices (B, K); x (B, dim) -> (B, K)
         reads = sort_reads(indices, table.shape[0])
-        # weight_gradients(values, indices, weights, grad_out): the weights only
-        # shape its fallback route (re-running the read under autograd).
-        ones = torch.ones(indices.shape, dtype=table.dtype, device=table.device)
-        out = weight_gradients(table, indices, ones, x.to(table.dtype).contiguous(), reads)
+        out = weight_gradients(table, indices, x.to(table.dtype).contiguous(), reads)
         ctx.save_for_backward(table, indices, x, *reads)
         return out.to(torch.promote_types(table.dtype, x.dtype))
 

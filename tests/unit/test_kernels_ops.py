@@ -85,3 +85,39 @@ def test_torch_path_reads_a_non_contiguous_table():
     table = values.detach().t().contiguous().t()
     torch.testing.assert_close(ops.embedding_bag(table, indices, weights),
                                F.embedding_bag(indices, values.detach(), per_sample_weights=weights, mode="sum"))
+
+
+def _no_fused_dots(*args, **kwargs):
+    raise RuntimeError("not on this device")  # what CUDA's bfloat16 per-sample-weights backward says
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_weights_gradient_off_the_cpu_route_inside_the_ops_backward(monkeypatch, dtype, sparse):
+    """Off CPU the read's weights gradient is gathered dot products: it runs
+    inside the custom op's backward, where autograd is off below the
+    dispatcher (on an H200 the old autograd route raised "element 0 of
+    tensors does not require grad"). With the CPU's fused aten op made to
+    fail, the same route runs here; its numbers are the float64 ones."""
+    values, indices, weights = _inputs(n=40, v=16, bags=9, reads=6)
+    values = values.detach().to(dtype).requires_grad_()
+    weights.requires_grad_()
+    g = torch.randn(9, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    monkeypatch.setattr(torch.ops.aten, "_embedding_bag_per_sample_weights_backward", _no_fused_dots)
+    out = ops.embedding_bag(values, indices, weights, sparse=sparse, kernel="torch")
+    gv, gw = torch.autograd.grad(out, [values, weights], g)
+    expected = (values.detach().double()[indices] * g.double()[:, None, :]).sum(-1)
+    assert gw.dtype == weights.dtype
+    torch.testing.assert_close(gw.double(), expected, rtol=1e-6, atol=1e-6)
+    assert gv.shape == values.shape
+
+
+def test_gathered_dots_in_chunks_equal_one_gather(monkeypatch):
+    from memlm.memory.fast import bag_grad
+
+    values, indices, _ = _inputs(n=50, v=8, bags=13, reads=5)
+    grad_out = torch.randn(13, 8, generator=torch.Generator().manual_seed(2))
+    whole = bag_grad.gathered_dots(values, indices, grad_out)
+    monkeypatch.setattr(bag_grad, "GATHER_ELEMENTS", 2 * 5 * 8)  # two tokens a chunk, the last one alone
+    assert torch.equal(bag_grad.gathered_dots(values, indices, grad_out), whole)
+    torch.testing.assert_close(whole, (values.detach()[indices] * grad_out[:, None, :]).sum(-1))
