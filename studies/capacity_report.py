@@ -79,6 +79,7 @@ def load_run(dump: Path) -> dict | None:
     return {
         "run": dump.name, "variant": VARIANTS[cfg.memory.kind], "slots": slots,
         "value_lr": cfg.memory.value_lr if product_keys else None,
+        "lever": value_lr.lever_of(cfg.memory) if product_keys else "",
         "command": command.read_text().strip() if command.is_file() else "",
         "seed": cfg.seed, "entities": cfg.data.facts.entities,
         "facts": cfg.data.facts.entities * cfg.data.facts.attributes,
@@ -110,14 +111,16 @@ def load_runs(roots: list[Path]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> list[str]:
-    out = ["| run | variant | seed | memory slots (PEER: experts) | value lr | params total | params active "
+    out = ["| run | variant | seed | memory slots (PEER: experts) | value lr | lever | params total | params active "
            "| fwd FLOPs/token | entities (facts) "
            "| corpus bits | steps | exposures/fact | bits stored | bits/param | bits/active param | EM % | minutes |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         slots = f"{r['slots']:,}" if r["slots"] else "-"
         lr = "-" if r["value_lr"] is None else f"{r['value_lr']:g}"
-        out.append(f"| {r['run']} | {r['variant']} | {r['seed']} | {slots} | {lr} | {r['total']:,} | {r['active']:,} "
+        lever = f"`{r['lever']}`" if r["lever"] else "-"
+        out.append(f"| {r['run']} | {r['variant']} | {r['seed']} | {slots} | {lr} | {lever} | {r['total']:,} "
+                   f"| {r['active']:,} "
                    f"| {r['flops']:,} | {r['entities']:,} ({r['facts']:,}) | {r['corpus_bits']:,.0f} "
                    f"| {r['steps']:,} | {r['exposures']:.0f} | {r['stored_bits']:,.0f} "
                    f"| {r['bits_per_param']:.3f} | {r['bits_per_active_param']:.3f} "
@@ -131,7 +134,7 @@ def _study_setting(rows: list[dict], variant: str, key: str, tie: int):
     other values are extra runs at the largest N, so they never set it."""
     seen: dict = {}
     for r in rows:
-        if r["variant"] == variant and r[key] is not None:
+        if r["variant"] == variant and r[key] is not None and not r["lever"]:
             seen.setdefault(r[key], set()).add(r["entities"])
     return max(seen, key=lambda v: (len(seen[v]), tie * v)) if seen else None
 
@@ -149,14 +152,15 @@ def _study_lr(rows: list[dict], variant: str) -> float | None:
 def _runs(rows: list[dict], variant: str, entities: int, slots: int | None = None,
           value_lr: float | None = None) -> list[dict]:
     """The study's runs of a variant at N, one per seed: at the fewest steps run at N
-    (a longer run is an extra, not a seed), for Memory+ at `slots` (default: its
-    study size, so a sweep's larger memory never stands in for it), and for the
+    (a longer run is an extra, not a seed), without a lever (value_lr.LEVER_DEFAULTS),
+    for Memory+ at `slots` (default: its study size, so a sweep's larger memory
+    never stands in for it), and for the
     product-key variants at `value_lr` (default: the variant's study value lr)."""
     at_n = [r for r in rows if r["entities"] == entities]
     if not at_n:
         return []
     steps = min(r["steps"] for r in at_n)
-    found = [r for r in at_n if r["variant"] == variant and r["steps"] == steps]
+    found = [r for r in at_n if r["variant"] == variant and r["steps"] == steps and not r["lever"]]
     if variant == "Memory+":
         found = [r for r in found if r["slots"] == (slots or _reference_slots(rows))]
     lr = value_lr or _study_lr(rows, variant)

@@ -14,6 +14,9 @@ their best settings is stated against the paper's.
 
 `runs_at(variant, entities, value_lr)` returns the runs of one setting (one
 per seed), as the report groups them; value_lr None means the study's.
+A run that also sets one of the official code's levers (LEVER_DEFAULTS: value
+weight decay, a bf16 table) is no seed of any setting: the table "Levers"
+sets it beside the same seed's run without it.
 """
 
 from __future__ import annotations
@@ -21,9 +24,19 @@ from __future__ import annotations
 from collections.abc import Callable
 
 RunsAt = Callable[[str, int, float | None], list[dict]]
+# The study's values of the official code's levers that a config reaches
+# (issue #32): a run that sets another is a lever run, set beside the same
+# seed's run without it and never averaged in as a seed of a setting.
+LEVER_DEFAULTS = {"value_weight_decay": 0.0, "value_dtype": "fp32"}
 ORDER = ["Dense", "MoE", "PEER", "Memory", "Memory+"]
 PAPER_ORDER = "Memory+ > PEER > Memory > MoE > Dense"
 GOAL_VS_DENSE = 5.0  # issue #32: Memory+ at its best stores at least 5x Dense's bits (two-seed means)
+
+
+def lever_of(memory_cfg) -> str:
+    """The levers a run's memory config sets ("" for none), as overrides."""
+    return " ".join(f"memory.{key}={getattr(memory_cfg, key)}" for key, study in LEVER_DEFAULTS.items()
+                    if getattr(memory_cfg, key) != study)
 
 
 def mean_bits(runs: list[dict]) -> float:
@@ -96,10 +109,31 @@ def section(rows: list[dict], entities: int, runs_at: RunsAt) -> list[str]:
         out.append(f"- Memory+ at its best setting (value lr {_lr(lr)}) stores {ratio:.2f}x Dense's bits "
                    f"({seeds}; goal at least {GOAL_VS_DENSE:g}x): "
                    f"{'met' if ratio >= GOAL_VS_DENSE and len(runs) >= 2 else 'NOT met'}.")
+    out += lever_lines(rows, entities, runs_at)
+    levers = [r for r in rows if r.get("lever") and r["entities"] == entities]
     commands = [f"- `{r['run']}`: `{r['command']}`" for points in swept.values() for _, runs in points
-                for r in runs if r.get("command")]
+                for r in runs if r.get("command")] + [f"- `{r['run']}`: `{r['command']}`" for r in levers
+                                                      if r.get("command")]
     if commands:
         out += ["", "<details><summary>The command of every sweep run</summary>", "", *commands, "", "</details>"]
+    return out
+
+
+def lever_lines(rows: list[dict], entities: int, runs_at: RunsAt) -> list[str]:
+    """The lever runs at N, each against the same seed's run at the same value lr without the lever."""
+    levers = [r for r in rows if r.get("lever") and r["entities"] == entities]
+    if not levers:
+        return []
+    out = ["", f"Levers at N = {entities:,} (one change to a sweep setting, each against the same seed's run "
+           "without it):", "",
+           "| variant | value lr | lever | seed | bits stored | EM % | same seed without it | change | run |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---|"]
+    for r in levers:
+        base = [b for b in runs_at(r["variant"], entities, r["value_lr"]) if b["seed"] == r["seed"]]
+        without = f"{base[0]['stored_bits']:,.0f}" if base else "not run"
+        change = f"{r['stored_bits'] / base[0]['stored_bits'] - 1:+.1%}" if base else "-"
+        out.append(f"| {r['variant']} | {_lr(r['value_lr'])} | `{r['lever']}` | {r['seed']} "
+                   f"| {r['stored_bits']:,.0f} | {100 * r['exact_match']:.1f} | {without} | {change} | {r['run']} |")
     return out
 
 

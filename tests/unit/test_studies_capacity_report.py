@@ -78,7 +78,7 @@ def test_report_fills_only_its_own_markers(tmp_path):
     assert report.main([str(tmp_path / "runs"), "--out", str(doc)]) == 0
     text = doc.read_text()
     assert text.startswith("# Results\n\nintro\n\n") and text.endswith("\n\nafter\n") and "old" not in text
-    assert "| d20 | Dense | 0 | - | - | 229,696 |" in text and "needs Dense at two corpus sizes" in text
+    assert "| d20 | Dense | 0 | - | - | - | 229,696 |" in text and "needs Dense at two corpus sizes" in text
 
 
 def test_no_capacity_runs_is_a_clear_error(tmp_path, capsys):
@@ -180,3 +180,28 @@ def test_value_lr_sweep_names_each_variants_best_setting_and_the_order(tmp_path)
             "goal at least 5x): met.") in text
     assert "- `m40_3e-2`: `python -m memlm.train memory.value_lr=3e-2`" in text
     assert "| m40_1e-1 | Memory+ | 0 | 256 | 0.1 |" in text
+
+
+def test_a_lever_run_is_set_beside_its_seed_and_is_no_seed_of_a_setting(tmp_path):
+    small = ["memory.n_keys=16", "memory.knn=8", "memory.eval_knn=8"]
+    _run(tmp_path, "d40", "capacity_dense", 40, 100.0)
+    _run(tmp_path, "m40", "capacity_memplus", 40, 300.0, extra=small)
+    _run(tmp_path, "m40_1e-1", "capacity_memplus", 40, 700.0, extra=[*small, "memory.value_lr=1e-1"])
+    _run(tmp_path, "m40_1e-1_s1", "capacity_memplus", 40, 500.0, extra=[*small, "memory.value_lr=1e-1", "seed=1"])
+    _run(tmp_path, "m40_1e-1_wd", "capacity_memplus", 40, 350.0,
+         extra=[*small, "memory.value_lr=1e-1", "memory.value_weight_decay=0.1"])
+    _run(tmp_path, "m40_wd_s2", "capacity_memplus", 40, 90.0,
+         extra=[*small, "memory.value_lr=1e-1", "memory.value_dtype=bf16", "seed=2"])
+    (tmp_path / "m40_1e-1_wd" / "command.txt").write_text("python -m memlm.train memory.value_weight_decay=0.1\n")
+    rows = report.load_runs([tmp_path])
+    assert {r["run"]: r["lever"] for r in rows if r["lever"]} == {
+        "m40_1e-1_wd": "memory.value_weight_decay=0.1", "m40_wd_s2": "memory.value_dtype=bf16"}
+    text = report.render(rows)
+    # Not a seed: the setting at 1e-1 keeps its two seeds, the best is still their mean.
+    assert "| Memory+ | 0.1 | 2 | 600 (mean of 2 seeds: 700, 500) |" in text
+    assert "Memory+'s best value lr at N = 40: 0.1, 600 (mean of 2 seeds: 700, 500) bits (2 seeds)." in text
+    assert ("| Memory+ | 0.1 | `memory.value_weight_decay=0.1` | 0 | 350 | 54.7 | 700 | -50.0% | m40_1e-1_wd |"
+            in text)
+    assert "| Memory+ | 0.1 | `memory.value_dtype=bf16` | 2 | 90 | 14.1 | not run | - | m40_wd_s2 |" in text
+    assert "- `m40_1e-1_wd`: `python -m memlm.train memory.value_weight_decay=0.1`" in text
+    assert "| m40_1e-1_wd | Memory+ | 0 | 256 | 0.1 | `memory.value_weight_decay=0.1` |" in text
