@@ -24,14 +24,20 @@
 #   compile_memplus the same with Memory+ (its own limit: the memory block compiles too).
 #                   FAIL: a graph break, more graphs than one per distinct block (recompiles:
 #                   dense 1, Memory+ 2), or a speedup (eager / compiled step time) <= 1.
+#   paths           bench/device_paths.py: the CUDA branches the sections above never take, a few
+#                   real steps each on the random-facts corpus: document masks (FlexAttention),
+#                   memory.kernel=torch, sparse value updates, PEER, a checkpoint with slot usage,
+#                   the facts eval, finetune=sparse from it, generation from it.
+#                   FAIL: a path raises or ends on a non-finite loss.
 #   equivalence     2 NCCL ranks (memory_parallel=2) == 1 process; only with >= 2 GPUs.
 #                   FAIL: a loss or weight more than 1e-3 off.
 # SECTIONS="... compile ..." runs both compile sections. Everything goes
 # under $OUT: one log per section, JSON figures, a copy of docs/benchmarks.md
 # with the GPU kernel rows, and summary.txt (one line per section: status,
-# seconds, result). Budget: the limits below add up to 475 s on one GPU, and
+# seconds, result). Budget: the limits below add up to 560 s on one GPU, but
 # a section that would pass $BUDGET_S (480 s) is shortened or skipped, so the
-# run ends within 8 minutes on one H200; each limit includes that section's
+# run ends within 8 minutes on one H200 (the first H200 run's sections took
+# 285 s before paths, which then has its full 120 s); each limit includes that section's
 # cold start (CUDA context, Triton and inductor compilation; the two compile
 # sections share inductor's on-disk cache for the dense block).
 # No installs: it runs the machine's python3 with its torch and triton
@@ -51,7 +57,7 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$(mktemp -d)}"  # the device tool provides $OUT
 PY="${PYTHON:-python3}"
 DRY_RUN="${DRY_RUN:-0}"
-SECTIONS="${SECTIONS:-env kernel_tests kernel_bench mfu nosync compile_dense compile_memplus equivalence}"
+SECTIONS="${SECTIONS:-env kernel_tests kernel_bench mfu nosync compile_dense compile_memplus paths equivalence}"
 SECTIONS=" ${SECTIONS} "
 SECTIONS="${SECTIONS// compile / compile_dense compile_memplus }"
 BUDGET_S="${BUDGET_S:-480}"
@@ -200,8 +206,8 @@ PYEOF
 if wanted env; then
     export -f env_report
     export PY DRY_RUN
-    # 45 s: on a fresh H200 the three cold torch imports took more than 15.
-    run_section env 45 bash -c env_report
+    # 30 s: on a fresh H200 the three cold torch imports took 16 s.
+    run_section env 30 bash -c env_report
     cat "$OUT/env.log"
 fi
 
@@ -221,7 +227,7 @@ if wanted kernel_bench; then
         run_section kernel_bench 60 "$PY" bench/kernels.py --quick --no-sweep --json "$OUT/kernels.json" \
             --doc "$OUT/benchmarks.md"
     else
-        run_section kernel_bench 50 "$PY" bench/kernels.py --gpu-only --no-sweep --json "$OUT/kernels_gpu.json" \
+        run_section kernel_bench 40 "$PY" bench/kernels.py --gpu-only --no-sweep --json "$OUT/kernels_gpu.json" \
             --doc "$OUT/benchmarks.md"
     fi
 fi
@@ -234,11 +240,12 @@ wanted mfu && run_section mfu 70 "${TRAIN[@]}" mfu ${DRY_FLAG[@]+"${DRY_FLAG[@]}
     ${MFU_FLAG[@]+"${MFU_FLAG[@]}"} --json "$OUT/mfu.json"
 wanted nosync && run_section nosync 45 "${TRAIN[@]}" nosync ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/nosync.json"
 for variant in dense memplus; do
-    limit=80
+    limit=70
     [ "$variant" = memplus ] && limit=110
     wanted "compile_$variant" && run_section "compile_$variant" "$limit" "${TRAIN[@]}" compile --variant "$variant" \
         ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/compile_$variant.json"
 done
+wanted paths && run_section paths 120 "$PY" bench/device_paths.py ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/paths.json"
 if wanted equivalence; then
     gpus="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
     if [ "$DRY_RUN" = "1" ] || [ "${gpus:-0}" -ge 2 ]; then

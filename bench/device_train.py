@@ -65,9 +65,9 @@ TINY_MEMPLUS = ["memory=memplus", "memory.layers=[1]", "memory.n_keys=16", "memo
                 "memory.heads=2", "memory.k_dim=16"]
 TINY_MOE = ["memory=moe", "memory.layers=[1]"]
 
-# The floor of the mfu section. The 373M dense model in bf16 should reach
-# 30-40% on an H100/H200 and Memory+ (memory-bound reads on top) 15-25%;
-# 10% is what a broken path falls under: fp32 matmuls without TF32 (at most
+# The floor of the mfu section. On one H200 (docs/benchmarks.md, "Device
+# check"; eager, 8 x 2048 tokens) the 373M dense model in bf16 reached 22%
+# and Memory+ (memory-bound reads on top) 13-14%; 10% is what a broken path falls under: fp32 matmuls without TF32 (at most
 # 67 / 989 = 6.8% of the bf16 peak), the Triton interpreter or a CPU fallback,
 # or a sync per layer (the GPU idles while the host waits).
 MFU_FLOOR = 0.10

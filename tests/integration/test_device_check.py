@@ -59,9 +59,9 @@ def test_script_is_valid_bash():
 def test_header_lists_every_section_with_its_rule():
     header = SCRIPT.read_text().split("set -uo pipefail")[0]
     for section in ("env", "kernel_tests", "kernel_bench", "mfu", "nosync", "compile_dense", "compile_memplus",
-                    "equivalence"):
+                    "paths", "equivalence"):
         assert f"#   {section} " in header, section
-    assert header.count("FAIL:") >= 7  # a rule for each section (the two compile sections share one)
+    assert header.count("FAIL:") >= 8  # a rule for each section (the two compile sections share one)
 
 
 def test_failing_sections_are_recorded_and_the_rest_still_runs(tmp_path):
@@ -377,6 +377,15 @@ INJECT = {
             return forward(self, *args, **kwargs)
         MemoryPlus.forward = with_break
     """,
+    "paths": """
+        from memlm.train.trainer import Trainer
+        init = Trainer.__init__
+        def broken(self, cfg, *args, **kwargs):  # a crash of one CUDA-only branch
+            if cfg.memory.kernel == "torch":
+                raise RuntimeError("element 0 of tensors does not require grad")
+            init(self, cfg, *args, **kwargs)
+        Trainer.__init__ = broken
+    """,
     "equivalence": """
         from memlm.train.trainer import Trainer
         train_step = Trainer.train_step
@@ -390,6 +399,7 @@ WHY = {"kernel_tests": "RESULT kernel_tests FAIL: 6 failed: tests.unit.test_kern
        "kernel_bench": "output off by",
        "mfu": "under the floor 10%", "nosync": "item at", "compile_dense": "graph break(s), expected 0",
        "compile_memplus": "graph break(s), expected 0",
+       "paths": "1 of 6 paths failed: kernel_torch: RuntimeError: element 0",
        "equivalence": "2 ranks differ from 1 process"}
 
 
@@ -398,7 +408,7 @@ WHY = {"kernel_tests": "RESULT kernel_tests FAIL: 6 failed: tests.unit.test_kern
 def test_an_injected_failure_fails_the_section_and_the_run(tmp_path, section):
     site = tmp_path / "site"
     site.mkdir()
-    only = "" if section.startswith("kernel") else "device_train.py"
+    only = "" if section.startswith("kernel") else "device_paths.py" if section == "paths" else "device_train.py"
     body = textwrap.indent(textwrap.dedent(INJECT[section]), "    ")
     (site / "sitecustomize.py").write_text(f"import sys\nif {only!r} in (sys.argv[0] if sys.argv else ''):\n{body}")
     result = _run(tmp_path, PYTHON=sys.executable, SECTIONS=section, DRY_RUN="1", PYTHONPATH=str(site))
@@ -412,7 +422,7 @@ def test_an_injected_failure_fails_the_section_and_the_run(tmp_path, section):
 def test_dry_run_passes(tmp_path):
     # compile_memplus is left out here only for time (about 2 minutes of CPU
     # compilation); compile_dense runs the same code.
-    sections = "env kernel_tests kernel_bench mfu nosync compile_dense equivalence"
+    sections = "env kernel_tests kernel_bench mfu nosync compile_dense paths equivalence"
     result = _run(tmp_path, PYTHON=sys.executable, SECTIONS=sections, DRY_RUN="1")
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert result.returncode == 0, summary + result.stdout[-3000:]
