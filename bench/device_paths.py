@@ -95,7 +95,8 @@ def run_paths(dry: bool, tmp: str) -> dict:
             results[name] = fn()
         except Exception as err:  # noqa: BLE001 - a failed path is recorded, the next still runs
             traceback.print_exc()
-            results[name] = {"ok": False, "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+            first_line = str(err).splitlines()[0] if str(err) else ""
+            results[name] = {"ok": False, "error": f"{type(err).__name__}: {first_line}"}
         results[name]["seconds"] = round(time.perf_counter() - start, 1)
         print(f"PARTIAL paths {name}: {json.dumps(results[name], default=str)}", flush=True)
         if torch.cuda.is_available():

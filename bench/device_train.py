@@ -67,8 +67,9 @@ TINY_MOE = ["memory=moe", "memory.layers=[1]"]
 
 # The floor of the mfu section. On one H200 (docs/benchmarks.md, "Device
 # check"; eager, 8 x 2048 tokens) the 373M dense model in bf16 reached 22%
-# and Memory+ (memory-bound reads on top) 13-14%; 10% is what a broken path falls under: fp32 matmuls without TF32 (at most
-# 67 / 989 = 6.8% of the bf16 peak), the Triton interpreter or a CPU fallback,
+# and Memory+ (memory-bound reads on top) 13-14%; 10% is what a broken path
+# falls under: fp32 matmuls without TF32 (at most 67 / 989 = 6.8% of the bf16
+# peak), the Triton interpreter or a CPU fallback,
 # or a sync per layer (the GPU idles while the host waits).
 MFU_FLOOR = 0.10
 # Graphs dynamo compiles with parallel.compile=true (one Module.compile per
