@@ -120,25 +120,35 @@ def section(rows: list[dict], entities: int, runs_at: RunsAt) -> list[str]:
 
 
 def lever_lines(rows: list[dict], entities: int, runs_at: RunsAt) -> list[str]:
-    """The lever runs at N, each against the same seed's run at the same value lr without the lever."""
+    """The lever runs at N, each against the same seed's run at the same value lr
+    without the lever, and against Dense's mean over seeds."""
     levers = [r for r in rows if r.get("lever") and r["entities"] == entities]
     if not levers:
         return []
+    dense = runs_at("Dense", entities, None)
     out = ["", f"Levers at N = {entities:,} (one change to a sweep setting, each against the same seed's run "
            "without it):", "",
-           "| variant | value lr | lever | seed | bits stored | EM % | same seed without it | change | run |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---|"]
+           "| variant | value lr | lever | seed | bits stored | EM % | same seed without it | change | x Dense | run |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in levers:
         base = [b for b in runs_at(r["variant"], entities, r["value_lr"]) if b["seed"] == r["seed"]]
         without = f"{base[0]['stored_bits']:,.0f}" if base else "not run"
         change = f"{r['stored_bits'] / base[0]['stored_bits'] - 1:+.1%}" if base else "-"
+        vs_dense = f"{r['stored_bits'] / mean_bits(dense):.2f}x" if dense else "-"
         out.append(f"| {r['variant']} | {_lr(r['value_lr'])} | `{r['lever']}` | {r['seed']} "
-                   f"| {r['stored_bits']:,.0f} | {100 * r['exact_match']:.1f} | {without} | {change} | {r['run']} |")
+                   f"| {r['stored_bits']:,.0f} | {100 * r['exact_match']:.1f} | {without} | {change} | {vs_dense} "
+                   f"| {r['run']} |")
+    spreads = [max(x["stored_bits"] for x in runs) - min(x["stored_bits"] for x in runs)
+               for points in settings(rows, entities, runs_at).values() for _, runs in points if len(runs) >= 2]
+    if spreads:
+        out += ["", f"One seed each: a lever's change is settled only by a second seed (two seeds of one setting "
+                f"here differ by up to {max(spreads):,.0f} bits). x Dense: against Dense's mean over "
+                f"{len(dense)} seed(s)."]
     return out
 
 
 def panel(axes, rows: list[dict], entities: int, runs_at: RunsAt) -> None:
-    """Bits stored against value lr at N: each seed a dot, the mean a line, per swept variant."""
+    """Bits stored against value lr at N: each seed a dot, the mean a line, per swept variant; a lever run a star."""
     swept = {v: s for v, s in settings(rows, entities, runs_at).items() if len(s) >= 2}
     for variant, points in swept.items():
         lrs = [lr for lr, _ in points]
@@ -146,7 +156,12 @@ def panel(axes, rows: list[dict], entities: int, runs_at: RunsAt) -> None:
         for lr, runs in points:
             axes.scatter([lr] * len(runs), [r["stored_bits"] for r in runs], color=line.get_color(), s=12,
                          alpha=0.5)
+    for r in (r for r in rows if r.get("lever") and r["entities"] == entities):
+        axes.scatter([r["value_lr"]], [r["stored_bits"]], marker="*", s=120, color="k", zorder=3,
+                     label=f"{r['variant']}, {r['lever'].replace('memory.', '')} (seed {r['seed']})")
     axes.set(xscale="log", xlabel="memory.value_lr", ylabel="bits stored",
              title=f"value-lr sweep at N = {entities:,}")
     if swept:
-        axes.legend()
+        low, high = axes.get_ylim()
+        axes.set_ylim(low, high + 0.35 * (high - low))  # room for the legend above the points
+        axes.legend(loc="upper left", fontsize="small")

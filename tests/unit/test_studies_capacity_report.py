@@ -185,6 +185,7 @@ def test_value_lr_sweep_names_each_variants_best_setting_and_the_order(tmp_path)
 def test_a_lever_run_is_set_beside_its_seed_and_is_no_seed_of_a_setting(tmp_path):
     small = ["memory.n_keys=16", "memory.knn=8", "memory.eval_knn=8"]
     _run(tmp_path, "d40", "capacity_dense", 40, 100.0)
+    _run(tmp_path, "d40_s1", "capacity_dense", 40, 140.0, extra=["seed=1"])
     _run(tmp_path, "m40", "capacity_memplus", 40, 300.0, extra=small)
     _run(tmp_path, "m40_1e-1", "capacity_memplus", 40, 700.0, extra=[*small, "memory.value_lr=1e-1"])
     _run(tmp_path, "m40_1e-1_s1", "capacity_memplus", 40, 500.0, extra=[*small, "memory.value_lr=1e-1", "seed=1"])
@@ -200,8 +201,9 @@ def test_a_lever_run_is_set_beside_its_seed_and_is_no_seed_of_a_setting(tmp_path
     # Not a seed: the setting at 1e-1 keeps its two seeds, the best is still their mean.
     assert "| Memory+ | 0.1 | 2 | 600 (mean of 2 seeds: 700, 500) |" in text
     assert "Memory+'s best value lr at N = 40: 0.1, 600 (mean of 2 seeds: 700, 500) bits (2 seeds)." in text
-    assert ("| Memory+ | 0.1 | `memory.value_weight_decay=0.1` | 0 | 350 | 54.7 | 700 | -50.0% | m40_1e-1_wd |"
+    assert ("| Memory+ | 0.1 | `memory.value_weight_decay=0.1` | 0 | 350 | 54.7 | 700 | -50.0% | 2.92x | m40_1e-1_wd |"
             in text)
-    assert "| Memory+ | 0.1 | `memory.value_dtype=bf16` | 2 | 90 | 14.1 | not run | - | m40_wd_s2 |" in text
+    assert "| Memory+ | 0.1 | `memory.value_dtype=bf16` | 2 | 90 | 14.1 | not run | - | 0.75x | m40_wd_s2 |" in text
+    assert "here differ by up to 200 bits). x Dense: against Dense's mean over 2 seed(s)." in text
     assert "- `m40_1e-1_wd`: `python -m memlm.train memory.value_weight_decay=0.1`" in text
     assert "| m40_1e-1_wd | Memory+ | 0 | 256 | 0.1 | `memory.value_weight_decay=0.1` |" in text
