@@ -24,10 +24,11 @@
 #   compile_memplus the same with Memory+ (its own limit: the memory block compiles too).
 #                   FAIL: a graph break, more graphs than one per distinct block (recompiles:
 #                   dense 1, Memory+ 2), or a speedup (eager / compiled step time) <= 1.
-#   paths           bench/device_paths.py: the CUDA branches the sections above never take, a few
-#                   real steps each on the random-facts corpus: document masks (FlexAttention),
-#                   memory.kernel=torch, sparse value updates, PEER, a checkpoint with slot usage,
-#                   the facts eval, finetune=sparse from it, generation from it.
+#   paths           bench/device_train.py paths (bench/device_paths.py): the CUDA branches
+#                   the sections above never take, a few real steps each on the random-facts
+#                   corpus: document masks (FlexAttention), memory.kernel=torch, sparse value
+#                   updates, PEER, a checkpoint with slot usage, the facts eval, finetune=sparse
+#                   from it, generation from it.
 #                   FAIL: a path raises or ends on a non-finite loss.
 #   equivalence     2 NCCL ranks (memory_parallel=2) == 1 process; only with >= 2 GPUs.
 #                   FAIL: a loss or weight more than 1e-3 off.
@@ -245,7 +246,7 @@ for variant in dense memplus; do
     wanted "compile_$variant" && run_section "compile_$variant" "$limit" "${TRAIN[@]}" compile --variant "$variant" \
         ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/compile_$variant.json"
 done
-wanted paths && run_section paths 120 "$PY" bench/device_paths.py ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/paths.json"
+wanted paths && run_section paths 120 "${TRAIN[@]}" paths ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/paths.json"
 if wanted equivalence; then
     gpus="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
     if [ "$DRY_RUN" = "1" ] || [ "${gpus:-0}" -ge 2 ]; then

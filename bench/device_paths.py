@@ -1,7 +1,7 @@
 """The CUDA paths the other device-check sections never take (bench/device_check.sh, section `paths`).
 
-    python bench/device_paths.py --json OUT/paths.json
-    python bench/device_paths.py --dry-run        # the same on CPU: checks the plumbing
+    python bench/device_train.py paths --json OUT/paths.json
+    python bench/device_train.py paths --dry-run        # the same on CPU: checks the plumbing
 
 The mfu, nosync and compile sections train on random tokens with the
 defaults; a user's run also masks documents, evaluates, saves, fine-tunes
@@ -19,17 +19,15 @@ as the capacity study trains on), a dim-64 model, on the GPU in bf16.
     generate      greedy decoding from that checkpoint (memlm.generate)
 
 A path passes when it raises nothing and its last logged loss is finite. It
-prints `PARTIAL paths <name>: ...` as each ends and one `RESULT paths ok|FAIL`
-line (exit 0 or 1); a failed path is named and the next still runs.
+prints `PARTIAL paths <name>: ...` as each ends; bench/device_train.py
+prints the `RESULT paths ok|FAIL` line. A failed path is named and the next
+still runs.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -86,7 +84,7 @@ def generate_path(checkpoint: str, dry: bool) -> dict:
     return {"texts": [c.text for c in done], "ok": len(done) == 2}
 
 
-def run_paths(dry: bool, tmp: str) -> dict:
+def section_paths(dry: bool, tmp: str) -> dict:
     results: dict[str, dict] = {}
 
     def attempt(name, fn):
@@ -114,23 +112,3 @@ def run_paths(dry: bool, tmp: str) -> dict:
     line = "; ".join(failed) if failed else ", ".join(f"{k} {v['seconds']:.0f}s" for k, v in results.items())
     return {"ok": not failed, "line": f"{len(failed)} of {len(results)} paths failed: {line}" if failed
             else f"{len(results)} paths ran: {line}", "results": results}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dry-run", action="store_true", help="on CPU in fp32 (no GPU needed)")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    args = parser.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        print("RESULT paths FAIL: no CUDA device (use --dry-run on CPU)", flush=True)
-        return 1
-    with tempfile.TemporaryDirectory() as tmp:
-        result = run_paths(args.dry_run, tmp)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2, default=str))
-    print(f"RESULT paths {'ok' if result['ok'] else 'FAIL'}: {result['line']}", flush=True)
-    return 0 if result["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,6 +7,7 @@ section at a time, each under its own timeout):
     python bench/device_train.py compile --variant memplus            # the same with Memory+ (134M base)
     python bench/device_train.py nosync --json OUT/nosync.json        # no host sync in non-logging steps
     python bench/device_train.py equivalence --json OUT/eq.json       # 2 NCCL ranks == 1 process
+    python bench/device_train.py paths --json OUT/paths.json          # CUDA branches (bench/device_paths.py)
     python bench/device_train.py mfu --dry-run                        # tiny models on CPU: checks the code path
 
 Every section builds the real `Trainer` (random tokens, no files read) and
@@ -29,6 +30,7 @@ anywhere in a section is a FAIL naming it. Pass/fail rules:
   counted on CPU too), and from the third step on a GPU
   torch.cuda.set_sync_debug_mode("error") raises on no sync either.
 - equivalence: losses and weights of 2 ranks within 1e-3 of 1 process.
+- paths: every path of bench/device_paths.py raises nothing and ends on a finite loss.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))  # the distributed test helpers (equivalence)
+
+from device_paths import section_paths  # noqa: E402
 
 from memlm.config.run import compose  # noqa: E402
 from memlm.train.metrics import device_peak_flops  # noqa: E402
@@ -379,7 +383,7 @@ def section_equivalence(dry: bool, tmp: str) -> dict:
 
 
 SECTIONS = {"mfu": section_mfu, "compile": section_compile, "nosync": section_nosync,
-            "equivalence": section_equivalence}
+            "equivalence": section_equivalence, "paths": section_paths}
 
 
 def main(argv: list[str] | None = None) -> int:
