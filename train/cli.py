@@ -58,8 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     from memlm.evals.formats import TaskDataError
     from memlm.train.trainer import Trainer
 
+    finished = False
     try:
         Trainer(cfg).fit()
+        finished = True
     except ConfigError as err:
         _error(err)
         return 2
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         _error(err)
         return 1
     finally:
-        shutdown()
+        shutdown(synchronize=finished)
     return 0
 
 

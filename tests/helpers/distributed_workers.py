@@ -25,13 +25,14 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
         "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
     })
     torch.set_num_threads(1)
+    from memlm.distributed.env import shutdown
+
+    finished = False
     try:
         fn(rank, *args)
+        finished = True
     finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown(synchronize=finished)  # as the train CLI ends a torchrun rank
 
 
 def run_ranks(fn: Callable, world: int, *args) -> None:

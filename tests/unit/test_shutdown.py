@@ -38,10 +38,13 @@ def test_the_trainer_is_freed_before_the_process_group_is_destroyed(tmp_path, mo
     monkeypatch.setattr(env, "dist", fake)
     real_shutdown = env.shutdown
 
-    def shutdown():  # the train CLI imports it from env when main() runs
+    barriers: list[int] = []
+
+    def shutdown(synchronize=False):  # the train CLI imports it from env when main() runs
         fake.is_initialized = lambda: True
         fake.destroy_process_group = destroy_process_group
-        real_shutdown()
+        fake.barrier = lambda: barriers.append(len(alive_at_destroy))
+        real_shutdown(synchronize)
 
     monkeypatch.setattr(env, "shutdown", shutdown)
     gc.disable()  # the automatic collector must not free the cycles by chance
@@ -51,3 +54,19 @@ def test_the_trainer_is_freed_before_the_process_group_is_destroyed(tmp_path, mo
         gc.enable()
     assert len(trainers) == 1, "the CLI did not build one Trainer"
     assert alive_at_destroy == [0], "a Trainer was still alive when the process group was destroyed"
+    assert barriers == [0], "a finished run meets its peers in a barrier before destroying the group"
+
+
+def test_a_failed_run_destroys_its_group_without_a_barrier(monkeypatch):
+    """A rank that failed must not wait for peers that may never come."""
+    calls = []
+
+    class Dist:
+        is_initialized = staticmethod(lambda: True)
+        barrier = staticmethod(lambda: calls.append("barrier"))
+        destroy_process_group = staticmethod(lambda: calls.append("destroy"))
+
+    monkeypatch.setattr(env, "dist", Dist)
+    env.shutdown(synchronize=False)
+    env.shutdown(synchronize=True)
+    assert calls == ["destroy", "barrier", "destroy"]
