@@ -109,12 +109,16 @@ def shutdown(synchronize: bool = False) -> None:
     a peer is still being delivered; a rank that then destroys its group and
     exits can abort the peer's gloo thread the same way (measured: 1 run in
     16 of a 2-rank test without it, 0 in 32 with it). A failed run skips
-    it: a peer that never arrives would hang the barrier.
+    it: a peer that never arrives would hang the barrier. A barrier the group
+    cannot run (no backend for this device) is reported, and the group destroyed.
     """
     gc.collect()
     if dist.is_initialized():
         if synchronize:
-            dist.barrier()
+            try:
+                dist.barrier()
+            except RuntimeError as err:  # e.g. a group with no backend for this process's device
+                print(f"[shutdown] no barrier before destroying the process group: {err}", flush=True)
         dist.destroy_process_group()
     gc.collect()
 

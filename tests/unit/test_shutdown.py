@@ -70,3 +70,20 @@ def test_a_failed_run_destroys_its_group_without_a_barrier(monkeypatch):
     env.shutdown(synchronize=False)
     env.shutdown(synchronize=True)
     assert calls == ["destroy", "barrier", "destroy"]
+
+
+def test_a_barrier_the_group_cannot_run_is_reported_and_the_group_still_destroyed(monkeypatch, capsys):
+    calls = []
+
+    def no_cpu_backend():
+        raise RuntimeError("No backend type associated with device type cpu")
+
+    class Dist:
+        is_initialized = staticmethod(lambda: True)
+        barrier = staticmethod(no_cpu_backend)
+        destroy_process_group = staticmethod(lambda: calls.append("destroy"))
+
+    monkeypatch.setattr(env, "dist", Dist)
+    env.shutdown(synchronize=True)
+    assert calls == ["destroy"]
+    assert "no barrier before destroying the process group: No backend type" in capsys.readouterr().out
