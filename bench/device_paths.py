@@ -37,43 +37,33 @@ import torch
 from memlm.config.run import compose
 from memlm.train.trainer import Trainer
 
-FACTS = ["experiment=capacity_memplus", "data.facts.entities=200", "steps=8", "logging.every=4", "optim.warmup=2",
-         "checkpoint.at_end=false", "eval.after_training=false"]
-# Each path: overrides on FACTS (the finetune path adds init_from).
+FACTS = ["data.facts.entities=200", "steps=8", "logging.every=4", "optim.warmup=2", "checkpoint.at_end=false",
+         "eval.after_training=false"]
+# Each path: its experiment, then overrides on FACTS (the finetune path adds init_from).
 PATHS = {
-    "doc_mask": ["model.doc_mask=true", "checkpoint.at_end=true", "checkpoint.slot_usage_steps=2",
-                 "eval.after_training=true"],
-    "kernel_torch": ["memory.kernel=torch"],
-    "sparse": ["memory.sparse_updates=true"],
+    "doc_mask": ["experiment=capacity_memplus", "model.doc_mask=true", "checkpoint.at_end=true",
+                 "checkpoint.slot_usage_steps=2", "eval.after_training=true"],
+    "kernel_torch": ["experiment=capacity_memplus", "memory.kernel=torch"],
+    "sparse": ["experiment=capacity_memplus", "memory.sparse_updates=true"],
     "peer": ["experiment=capacity_peer"],
-    "finetune": ["finetune=sparse", "finetune.top_t=64"],
+    "finetune": ["experiment=capacity_memplus", "finetune=sparse", "finetune.top_t=64"],
 }
 
 
 def _overrides(name: str, dry: bool, tmp: str) -> list[str]:
-    extra = PATHS[name]
-    base = [o for o in FACTS if not (extra[0].startswith("experiment=") and o.startswith("experiment="))]
+    experiment, *extra = PATHS[name]
     # A dry run only checks the plumbing: 4 steps of 4 sequences.
     device = ["device=cpu", "parallel.dtype=fp32", "steps=4", "logging.every=2", "data.micro_batch=4"] if dry \
         else ["parallel.dtype=bf16"]
-    return [*base, *extra, *device, f"data.cache_dir={tmp}/cache", f"dump_dir={tmp}/{name}"]
-
-
-def _last_loss(dump: Path) -> float:
-    """The loss of the last logged step (metrics.jsonl), NaN if none."""
-    lines = [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    losses = [x["loss"] for x in lines if "loss" in x]
-    return losses[-1] if losses else float("nan")
+    return [experiment, *FACTS, *extra, *device, f"data.cache_dir={tmp}/cache", f"dump_dir={tmp}/{name}"]
 
 
 def train_path(name: str, dry: bool, tmp: str, init_from: str | None = None) -> dict:
     overrides = _overrides(name, dry, tmp) + ([f"init_from={init_from}"] if init_from else [])
     summary = Trainer(compose(overrides)).fit()
-    loss = _last_loss(Path(tmp) / name)
-    out = {"loss": loss, "steps": summary.get("steps"), "ok": math.isfinite(loss)}
-    if "evals" in summary:
-        out["evals"] = summary["evals"]
-    return out
+    loss = summary.get("final_loss")
+    loss = float("nan") if loss is None else loss
+    return {"loss": loss, "steps": summary.get("steps"), "ok": math.isfinite(loss), "evals": summary.get("evals")}
 
 
 def generate_path(checkpoint: str, dry: bool) -> dict:
