@@ -110,6 +110,11 @@ def reference(case) -> tuple[torch.Tensor, ...]:
     return results_of("F.embedding_bag", case32)
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| (NaN stays NaN: `not err <= tol` catches it)."""
+    return ((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
 def check(name, case, ref, sparse=False) -> str | None:
     """None when kernel `name` matches the reference `ref` within RESULT_TOL,
     else what is off (raises what the kernel raises)."""
@@ -119,7 +124,7 @@ def check(name, case, ref, sparse=False) -> str | None:
         if got.shape != want.shape:
             off.append(f"{what} shape {tuple(got.shape)} != {tuple(want.shape)}")
             continue
-        err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+        err = relative_error(got, want)
         if not err <= tol:  # also NaN
             off.append(f"{what} off by {err:.2e} of its max (limit {tol:.0e})")
     return "; ".join(off) or None
@@ -232,8 +237,7 @@ def forward_off(name, case, ref_out) -> str | None:
     """check() of the output alone (a kernel timed forward only)."""
     values, indices, weights, _ = case
     with torch.no_grad():
-        got = _dense(read(name, values, indices, weights)).float()
-    err = ((got - ref_out).abs().max() / ref_out.abs().max().clamp_min(1e-30)).item()
+        err = relative_error(_dense(read(name, values, indices, weights)), ref_out)
     tol = RESULT_TOL[values.dtype]
     return None if err <= tol else f"output off by {err:.2e} of its max (limit {tol:.0e})"
 
@@ -294,7 +298,7 @@ def block_sweep(case, ref_out, repeats: int, failures: list[str], timer=time_cud
         out = checked(label, failures, lambda k=bk, c=bv: triton_bag.bag_forward(values, indices, weights, k, c))
         if out is None:
             continue
-        err = ((out.float() - ref_out).abs().max() / ref_out.abs().max()).item()
+        err = relative_error(out, ref_out)
         if not err <= RESULT_TOL[values.dtype]:
             failures.append(f"{label}: forward off by {err:.2e} of its max")
             continue
