@@ -23,6 +23,7 @@ from memlm.distributed.memory_parallel import init_value_tables as _init_pool_ta
 from memlm.distributed.memory_parallel import shard_value_pools
 from memlm.distributed.value_grads import REDUCE_DTYPES, ValueGradReduction
 from memlm.distributed.value_layout import ValueTables, least_traffic, value_layouts
+from memlm.memory.config import PRODUCT_KEY_KINDS
 from memlm.memory.schedule import apply_knn_schedule
 from memlm.memory.tables import value_pools
 from memlm.memory.usage import usage_metrics
@@ -31,7 +32,6 @@ from memlm.memory.values import VALUE_DTYPES
 # A whole-table all-reduce this large per step (bytes one rank sends) is
 # worth a warning at start-up: about 27 ms a step over a 400 Gb/s NIC.
 WHOLE_TABLE_WARNING_BYTES = 2**30
-PRODUCT_KEY_KINDS = ("memory", "memplus")  # the FFN kinds that read value tables (model/memory_ffn.py)
 
 
 def value_tables(cfg: Any) -> ValueTables | None:

@@ -13,6 +13,9 @@ from memlm.errors import ConfigError
 
 # memory.value_dtype choices; memlm.memory.values.VALUE_DTYPES maps them to torch dtypes.
 VALUE_DTYPE_NAMES = ("fp32", "bf16")
+# memory.kind values whose layers read value tables through a product-key
+# lookup (memory/layers.py: Memory, MemoryPlus; model/memory_ffn.py builds them).
+PRODUCT_KEY_KINDS = ("memory", "memplus")
 
 
 @dataclass
@@ -98,7 +101,7 @@ class MemoryConfig:
             raise ConfigError(f"{prefix}.gate", self.gate, "one of: none, sigmoid, swilu")
         if self.kernel not in ("auto", "triton", "torch"):
             raise ConfigError(f"{prefix}.kernel", self.kernel, "one of: auto, triton, torch")
-        if self.kind in ("memory", "memplus"):
+        if self.kind in PRODUCT_KEY_KINDS:
             self._validate_product_key_memory(prefix)
 
         # ---- moe / peer baselines -------------------------------------------

@@ -43,6 +43,9 @@ from .configuration_memlm import MEMORY_KEYS, MemlmConfig
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 VALUE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
+# The FFN kinds that read value tables (memlm.memory.config.PRODUCT_KEY_KINDS): a
+# copy, because this file must run where memlm is not installed.
+PRODUCT_KEY_KINDS = ("memory", "memplus")
 
 
 # Read once: torch.compile 2.11 cannot trace torch.amp.is_autocast_available (a graph break per call).
@@ -334,7 +337,7 @@ class MemlmForCausalLM(PreTrainedModel, GenerationMixin):
         m = _memory_settings(config)
         self.tok_embeddings = nn.Embedding(config.vocab_size, dim)
         pool = None
-        if m.get("share_values") and any(k in ("memory", "memplus") for k in config.layer_ffn_kinds):
+        if m.get("share_values") and any(k in PRODUCT_KEY_KINDS for k in config.layer_ffn_kinds):
             pool = ValuePool(m["n_keys"] ** 2, m["v_dim"], VALUE_DTYPES[m["value_dtype"]])
         self.layers = nn.ModuleList(
             Block(config, i, self._ffn(kind, config, m, pool)) for i, kind in enumerate(config.layer_ffn_kinds)
