@@ -19,6 +19,9 @@ Example dicts:
 - mmlu: {"question": str, "choices": [4 str], "answer": int, "subject": str}
 - choice: {"context": str, "choices": [str, ...], "answer": int, "style": "context" | "question"}
 - ppl: {"text": str}
+- bits: {"question": str, "answer": str, "values": int} (the question is the
+  verbatim prompt, ending in the answer cue: read_facts refuses a file with
+  questions that do not)
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from memlm.evals.registry import ANSWER_CUE
 
 
 class TaskDataError(ValueError):
@@ -292,3 +297,35 @@ def read_texts(paths: Sequence[Path], fmt: str) -> list[dict]:
             docs.append({"text": record["text"]})
         return docs
     return [{"text": read_text(paths[0], fmt)}]
+
+
+def read_facts(paths: Path | Sequence[Path], fmt: str) -> list[dict]:
+    """[{"question", "answer", "values"}] of a facts file. A malformed record fails
+    naming its line. The answer is scored after its question and one space, so
+    the question must be the prompt the model read before the answer in
+    training: a question without the answer cue (`"What is the metal of X?"`
+    for the trained `"Q: What is the metal of X?\\nA: rimo"`) would score about
+    0 bits on a model that stored the fact. A file with any such question is
+    refused, counting them and showing the first: a number over a mix of
+    prompts is not comparable."""
+    examples, uncued = [], []
+    for where, r in read_records(paths, fmt):
+        question, answer, values = (r.get(k, _MISSING) for k in ("question", "answer", "values"))
+        if not isinstance(question, str):
+            raise _field_error(where, "question", question, "a string", fmt)
+        if not (isinstance(answer, str) and answer and answer == answer.strip()):
+            raise _field_error(where, "answer", answer, "a non-empty string without surrounding whitespace "
+                               "(it is scored after one space)", fmt)
+        if not (isinstance(values, int) and values >= 2):
+            raise _field_error(where, "values", values, "an integer >= 2 (the value's candidates)", fmt)
+        if not question.endswith(ANSWER_CUE):
+            uncued.append((where, question))
+        examples.append({"question": question, "answer": answer, "values": values})
+    if uncued:
+        where, question = uncued[0]
+        source = describe([paths] if isinstance(paths, Path) else paths)
+        raise TaskDataError(f"{source}: {len(uncued)} of {len(examples)} questions do not end in the answer cue "
+                            f"{ANSWER_CUE!r} (first: {where}: {_show(question)}): a question is the verbatim prompt "
+                            "the answer follows, and without the cue a model that stored the facts scores about "
+                            f"0 bits; format: {fmt}")
+    return examples

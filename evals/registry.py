@@ -25,7 +25,7 @@ from memlm.errors import ConfigError
 @dataclass(frozen=True)
 class TaskSpec:
     name: str
-    kind: str  # qa | mmlu | choice | ppl
+    kind: str  # qa | mmlu | choice | ppl | bits
     folder: str  # under data_dir; "" for tasks that need no files
     eval_files: tuple[str, ...]  # first one that exists is evaluated; `*`: a glob of Parquet shards
     pool_files: tuple[str, ...] = ()  # few-shot pool; none found -> the first k eval examples
@@ -45,10 +45,14 @@ MMLU_FORMAT = ("MMLU CSV files test/<subject>_test.csv (+ dev/<subject>_dev.csv)
                "question,A,B,C,D,answer (a header row naming these columns is skipped); or test.jsonl (+ dev.jsonl) of "
                '{"question": str, "choices": [4 str], "answer": index or letter, "subject": str}; or the Hugging '
                "Face Parquet (cais/mmlu: all/test-*.parquet + all/dev-*.parquet, the same columns)")
+# The answer cue of the Q/A layout (memlm.evals.prompts.qa_text, memlm.data.facts.question):
+# a facts file's question is the verbatim prompt and ends in it; the answer follows after one space.
+ANSWER_CUE = "\nA:"
 FACTS_FORMAT = ('a run trained on data.kind=facts (memlm.data.facts): its facts.jsonl of '
                 '{"question": str, "answer": str, "values": int}')
 FACTS_FILE_FORMAT = ('JSONL of {"question": str, "answer": str, "values": int >= 2} (one fact per line; '
-                     'the facts.jsonl memlm.data.facts writes)')
+                     'the facts.jsonl memlm.data.facts writes), the question ending in the answer cue, e.g. '
+                     '{"question": "Q: What is the metal of Kavoru Tesilan?\\nA:", "answer": "rimo", "values": 256}')
 PPL_FORMAT = ('JSONL or Parquet of {"text": str} (one document per record) or a plain UTF-8 text file (one document)')
 
 # Hugging Face dataset repositories store each split as <split>-00000-of-0000N.parquet,

@@ -23,6 +23,7 @@ from memlm.evals.formats import (
     find_optional,
     parse_choice,
     parse_qa,
+    read_facts,
     read_mmlu,
     read_records,
     read_texts,
@@ -195,15 +196,3 @@ def _facts(data_cfg: Any, task: str) -> list[dict]:
 
     path = Path(materialize_facts(data_cfg)["facts"])
     return read_facts(path, FACTS_FORMAT), str(path)
-
-
-def read_facts(paths: Path | list[Path], fmt: str) -> list[dict]:
-    """[{"question", "answer", "values"}] of a facts file; a malformed record fails naming its line."""
-    examples = []
-    for w, r in read_records(paths, fmt):
-        if not (isinstance(r.get("question"), str) and isinstance(r.get("answer"), str)
-                and isinstance(r.get("values"), int) and r["values"] >= 2):
-            raise TaskDataError(f"{w}: expected {{\"question\": str, \"answer\": str, \"values\": int >= 2}}, "
-                                f"got {json.dumps(r)[:200]}")
-        examples.append({"question": r["question"], "answer": r["answer"], "values": r["values"]})
-    return examples
