@@ -1,7 +1,16 @@
 """The Llama-style decoder: norms, RoPE, attention, FFN slots, the Transformer.
 
 Importing this package registers every built-in FFN kind.
+
+    from memlm.model import ModelArgs, build_model
+    model = build_model(ModelArgs(dim=256, n_layers=4, n_heads=4, vocab_size=1024))
+
+An export loads with `memlm.hf.from_pretrained(export_dir)`;
+`memlm.model.from_pretrained`, the name earlier docs gave, still works and is
+the same function.
 """
+
+import importlib
 
 # moe and peer are imported for their side effect: registering their FFN kinds.
 import memlm.model.memory_ffn  # noqa: F401
@@ -24,3 +33,13 @@ __all__ = [
     "layer_ffn_kinds",
     "register_ffn",
 ]
+
+
+def __getattr__(name: str):
+    # `memlm.model.from_pretrained`: the name earlier docs gave the export loader,
+    # which lives in memlm.hf, a layer above this package (docs/architecture.md,
+    # "Layout"; hf imports model). Resolved on first use, so importing
+    # memlm.model never imports memlm.hf.
+    if name == "from_pretrained":
+        return importlib.import_module("memlm.hf").from_pretrained
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
