@@ -14,7 +14,7 @@ loads the same directory. Other models (memory, MoE, PEER layers) get a
 `config.json` with `auto_map` and the modeling files of memlm/hf/remote/,
 so `AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True)`
 loads them without memlm installed; every export loads with
-`memlm.model.from_pretrained(out_dir)` and starts a new run with
+`memlm.hf.from_pretrained(out_dir)` and starts a new run with
 `python -m memlm.train init_from=out_dir ...` (hf/importer.py).
 
 A checkpoint holding a NaN or inf tensor is refused before anything is
