@@ -4,6 +4,8 @@
     atomic_write_json(run_dir / "summary.json", summary, indent=2)
     with atomic_output(target, suffix=".so") as tmp:   # a tool writes the file itself
         subprocess.run([cc, ..., "-o", str(tmp)], check=True)
+    with atomic_output_dir(out_dir) as tmp:            # a whole folder (an export)
+        save_file(state, str(tmp / "model.safetensors"))
 
 Every write goes to a private temporary name in the same directory (so the
 rename never crosses file systems; the name holds the PID and a random part,
@@ -13,17 +15,35 @@ flushed and fsync'ed, and then renamed over the target with `os.replace`
 too, so the rename itself survives a power loss: checkpoints, manifests and
 shards rely on that order. If anything fails the temporary is removed and
 the target is untouched.
+
+A folder is written the same way: into a new folder beside it
+(`.<name>.new<pid>.<random>`), every file fsync'ed, then swapped in with two
+renames (the old folder moved aside to `.<name>.old<pid>.<random>`, the new
+one renamed in) and only then the old one removed. A process killed while
+writing leaves the old folder whole; between the two renames (a moment) the
+folder is missing and the old one is beside it. What a killed process left
+beside the folder is removed by the next write of the same folder.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -49,11 +69,7 @@ def atomic_output(path: str | os.PathLike, suffix: str = "", durable: bool = Tru
     try:
         yield tmp
         if durable:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -76,3 +92,72 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, durable: bool = True, *
     """`json.dumps(obj, **dumps_kwargs)` plus a final newline when indented."""
     text = json.dumps(obj, **dumps_kwargs)
     atomic_write_text(path, text + ("\n" if dumps_kwargs.get("indent") is not None else ""), durable=durable)
+
+
+@contextmanager
+def atomic_output_dir(path: str | os.PathLike, durable: bool = True) -> Iterator[Path]:
+    """Yield a new, empty folder beside `path`; when the block ends without an
+    error, it replaces `path` (a folder or a file, if one is there). On an
+    error the new folder is removed and `path` is untouched."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(path)
+    tmp = _sibling(path, "new")
+    tmp.mkdir()
+    try:
+        yield tmp
+        if durable:
+            for file in tmp.rglob("*"):
+                if file.is_file():
+                    _fsync_file(file)
+            _fsync_dir(tmp)
+    except BaseException:
+        _remove(tmp)
+        raise
+    old = None
+    if path.exists() or path.is_symlink():
+        old = _sibling(path, "old")
+        os.rename(path, old)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        if old is not None:
+            os.rename(old, path)
+        _remove(tmp)
+        raise
+    if durable:
+        _fsync_dir(path.parent)
+    if old is not None:
+        _remove(old)
+
+
+def _sibling(path: Path, kind: str) -> Path:
+    return path.with_name(f".{path.name}.{kind}{os.getpid()}.{secrets.token_hex(4)}")
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Remove what a killed atomic_output_dir of `path` left beside it: names
+    of its pattern whose process is gone (a live writer's folder is kept)."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(?:new|old)(\d+)\.[0-9a-f]{{8}}")
+    for entry in path.parent.iterdir():
+        match = pattern.fullmatch(entry.name)
+        if match and not _alive(int(match.group(1))):
+            _remove(entry)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs on this machine (this one included)."""
+    try:
+        os.kill(pid, 0)  # signal 0: only asks
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

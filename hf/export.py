@@ -19,6 +19,16 @@ loads them without memlm installed; every export loads with
 
 A checkpoint holding a NaN or inf tensor is refused before anything is
 written (ExportError naming the tensors; the command exits 1 with one line).
+
+An existing out_dir is replaced only when it is an earlier export of the same
+run (its memlm_config.json names the run's folder) or is empty; any other is
+refused with one line unless --overwrite is given:
+
+    python -m memlm.hf.export runs/demo exports/demo --overwrite
+
+The export is written into a new folder beside out_dir and swapped in at the
+end (memlm.files.atomic_output_dir): an export that fails or is killed midway
+leaves the previous one whole.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from memlm.checkpoint.checkpointer import Checkpointer, CheckpointError, verify
 from memlm.checkpoint.finite import check_finite
 from memlm.config.run import from_yaml
 from memlm.errors import ConfigError
+from memlm.files import atomic_output_dir
 from memlm.hf.bundle import hf_token_ids, portable_config_json, write_hf_side_files
 from memlm.hf.load import build_run_model, resolve_checkpoint_dir, run_tokenizer_path
 from memlm.hf.mapping import to_hf_config, to_hf_state_dict
@@ -75,8 +86,12 @@ def shard_state(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str
     return shards
 
 
-def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9) -> Path:
+def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9, overwrite: bool = False) -> Path:
     checkpoint = resolve_checkpoint_dir(Path(checkpoint))
+    out_dir = Path(out_dir)
+    run = str(checkpoint.resolve().parent.parent)  # the run's dump_dir: what the export records it came from
+    if not overwrite:
+        check_replaceable(out_dir, run)
     meta = verify(checkpoint)
     cfg = from_yaml(meta["config"])
     memory = cfg.memory if cfg.memory.kind != "none" else None
@@ -91,7 +106,14 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9) -> 
         state = to_hf_state_dict(state, cfg.model)
         if cfg.model.tie_embeddings:
             state.pop("lm_head.weight")  # safetensors stores a tensor once; HF re-ties it
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_output_dir(out_dir) as new_dir:  # swapped in at the end: a killed export leaves the old one whole
+        write_export(new_dir, cfg, checkpoint, meta, state, max_shard_size, dense, memory, run)
+    return out_dir
+
+
+def write_export(out_dir: Path, cfg, checkpoint: Path, meta: dict, state: dict[str, torch.Tensor],
+                 max_shard_size: int, dense: bool, memory, run: str) -> None:
+    """Every file of the export, into the empty folder out_dir."""
     shards = shard_state(state, max_shard_size)
     if len(shards) == 1:
         save_file(shards[0], str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -105,7 +127,7 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9) -> 
         (out_dir / INDEX_NAME).write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     memlm_config = {
-        "memlm_version": memlm.__version__, "step": meta["step"],
+        "memlm_version": memlm.__version__, "step": meta["step"], "run": run,
         "weights_layout": "hf_llama" if dense else "memlm",
         "model": dataclasses.asdict(cfg.model), "memory": dataclasses.asdict(cfg.memory),
     }
@@ -122,7 +144,22 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9) -> 
     if tokenizer:
         shutil.copy(tokenizer, out_dir / "tokenizer.model")
     write_hf_side_files(out_dir, tokenizer, cfg.model.max_seq_len)
-    return out_dir
+
+
+def check_replaceable(out_dir: Path, run: str) -> None:
+    """out_dir may be written: it does not exist, is empty, or is an earlier
+    export of `run` (its memlm_config.json says so). Else ExportError."""
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if out_dir.is_dir() and not any(out_dir.iterdir()):
+        return
+    try:
+        earlier = json.loads((out_dir / CONFIG_NAME).read_text()).get("run")
+    except (OSError, ValueError, AttributeError):
+        earlier = None
+    if earlier != run:
+        raise ExportError(f"{out_dir} exists and is not an earlier export of {run}: choose another folder, "
+                          "or add --overwrite to replace it")
 
 
 # -------------------------------------------------------------- data config
@@ -141,9 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", type=Path, help="checkpoint directory, its `latest` file, or a run's dump_dir")
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"))
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace out_dir even when it is not an earlier export of this run (a folder of "
+                             "yours, an export of another run); the old folder goes only once the new export "
+                             "is complete")
     args = parser.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.out_dir, args.max_shard_size)
+        out = export(args.checkpoint, args.out_dir, args.max_shard_size, args.overwrite)
     except (ExportError, CheckpointError, ConfigError) as err:  # a missing, bad or non-finite checkpoint: one line
         print(f"error: cannot export {args.checkpoint}: {err}", file=sys.stderr)
         return 1
