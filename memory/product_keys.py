@@ -183,10 +183,12 @@ class ProductKeys(nn.Module):
                 scores, slots, sub_scores = product_key_search(
                     q, keys, self.current_knn, keep_sub=sub == "detached", ordered=False
                 )
-            # The softmax over each head's knn scores, exp(s - logsumexp(s)), ending in
-            # an op that makes a fresh (T, H*knn) tensor: a view returned by an FSDP unit
-            # (this module is one; memlm.distributed.parallelize) makes FSDP2 warn every step.
-            weights = (scores - scores.logsumexp(dim=-1, keepdim=True)).flatten(1).exp()
+            # softmax itself, so the weights equal the plain formulation's (Meta's layer,
+            # the exported remote code) bit for bit: exp(s - logsumexp(s)) differs in the
+            # last bits (tests/unit/test_memory_exact.py). Then a fresh (T, H*knn) tensor,
+            # not flatten's view: a view returned by an FSDP unit (this module is one;
+            # memlm.distributed.parallelize) makes FSDP2 warn every step.
+            weights = scores.softmax(dim=-1).flatten(1).clone()
         return weights, slots.flatten(1), sub_scores
 
     @torch.no_grad()
