@@ -20,7 +20,7 @@ weights"); only the matmuls' inputs are rounded. Two mechanisms, one result:
   keeps the residual stream, norms and loss in float32.
 
 Either way the product-key scores, their top-k and softmax, the MoE router and
-the value read run with autocast off in float32 (memlm.memory.fast.search.full_precision),
+the value read run with autocast off in float32 (memlm.memory.fast.exact.full_precision),
 and fp32 matmuls on CUDA use TF32 (enable_tf32). The product-key lookup goes
 further, so that it selects the slots the float32 model selects: its query
 projection runs in float32 too, both its matmuls with TF32 off

@@ -31,8 +31,8 @@ try:  # torch >= 2.9
     from torch.fx.experimental.sym_node import DynamicInt
 except ImportError:  # pragma: no cover - older torch: knn is a constant, each value compiles once
     DynamicInt = None
-from memlm.memory.fast.exact import exact_linear, exact_subkey_scores
-from memlm.memory.fast.search import full_precision, product_key_topk, subkey_scores
+from memlm.memory.fast.exact import exact_linear, exact_subkey_scores, full_precision
+from memlm.memory.fast.search import product_key_topk, subkey_scores
 from memlm.memory.fast.search_grad import product_key_search, topk_of_sub_scores
 
 SUB_MODES = ("detached", "grad", "none")

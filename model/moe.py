@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memlm.errors import ConfigError
-from memlm.memory.fast.search import autocast_available, full_precision
+from memlm.memory.fast.exact import autocast_available, full_precision
 from memlm.model.ffn import FFNContext, register_ffn
 
 GROUPED, DENSE = "grouped", "dense"

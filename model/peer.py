@@ -40,7 +40,7 @@ from torch import nn
 
 from memlm.errors import ConfigError
 from memlm.memory.fast.row_dots import row_dots
-from memlm.memory.fast.search import full_precision
+from memlm.memory.fast.exact import full_precision
 from memlm.memory.fast.search_grad import product_key_search
 from memlm.model.ffn import FFNContext, register_ffn
 

@@ -8,7 +8,8 @@ done the way a training step can afford.
 - search.py / search_grad.py: the product-key top-k and its custom autograd
   (the gradient touches only the selected sub-keys).
 - native_topk.py + topk_rows.c: a C top-k of many short CPU rows.
-- exact.py: the search's matmuls with TF32 off, as custom ops.
+- exact.py: the lookup's precision rules: its matmuls with TF32 off (custom ops),
+  autocast off around it (full_precision).
 - row_dots.py: dot products in slot order (PEER's down projection).
 - hugepages.py: transparent huge pages for the large, randomly updated tables.
 

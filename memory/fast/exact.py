@@ -20,8 +20,11 @@ off, without a graph break. Their backward is plain PyTorch (traced under
 torch.compile) at the caller's precision: a gradient is not a selection, and
 TF32's rounding of it is noise next to bf16 training's.
 
-Callers turn autocast off around these (memlm.memory.fast.search.full_precision)
-and pass float32 inputs: these functions do not cast.
+Callers turn autocast off around these and pass float32 inputs: these
+functions do not cast. The autocast side of the same rule lives here too:
+
+    with full_precision(x.device):             # autocast off for x's device (a no-op where it has none)
+        q = exact_linear(x.float(), w.float(), b.float())
 """
 
 from __future__ import annotations
@@ -35,6 +38,44 @@ import torch.nn.functional as F
 from memlm.memory.fast.search import subkey_scores
 
 _MATMUL = torch.backends.cuda.matmul
+
+
+def _autocast_device_types() -> frozenset[str]:
+    """The device types this torch build has autocast for, read once at import."""
+    names = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "mtia", "maia", "meta",
+             torch._C._get_privateuse1_backend_name())
+    found = set()
+    for name in names:
+        try:
+            if torch.amp.is_autocast_available(name):
+                found.add(name)
+        except RuntimeError:  # a device type this build does not know
+            pass
+    return frozenset(found)
+
+
+# A set lookup, not torch.amp.is_autocast_available at each call: torch.compile
+# 2.11 cannot trace that builtin (torch._C._is_autocast_available) and breaks
+# the graph at every call on CUDA (found by bench/device_check.sh on an H200:
+# 10 breaks and 30 graphs for one Memory+ block); a frozenset it traces.
+AUTOCAST_DEVICE_TYPES = _autocast_device_types()
+
+
+def autocast_available(device_type: str) -> bool:
+    """torch.amp.is_autocast_available(device_type), traceable by torch.compile."""
+    return device_type in AUTOCAST_DEVICE_TYPES
+
+
+def full_precision(device: torch.device) -> contextlib.AbstractContextManager:
+    """A context with autocast off for `device`: the product-key scores, their
+    top-k and the softmax then run in their inputs' dtype (the callers upcast
+    to float32). Under autocast(bf16) the scoring einsum would otherwise come
+    out bf16, whose 8-bit significand ties close scores and loses softmax
+    mass. torch.compile traces it (no graph break); devices without autocast
+    (meta) get a no-op context."""
+    if not autocast_available(device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,6 @@ with a backward through the selected sub-keys only.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -23,44 +22,6 @@ from memlm.memory.fast.native_topk import topk as rows_topk
 # Half top-k through block maxima (see half_topk) from n_keys >= this * knn.
 BLOCK_TOPK_RATIO = 16
 BLOCK = 4
-
-
-def _autocast_device_types() -> frozenset[str]:
-    """The device types this torch build has autocast for, read once at import."""
-    names = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "mtia", "maia", "meta",
-             torch._C._get_privateuse1_backend_name())
-    found = set()
-    for name in names:
-        try:
-            if torch.amp.is_autocast_available(name):
-                found.add(name)
-        except RuntimeError:  # a device type this build does not know
-            pass
-    return frozenset(found)
-
-
-# A set lookup, not torch.amp.is_autocast_available at each call: torch.compile
-# 2.11 cannot trace that builtin (torch._C._is_autocast_available) and breaks
-# the graph at every call on CUDA (found by bench/device_check.sh on an H200:
-# 10 breaks and 30 graphs for one Memory+ block); a frozenset it traces.
-AUTOCAST_DEVICE_TYPES = _autocast_device_types()
-
-
-def autocast_available(device_type: str) -> bool:
-    """torch.amp.is_autocast_available(device_type), traceable by torch.compile."""
-    return device_type in AUTOCAST_DEVICE_TYPES
-
-
-def full_precision(device: torch.device) -> contextlib.AbstractContextManager:
-    """A context with autocast off for `device`: the product-key scores, their
-    top-k and the softmax then run in their inputs' dtype (the callers upcast
-    to float32). Under autocast(bf16) the scoring einsum would otherwise come
-    out bf16, whose 8-bit significand ties close scores and loses softmax
-    mass. torch.compile traces it (no graph break); devices without autocast
-    (meta) get a no-op context."""
-    if not autocast_available(device.type):
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, enabled=False)
 
 
 def subkey_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
