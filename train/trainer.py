@@ -12,6 +12,7 @@ reduction -> optimizer and schedule -> checkpointer and restore -> loop.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -118,12 +119,18 @@ class Trainer:
         self.evaluation = Evaluation(cfg, self.env, self.model, self._autocast)
         self.checkpointer.recover()  # finish or undo a save a kill interrupted, before choosing one
         self.resumed_from = self._restore()
-        # Everything is checked and loaded: only now does this run write into its folder (a
-        # command that failed above leaves an existing run's files as they were).
-        if self.env.is_main:
-            atomic_write_text(self.dump_dir / "config.yaml", to_yaml(cfg))
-            keep_tokenizer(cfg, self.dump_dir)
-        self.checkpointer.start_lineage(self.step)  # later checkpoints belong to an abandoned history
+        # A finished run's command run again (resumed at steps or later) trains nothing and writes
+        # nothing: its folder keeps describing the run that happened (study reports read config.yaml).
+        self.nothing_to_train = self.resumed_from is not None and self.step >= cfg.steps
+        if self.nothing_to_train:
+            self._print_settings_not_recorded()
+        else:
+            # Everything is checked and loaded: only now does this run write into its folder (a
+            # command that failed above leaves an existing run's files as they were).
+            if self.env.is_main:
+                atomic_write_text(self.dump_dir / "config.yaml", to_yaml(cfg))
+                keep_tokenizer(cfg, self.dump_dir)
+            self.checkpointer.start_lineage(self.step)  # later checkpoints belong to an abandoned history
 
     def _restore(self):
         """resume: everything (model, optimizer, schedule, counters, data, RNG);
@@ -159,6 +166,25 @@ class Trainer:
                 print(f"[train] the run already reached steps={cfg.steps}: nothing to train (a larger steps= "
                       "trains it further; resume=none starts it over)", flush=True)
         return path
+
+    def _print_settings_not_recorded(self) -> None:
+        """Nothing to train: name the settings of this command that the run's config.yaml
+        (left as it was) does not hold, on one line."""
+        path = self.dump_dir / "config.yaml"
+        if not self.env.is_main or not path.is_file():
+            return
+
+        def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+            if not isinstance(tree, dict) or not tree:
+                return {prefix[:-1]: tree}
+            return {k: v for key, value in tree.items() for k, v in flat(value, f"{prefix}{key}.").items()}
+
+        recorded = flat(OmegaConf.to_container(OmegaConf.create(path.read_text())))
+        ours = flat(OmegaConf.to_container(OmegaConf.create(to_yaml(self.cfg))))
+        differ = sorted(key for key in recorded.keys() | ours.keys() if recorded.get(key) != ours.get(key))
+        if differ:
+            print(f"[train] {path} is left as it was, so this command's settings that differ from it are "
+                  f"not recorded: {', '.join(differ)}", flush=True)
 
     @property
     def nonfinite_total(self) -> int:
@@ -287,9 +313,10 @@ class Trainer:
     def fit(self, stop_after: int | None = None) -> dict[str, Any]:
         """Train until `cfg.steps` (or `stop_after` steps, e.g. a time slot
         before a requeue: the schedule still spans cfg.steps). The run's lock
-        on dump_dir is held until everything, summary.json included, is written."""
+        on dump_dir is held until everything, summary.json included, is written.
+        A run with nothing to train writes nothing (the summary is the one recorded)."""
         try:
-            return self._fit(stop_after)
+            return self._recorded_summary() if self.nothing_to_train else self._fit(stop_after)
         finally:
             self.close()
 
@@ -358,6 +385,21 @@ class Trainer:
         """Give the dump_dir back (the run lock); fit() does it when it ends."""
         if self.run_lock is not None:
             self.run_lock.release()
+
+    def _recorded_summary(self) -> dict[str, Any]:
+        """fit() with nothing to train: the run's summary.json as it is (if it is this step's)."""
+        summary = run_summary(name=self.cfg.name, steps=self.step, tokens=self.tokens, metrics={}, val_loss=None,
+                              evals={}, nonfinite_skipped=self.nonfinite_total, preempted=False, seconds=0.0,
+                              dump_dir=self.dump_dir)
+        if self.env.is_main:
+            try:
+                recorded = json.loads((self.dump_dir / "summary.json").read_text())
+            except (OSError, ValueError):
+                recorded = None
+            if isinstance(recorded, dict) and recorded.get("steps") == self.step:
+                summary = recorded
+            print(summary_line(summary), flush=True)
+        return summary
 
     def _finish(self, seconds: float, last: dict, val_loss, eval_results: dict, preempted: bool = False) -> dict:
         summary = run_summary(name=self.cfg.name, steps=self.step, tokens=self.tokens, metrics=last,
