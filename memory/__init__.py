@@ -14,10 +14,11 @@ from memlm.memory.config import MemoryConfig
 from memlm.memory.fast.ops import embedding_bag
 from memlm.memory.fast.search import product_key_topk, subkey_scores
 from memlm.memory.fast.search_grad import product_key_search
-from memlm.memory.layers import Memory, MemoryPlus, ProductKeyMemory, value_parameters
+from memlm.memory.layers import Memory, MemoryPlus, ProductKeyMemory
 from memlm.memory.product_keys import ProductKeys, balance_loss
 from memlm.memory.schedule import apply_knn_schedule, knn_at_step, set_knn
 from memlm.memory.sparse_adamw import SparseRowAdamW, clip_grad_norm_
+from memlm.memory.tables import sparse_tables, split_params, value_parameters
 from memlm.memory.usage import SlotUsage, reset_usage, usage_metrics
 from memlm.memory.values import ValuePool
 
@@ -39,6 +40,8 @@ __all__ = [
     "product_key_topk",
     "reset_usage",
     "set_knn",
+    "sparse_tables",
+    "split_params",
     "subkey_scores",
     "usage_metrics",
     "value_parameters",

@@ -201,17 +201,3 @@ class MemoryPlus(ProductKeyMemory):
         gate = 2 * self.dim * self.v_dim if self.w1 is not None else 0
         return self.read_flops_per_token() + gate + 2 * self.v_dim * self.dim
 
-
-def value_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The value tables read by the memory layers in `model`, each once: the
-    parameter group that gets memory.value_lr, its own clipping and, with
-    sparse updates, SparseRowAdamW. Finds pools whether or not they are
-    registered in the module tree."""
-    seen: set[int] = set()
-    params = []
-    for module in model.modules():
-        pool = module.values if isinstance(module, ProductKeyMemory) else module
-        if isinstance(pool, ValuePool) and id(pool.weight) not in seen:
-            seen.add(id(pool.weight))
-            params.append(pool.weight)
-    return params

@@ -12,6 +12,9 @@ from the dense weights asks this file:
                                            # (memory.value_grad_clip), num_params()'s "memory"
     pools = value_pools(model)             # [ValuePool]: the tables read through a pool
 
+`value_parameters` is sparse_tables under the name memlm.memory has long
+exported (docs/memory.md, "Training hooks"), not a second definition.
+
 Pools are the tables memory parallelism shards by columns
 (memlm.memory.parallel), FSDP leaves alone, the value-gradient reduction
 sums over replicas and the planner's value-table traffic counts. PEER's
@@ -43,6 +46,9 @@ def sparse_tables(model: nn.Module) -> list[nn.Parameter]:
         for p in module.parameters(recurse=False):
             seen.setdefault(id(p), p)
     return list(seen.values())
+
+
+value_parameters = sparse_tables
 
 
 def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

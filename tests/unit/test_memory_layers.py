@@ -81,7 +81,9 @@ def test_shared_pool_is_held_once_and_reads_are_counted():
     layers = torch.nn.ModuleList([MemoryPlus(8, **SIZES, values=pool) for _ in range(3)])
     assert len(list(layers.parameters())) == 3 * 5  # query w+b, keys, w1, w2 (no table)
     assert not any("values" in k for k in layers.state_dict())
-    assert value_parameters(layers) == [pool.weight]
+    model = torch.nn.Module()
+    model.pool, model.layers = pool, layers  # the pool registered once, on a common parent (docs/memory.md)
+    assert value_parameters(model) == [pool.weight]
     assert pool.reads_per_token == 3 * 2 * 3
     assert pool.inactive_params() == (36 - 18) * 8
     with pytest.raises(ValueError, match="shared value pool"):
