@@ -369,7 +369,7 @@ def section_equivalence(dry: bool, tmp: str) -> dict:
     ref_state = full_state(ref_trainer.model)
     torch.save(batches, f"{tmp}/batches.pt")
     run_ranks(train_on_slices, 2, [*overrides, "data.micro_batch=2", "parallel.memory_parallel=2",
-                                   f"dump_dir={tmp}/dist"], f"{tmp}/batches.pt", 3, f"{tmp}/dist.pt", 2)
+                                   f"dump_dir={tmp}/dist"], f"{tmp}/batches.pt", 3, f"{tmp}/dist.pt", 2, device=device)
     got = torch.load(f"{tmp}/dist.pt", weights_only=True)
     loss_diff = max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(ref, got["metrics"]))
     weight_diff = max((v.float().cpu() - got["state"][k].float().cpu()).abs().max().item()

@@ -28,6 +28,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from memlm.errors import MemlmError
 from memlm.files import atomic_write_text
 
 PREFIX = "step_"
@@ -42,8 +43,8 @@ META_TYPES = {"step": int, "world_size": int, "tokens": int, "scheduler": dict, 
               "config": str, "manifest": dict}
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(MemlmError, RuntimeError):
+    """A checkpoint folder that is missing, half-written, damaged or refused (its message names the file)."""
 
 
 def step_of(name: str) -> int | None:

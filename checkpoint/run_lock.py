@@ -23,10 +23,12 @@ import os
 import socket
 from pathlib import Path
 
+from memlm.errors import MemlmError
+
 LOCK_NAME = "run.lock"
 
 
-class RunLockedError(RuntimeError):
+class RunLockedError(MemlmError, RuntimeError):
     """Another live run holds the dump_dir."""
 
 

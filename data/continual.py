@@ -40,7 +40,7 @@ import sys
 
 from memlm.data import facts, synthetic
 from memlm.data.tokenizer import train_tokenizer
-from memlm.errors import ConfigError
+from memlm.errors import ConfigError, entry_point
 from memlm.files import atomic_write_text
 
 HELDOUT_SEED_OFFSET = 100  # the held-out paraphrases' stream, apart from the training biographies'
@@ -99,6 +99,7 @@ def write_study(out: str, entities: int = 1000, new_entities: int = 200, rounds:
     return manifest
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memlm.data.continual", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,11 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    try:
-        m = write_study(args.out, args.entities, args.new_entities, args.rounds, args.people, args.docs_per_person,
-                        args.qa_fraction, args.attributes, args.values, args.vocab_size, args.seed)
-    except ConfigError as err:
-        parser.error(str(err))
+    m = write_study(args.out, args.entities, args.new_entities, args.rounds, args.people, args.docs_per_person,
+                    args.qa_fraction, args.attributes, args.values, args.vocab_size, args.seed)
     print(f"wrote facts A ({m['entities']:,} entities, {m['bits_a']:,.0f} bits), facts B ({m['new_entities']:,} "
           f"entities in {m['rounds']} rounds, {m['bits_b']:,.0f} bits), biographies of {m['people']:,} people "
           f"and a {m['vocab_size']}-piece tokenizer to {args.out}")

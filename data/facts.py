@@ -30,7 +30,7 @@ import os
 import random
 import sys
 
-from memlm.errors import ConfigError
+from memlm.errors import ConfigError, entry_point
 from memlm.files import atomic_write_text
 
 GENERATOR_VERSION = 1  # bump when the generation logic (not only the word lists) changes
@@ -119,6 +119,7 @@ def write_corpus(out_dir: str, entities: int, attributes: int = 4, values: int =
     return paths
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memlm.data.facts", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,10 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="output folder")
     args = parser.parse_args(argv)
-    try:
-        paths = write_corpus(args.out, args.entities, args.attributes, args.values, args.seed)
-    except ConfigError as err:
-        parser.error(str(err))
+    paths = write_corpus(args.out, args.entities, args.attributes, args.values, args.seed)
     n = args.entities * args.attributes
     print(f"wrote {n:,} facts ({args.entities:,} entities x {args.attributes} attributes, "
           f"{args.values} values each: {capacity_bits(n, args.values):,.0f} bits) to {paths['train']}, "

@@ -38,7 +38,7 @@ from memlm.data.shards import (
 from memlm.data.sources import WorkUnit, expand_paths, plan_units
 from memlm.data.stats import SkipStats
 from memlm.data.tokenizer import Tokenizer
-from memlm.errors import ConfigError
+from memlm.errors import ConfigError, entry_point
 
 DEFAULT_CHUNK_MB = 64
 
@@ -185,6 +185,7 @@ def _parse_source(text: str, fmt: str, text_field: str) -> SourceConfig:
     return SourceConfig(name=name, path=path, format=fmt, text_field=text_field)
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memlm.data.prepare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from memlm.errors import MemlmError
+
 # Reasons a record is not turned into a document.
 MALFORMED_JSON = "malformed_json"
 MISSING_FIELD = "missing_field"  # field/column absent, null, or not a string
@@ -22,8 +24,11 @@ CORRUPT_FILE = "corrupt_file"
 MAX_EXAMPLES = 3
 
 
-class DataError(ValueError):
-    """A bad input record or file: `where` is "file:line", "file: row N", "file: row group G" or "file"."""
+class DataError(MemlmError, ValueError):
+    """A bad input record or file: `where` is "file:line", "file: row N", "file: row group G" or "file".
+    A rank reads its own part of the data, so each rank that meets one says so."""
+
+    same_on_every_rank = False
 
     def __init__(self, where: str, reason: str, detail: str):
         self.where = where

@@ -44,7 +44,7 @@ from memlm.data.synthetic_templates import (
     QUESTION_TEMPLATES,
     TRAIN_QUESTION_TEMPLATES,
 )
-from memlm.errors import ConfigError
+from memlm.errors import ConfigError, entry_point
 from memlm.files import atomic_write_text
 
 # A seen person's QA documents each ask a fact in another training phrasing.
@@ -237,6 +237,7 @@ def write_corpus(
     return paths
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memlm.data.synthetic", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -249,11 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--qa-docs-per-person", type=int, default=1,
                         help=f"QA documents per such person, each in other phrasings (1 to {MAX_QA_DOCS})")
     args = parser.parse_args(argv)
-    try:
-        paths = write_corpus(args.out, args.people, args.docs_per_person, args.seed, args.qa_fraction,
-                             args.qa_docs_per_person)
-    except ConfigError as err:
-        parser.error(str(err))
+    paths = write_corpus(args.out, args.people, args.docs_per_person, args.seed, args.qa_fraction,
+                         args.qa_docs_per_person)
     sizes = {k: os.path.getsize(p) for k, p in paths.items()}
     n_qa = qa_people(args.people, args.qa_fraction)
     print(f"wrote {args.people * args.docs_per_person:,} biographies of {args.people:,} people "

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator
 import sentencepiece as spm
 from tqdm import tqdm
 
-from memlm.errors import ConfigError
+from memlm.errors import ConfigError, entry_point
 from memlm.files import atomic_write_bytes
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
@@ -147,6 +147,7 @@ def train_tokenizer(
     return Tokenizer(out)
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     from memlm.data.sources import expand_paths, iter_documents
     from memlm.data.stats import SkipStats

@@ -3,14 +3,26 @@
 torchrun (or Slurm's srun running torchrun) sets RANK, WORLD_SIZE,
 LOCAL_RANK and LOCAL_WORLD_SIZE; without them this is a single process.
 NCCL on CUDA with gloo beside it for CPU tensors (async checkpoints), gloo on CPU.
+
+A command opens the group once, and the group's end is decided here:
+
+    with ProcessGroup(cfg.device) as env:   # env: the one DistEnv of this process
+        Trainer(cfg).fit()                  # the Trainer takes the same env (current_env)
+
+On the way out the group frees what holds it, meets the peers in a barrier
+bounded in time (a rank that ended well), and destroys the groups
+(`ProcessGroup.close`). A peer that died or never arrives is a PeerLostError
+naming it, not a hang.
 """
 
 from __future__ import annotations
 
 import ctypes
+import datetime
 import gc
 import os
 import random
+import re
 import signal
 from dataclasses import dataclass
 
@@ -19,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from memlm.errors import ConfigError
+from memlm.errors import ConfigError, MemlmError
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -39,6 +51,12 @@ class DistEnv:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+
+def launcher_rank() -> tuple[int, int]:
+    """(rank, world size) as the launcher set them (torchrun: RANK, WORLD_SIZE); (0, 1) for one process.
+    What a process is before (and after) its group: DistEnv.rank and world_size come from here."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 def process_group_backend(use_cuda: bool) -> str:
@@ -74,10 +92,12 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
-def init_distributed(device: str = "auto") -> DistEnv:
+def init_distributed(device: str = "auto", backend: str | None = None) -> DistEnv:
+    """Join torchrun's process group (none for one process) and return this process's DistEnv.
+    `backend`: the group's backend, when not process_group_backend's for the device (the
+    evals exchange Python objects only: gloo on GPUs too). ProcessGroup calls it and closes the group."""
     die_with_launcher()
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = launcher_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
@@ -90,37 +110,126 @@ def init_distributed(device: str = "auto") -> DistEnv:
     else:
         dev = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=process_group_backend(use_cuda), device_id=dev if use_cuda else None)
+        backend = backend or process_group_backend(use_cuda)
+        dist.init_process_group(backend=backend, device_id=dev if use_cuda and "nccl" in backend else None)
     return DistEnv(rank, world, local_rank, local_world, dev)
 
 
-def shutdown(synchronize: bool = False) -> None:
-    """Destroy the process groups while the interpreter is fully alive;
-    with `synchronize` (a run that ended well on every rank), after a barrier.
+END_BARRIER_TIMEOUT = datetime.timedelta(seconds=300)  # a peer alive but not arriving; a dead one is seen at once
 
-    A finished Trainer lives on in reference cycles (module hooks, FSDP state)
-    that hold its meshes' process groups, so destroy_process_group alone would
-    leave gloo's worker threads to interpreter finalization, where a rank can
-    abort ("terminate called without an active exception") after a successful
-    run; torchrun then sees a failed rank, and a peer node waits out its exit
-    barrier. Collecting the cycles first frees them here, in order.
 
-    The barrier: a collective can end on one rank while its last message to
-    a peer is still being delivered; a rank that then destroys its group and
-    exits can abort the peer's gloo thread the same way (measured: 1 run in
-    16 of a 2-rank test without it, 0 in 32 with it). A failed run skips
-    it: a peer that never arrives would hang the barrier. A barrier the group
-    cannot run (no backend for this device) is reported, and the group destroyed.
+class PeerLostError(MemlmError):
+    """This rank ended well, but a peer did not meet it at the end of the run."""
+
+    same_on_every_rank = False
+
+
+class ProcessGroup:
+    """The process group of one command: opened on entry, closed on exit.
+
+        with ProcessGroup(cfg.device) as env:         # torchrun's ranks joined; one process: no group
+            Trainer(cfg).fit()
+        with ProcessGroup(device, backend="gloo") as env:   # the evals: Python objects only
+
+    Closing (`close`, or leaving the with block): collect the reference cycles
+    that still hold the groups (a finished Trainer's FSDP state and meshes),
+    then, on a rank that ended well, meet the peers in a barrier, then destroy
+    the groups, all while the interpreter is fully alive.
+
+    Why collect first: a group left to interpreter finalization can abort a
+    finished rank in gloo's worker threads ("terminate called without an
+    active exception"); torchrun then sees a failed rank.
+
+    Why the barrier: a collective can end on one rank while its last message
+    to a peer is still being delivered; a rank that destroys its group and
+    exits then can abort the peer the same way (measured: 1 run in 16 of a
+    2-rank test without it, 0 in 32 with it). It is torch's monitored_barrier
+    on a gloo group (the default group on CPU, a side group beside NCCL): a
+    peer that died is seen at once (its connections close), one that is
+    alive but never arrives after END_BARRIER_TIMEOUT; either way this rank
+    raises PeerLostError naming the peer, after destroying its groups. A rank
+    that failed skips the barrier and leaves at once: its peers then name it.
     """
-    gc.collect()
-    if dist.is_initialized():
-        if synchronize:
-            try:
-                dist.barrier()
-            except RuntimeError as err:  # e.g. a group with no backend for this process's device
-                print(f"[shutdown] no barrier before destroying the process group: {err}", flush=True)
-        dist.destroy_process_group()
-    gc.collect()
+
+    current: ProcessGroup | None = None  # the group a command has open (current_env)
+
+    def __init__(self, device: str = "auto", backend: str | None = None):
+        self.device = device
+        self.backend = backend
+        self.env: DistEnv | None = None
+        self._opened = False  # this object joined the default group (and so destroys it)
+        self._barrier_group = None  # None: the default group
+
+    def __enter__(self) -> DistEnv:
+        return self.open()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(ended_well=exc_type is None)
+
+    def open(self) -> DistEnv:
+        if ProcessGroup.current is not None:  # inside another command's group (a test's ranks): its env, its close
+            self.env = ProcessGroup.current.env
+            return self.env
+        joined_before = dist.is_initialized()
+        self.env = init_distributed(self.device, self.backend)
+        self._opened = dist.is_initialized() and not joined_before
+        if self.env.distributed and dist.get_backend() != "gloo":
+            self._barrier_group = dist.new_group(backend="gloo", timeout=END_BARRIER_TIMEOUT)
+        ProcessGroup.current = self
+        return self.env
+
+    def close(self, ended_well: bool) -> None:
+        """Collect, meet the peers in the bounded barrier (when `ended_well`), destroy the groups."""
+        if ProcessGroup.current is not self:
+            return  # opened inside another ProcessGroup: that one closes
+        ProcessGroup.current = None
+        gc.collect()
+        lost = None
+        try:
+            if ended_well and self.env is not None and self.env.distributed and dist.is_initialized():
+                lost = self._meet_peers()
+        finally:
+            if self._opened and dist.is_initialized():
+                dist.destroy_process_group()  # every group, the side group too
+            gc.collect()
+        if lost is not None:
+            raise lost
+
+    def _meet_peers(self) -> PeerLostError | None:
+        seconds = int(END_BARRIER_TIMEOUT.total_seconds())
+        try:
+            dist.monitored_barrier(self._barrier_group, timeout=END_BARRIER_TIMEOUT, wait_all_ranks=True)
+        except RuntimeError as err:
+            return PeerLostError(peer_lost_message(self.env.rank, str(err), seconds))
+        return None
+
+
+def peer_lost_message(rank: int, detail: str, seconds: int) -> str:
+    """What a rank that ended well says when monitored_barrier fails: which peer, and torch's reason.
+    Rank 0 hears from every rank (torch names the missing ones); any other rank waits for rank 0."""
+    missing = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", detail)
+    waited = re.search(r"send/recv from rank (\d+)", detail)
+    peers = (f"rank(s) {missing.group(1).strip()}" if missing else f"rank {waited.group(1)}" if waited
+             else "rank 0" if rank else "a peer")
+    reason = detail.strip().splitlines()[-1] if detail.strip() else "no reason given"
+    reason = re.sub(r"^\[[^\]]*\] ?", "", reason)  # gloo's source location
+    return (f"this rank ended well, but {peers} did not meet it at the end of the run (failed or died: "
+            f"its log says why; a live peer is waited for {seconds} s): {reason}")
+
+
+def current_env(device: str = "auto") -> DistEnv:
+    """The DistEnv of the open ProcessGroup; a single process's when none is open and no
+    launcher started this process. A torchrun rank must open the group first."""
+    group = ProcessGroup.current
+    if group is not None:
+        if device not in ("auto", group.env.device.type):
+            raise ConfigError("device", device, f"the device of this process's group, {group.env.device.type} "
+                                                f"(ProcessGroup({group.device!r})), or auto")
+        return group.env
+    if launcher_rank()[1] > 1:
+        raise RuntimeError("this torchrun rank has no process group open: run it inside "
+                           "`with ProcessGroup(device) as env:` (memlm.distributed.env), as memlm.train's main does")
+    return init_distributed(device)
 
 
 def seed_everything(seed: int) -> None:

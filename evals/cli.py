@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from memlm.errors import ConfigError
+from memlm.errors import ConfigError, entry_point
 
 TOP_LEVEL = ("checkpoint", "out", "replace", "device", "tokenizer", "eval")
 
@@ -159,6 +159,7 @@ def run_eval_config(checkpoint: str, overrides: list[str]):
     return cfg
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
@@ -166,22 +167,13 @@ def main(argv: list[str] | None = None) -> int:
 
         print(USAGE.format(presets=", ".join(eval_presets()), tasks=known_tasks()))
         return 0
-    from memlm.checkpoint.checkpointer import CheckpointError
-    from memlm.evals.formats import TaskDataError
-
-    try:
-        return _run(argv)
-    except (ConfigError, TaskDataError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return _run(argv)
 
 
 def _run(argv: list[str]) -> int:
-    import torch.distributed as dist
-
     from memlm.config.run import compose
     from memlm.data.tokenizer import Tokenizer
-    from memlm.distributed.env import die_with_launcher
+    from memlm.distributed.env import ProcessGroup
     from memlm.evals.suite import run_suite
     from memlm.evals.tasks import load_task
     from memlm.hf.load import data_config, load_model
@@ -206,15 +198,9 @@ def _run(argv: list[str]) -> int:
     data_cfg = data_config(top["checkpoint"])
     for name in eval_cfg.tasks:
         load_task(name, eval_cfg, data_cfg)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    own_group = world_size > 1 and not dist.is_initialized()
-    die_with_launcher()  # under torchrun: this rank ends when the launcher does
-    if own_group:
-        # gloo even on GPUs: only per-example results (Python objects) are exchanged.
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if world_size > 1 else 0
-    try:
-        if rank == 0:
+    # gloo even on GPUs: only per-example results (Python objects) are exchanged.
+    with ProcessGroup(device.split(":")[0], backend="gloo") as env:
+        if env.is_main:
             print(f"[eval] loading {top['checkpoint']} on {device}", flush=True)
         loaded = load_model(top["checkpoint"], device)
         tokenizer_path = top.get("tokenizer") or loaded.tokenizer_path
@@ -223,13 +209,10 @@ def _run(argv: list[str]) -> int:
                                                f"({loaded.source} names none)")
         out_dir, json_name = _json_path(top, loaded, loaded.step)
         meta = {"checkpoint": str(loaded.source), "tokenizer": str(tokenizer_path)}
-        results = run_suite(loaded.model, Tokenizer(str(tokenizer_path)), eval_cfg, loaded.step, out_dir, rank,
-                            world_size, data_cfg=data_cfg,
+        results = run_suite(loaded.model, Tokenizer(str(tokenizer_path)), eval_cfg, loaded.step, out_dir, env.rank,
+                            env.world_size, data_cfg=data_cfg,
                             json_name=json_name, meta=meta)
-    finally:
-        if own_group:
-            dist.destroy_process_group()
-    if rank == 0:
+    if env.is_main:
         headline = "; ".join(
             f"{task} "
             + ", ".join(f"{k} {v:.4f}" for k, v in m.items() if k not in ("n", "truncated", "tokens", "bytes"))

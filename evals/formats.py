@@ -34,10 +34,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from memlm.errors import MemlmError
 from memlm.evals.registry import ANSWER_CUE
 
 
-class TaskDataError(ValueError):
+class TaskDataError(MemlmError, ValueError):
     """A task file is missing or does not have the expected format."""
 
 

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from memlm.errors import ConfigError
+from memlm.errors import ConfigError, entry_point
 
 DESCRIPTION = """Generate text from a memlm checkpoint (a checkpoint folder, a `latest` file,
 a run's dump_dir: its newest checkpoint) or an export folder.
@@ -79,15 +79,10 @@ def read_prompt_file(path: str) -> tuple[list[str], int]:
     return prompts, blank
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # argparse: usage errors exit 2
-    from memlm.checkpoint.folder import CheckpointError
-
-    try:
-        return _run(args)
-    except (ConfigError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from memlm.errors import entry_point
 from memlm.evals.decoding import generate_texts
 from memlm.evals.scoring import loglikelihoods, rolling_loglikelihoods
 
@@ -131,12 +132,14 @@ class MemLM(LM):
         return tuple(until), min(max_new, self.max_length - 1)
 
 
-def main() -> None:
-    """lm-eval's command line, with the `memlm` model registered."""
+@entry_point
+def main() -> int:
+    """lm-eval's command line, with the `memlm` model registered (a memlm fault loading the model: one line)."""
     from lm_eval.__main__ import cli_evaluate
 
     cli_evaluate()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

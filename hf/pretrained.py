@@ -7,6 +7,10 @@ for dense models a Hugging Face `config.json` (their weights use the HF Llama
 names, so `transformers` loads the same directory); other models get a
 `config.json` with `auto_map` and the modeling files of hf/remote/
 (`AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`).
+
+A file of the folder that is missing, not JSON, not safetensors or not the
+export's is an ExportError naming it, wherever the folder is read
+(memlm.evals, memlm.generate, init_from): one line from any command.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from memlm.errors import MemlmError
 from memlm.hf.mapping import from_hf_state_dict
 from memlm.memory.config import MemoryConfig
 from memlm.model.args import ModelArgs
@@ -30,6 +36,13 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
 
+class ExportError(MemlmError, RuntimeError):
+    """An export that cannot be written (python -m memlm.hf.export) or read: names the file and the fault."""
+
+
+REWRITE = "export the checkpoint again (python -m memlm.hf.export)"
+
+
 def _dataclass_from(cls, values: dict[str, Any]):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names)
@@ -38,12 +51,27 @@ def _dataclass_from(cls, values: dict[str, Any]):
     return cls(**values)
 
 
+def read_json(path: Path) -> Any:
+    """A JSON file of a model folder; ExportError naming it when it is missing or not JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ExportError(f"{path} not found") from None
+    except (OSError, ValueError) as err:  # JSONDecodeError and bad UTF-8 are ValueErrors
+        raise ExportError(f"{path} is not readable JSON ({err})") from None
+
+
 def read_config(directory: str | Path) -> tuple[ModelArgs, MemoryConfig, dict[str, Any]]:
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: not a memlm export directory")
-    meta = json.loads(path.read_text())
-    return _dataclass_from(ModelArgs, meta["model"]), _dataclass_from(MemoryConfig, meta["memory"]), meta
+        raise ExportError(f"{path} not found: not a memlm export directory")
+    try:
+        meta = read_json(path)
+        return _dataclass_from(ModelArgs, meta["model"]), _dataclass_from(MemoryConfig, meta["memory"]), meta
+    except ExportError as err:
+        raise ExportError(f"{err}; {REWRITE}") from None
+    except (KeyError, TypeError, ValueError) as err:
+        raise ExportError(f"{path} is not a memlm export's config ({type(err).__name__}: {err}); {REWRITE}") from None
 
 
 def weight_files(directory: str | Path) -> list[Path]:
@@ -51,19 +79,25 @@ def weight_files(directory: str | Path) -> list[Path]:
     directory = Path(directory)
     index = directory / INDEX_NAME
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            names = sorted(set(read_json(index)["weight_map"].values()))
+        except (KeyError, TypeError, AttributeError) as err:
+            raise ExportError(f"{index} is not a safetensors index ({type(err).__name__}: {err})") from None
     else:
         names = [WEIGHTS_NAME]
     for name in names:
         if not (directory / name).is_file():
-            raise FileNotFoundError(f"weight file {directory / name} is missing")
+            raise ExportError(f"weight file {directory / name} is missing")
     return [directory / name for name in names]
 
 
 def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(directory):
-        state.update(load_file(str(path)))
+        try:
+            state.update(load_file(str(path)))
+        except (SafetensorError, OSError) as err:
+            raise ExportError(f"{path} is not a readable safetensors file ({err}); {REWRITE}") from None
     return state
 
 
@@ -74,5 +108,9 @@ def from_pretrained(directory: str | Path, device: str | torch.device = "cpu") -
     state = load_weights(directory)
     if meta.get("weights_layout") == "hf_llama":
         state = from_hf_state_dict(state, args)
-    model.load_state_dict(state, strict=True)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:  # missing, unexpected or mis-shaped tensors
+        raise ExportError(f"the weights of {directory} do not fit its {CONFIG_NAME} "
+                          f"({str(err).strip().splitlines()[0]}); {REWRITE}") from None
     return model.eval()

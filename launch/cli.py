@@ -10,8 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memlm.errors import ConfigError
-from memlm.launch.validate import LaunchError
+from memlm.errors import entry_point
 
 DESCRIPTION = """Turn a memlm config (or a sweep of configs) into training processes.
 
@@ -86,6 +85,7 @@ def slurm_options(args: argparse.Namespace):
                         sbatch_args=list(args.sbatch_arg), python=args.python)
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # Everything after the first `--` is the run's Hydra overrides, untouched by argparse.
@@ -96,26 +96,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    from memlm.data.stats import DataError
-    from memlm.evals.formats import TaskDataError
+    # A bad value or option (exit 2), a data or eval file the run would read (train/preflight.py,
+    # exit 1): a MemlmError, one line (entry_point).
+    if args.command == "local":
+        from memlm.launch.local import run_local
 
-    try:
-        if args.command == "local":
-            from memlm.launch.local import run_local
+        return run_local([*args.overrides, *overrides], args.nproc, args.max_restarts, args.nnodes,
+                         args.rdzv_endpoint, args.rdzv_id)
+    if args.command == "slurm":
+        from memlm.launch.slurm import submit
 
-            return run_local([*args.overrides, *overrides], args.nproc, args.max_restarts, args.nnodes,
-                             args.rdzv_endpoint, args.rdzv_id)
-        if args.command == "slurm":
-            from memlm.launch.slurm import submit
+        return submit([*args.overrides, *overrides], slurm_options(args), args.dry_run)
+    from memlm.launch.sweep import sweep
 
-            return submit([*args.overrides, *overrides], slurm_options(args), args.dry_run)
-        from memlm.launch.sweep import sweep
-
-        opts = slurm_options(args) if args.slurm else None
-        return sweep(args.sweep, overrides, args.nproc, args.max_restarts, opts, args.dry_run, args.jobs)
-    except (ConfigError, LaunchError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except (DataError, TaskDataError) as err:  # a data or eval file the run would read (train/preflight.py)
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    opts = slurm_options(args) if args.slurm else None
+    return sweep(args.sweep, overrides, args.nproc, args.max_restarts, opts, args.dry_run, args.jobs)

@@ -30,7 +30,8 @@ from memlm.config.run import compose
 from memlm.data.config import SourceConfig, SyntheticConfig
 from memlm.data.corpus import materialize_synthetic
 from memlm.data.prepare import prepare
-from memlm.errors import ConfigError
+from memlm.distributed.env import ProcessGroup
+from memlm.errors import MemlmError, entry_point
 from memlm.hf.export import export
 from memlm.train.trainer import Trainer
 
@@ -65,7 +66,7 @@ def results_table(summary: dict, counts: dict, paths: dict[str, Path], seconds: 
 MARK = ".memlm-demo"
 
 
-class DemoFolderError(Exception):
+class DemoFolderError(MemlmError):
     """A folder the demo would replace holds something the demo did not make."""
 
 
@@ -96,21 +97,14 @@ def claim_folders(dump: Path, export_dir: Path) -> None:
     mark.write_text(json.dumps({"export": str(export_dir)}) + "\n")
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     overrides = ["experiment=demo", *(sys.argv[1:] if argv is None else argv)]
-    try:
-        cfg = compose(overrides)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    cfg = compose(overrides)
     torch.set_num_threads(1)  # a tiny model: more threads only add synchronization
     dump, export_dir = Path(cfg.dump_dir), Path("exports") / cfg.name
-    try:
-        claim_folders(dump, export_dir)  # each demo is a fresh run (the corpus cache is kept)
-    except DemoFolderError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    claim_folders(dump, export_dir)  # each demo is a fresh run (the corpus cache is kept)
 
     syn = cfg.data.synthetic
     qa_text = (f", Q/A text in {syn.qa_docs_per_person} phrasings for {syn.qa_fraction:.0%} of them"
@@ -135,9 +129,11 @@ def main(argv: list[str] | None = None) -> int:
                                synthetic=SyntheticConfig())
     cfg = dataclasses.replace(cfg, data=data)
     cfg.validate()
-    trainer = Trainer(cfg)
-    counts = trainer.model.num_params()
-    summary = trainer.fit()
+    with ProcessGroup(cfg.device):  # one process: no group, but the trainer is freed the way a run's is
+        trainer = Trainer(cfg)
+        counts = trainer.model.num_params()
+        summary = trainer.fit()
+        del trainer
 
     stage(4, "exporting the final checkpoint to safetensors")
     out = export(dump, export_dir)

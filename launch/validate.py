@@ -9,14 +9,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from memlm.errors import ConfigError
+from memlm.errors import USAGE_EXIT, ConfigError, MemlmError
 
 if TYPE_CHECKING:
     from memlm.config.run import Config
 
 
-class LaunchError(ValueError):
+class LaunchError(MemlmError, ValueError):
     """A bad launcher option or environment (not a config value): says what to do instead."""
+
+    exit_code = USAGE_EXIT
 
 
 def check_positive(flag: str, value: int) -> None:

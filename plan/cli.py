@@ -8,7 +8,7 @@ import json
 import sys
 
 from memlm.distributed.value_layout import GPUS
-from memlm.errors import ConfigError
+from memlm.errors import entry_point
 from memlm.plan import planner
 from memlm.plan.cost import gpu_spec
 from memlm.plan.fit import fit, fit_candidates, fit_knobs, format_fit, paper_table, with_layout
@@ -16,6 +16,7 @@ from memlm.plan.planner import check_args, plan, planning_config
 from memlm.plan.report import format_plan, format_shape
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memlm.plan", description=planner.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -32,27 +33,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the plan(s) as JSON")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=8b memory=memplus")
     args = parser.parse_intermixed_args(argv)  # overrides may come before or after the flags
-    try:
-        gpu_spec(args.gpu)
-        if args.paper:
-            print(paper_table(args.gpu, args.gpus_per_node, args.overrides))
-            return 0
-        cfg, shape = planning_config(args.overrides)
-        if args.fit:
-            check_args(with_layout(cfg, 1, cfg.parallel.fsdp, cfg.parallel.activation_checkpoint), args.world, 0,
-                       args.gpus_per_node, args.gpu)
-            modes, checkpoints = fit_knobs(args.overrides, cfg, args.world, args.gpus_per_node)
-            if not args.json:
-                print(f"fit: {cfg.model.name} + {cfg.memory.kind} on {args.world} x {args.gpu}, trying "
-                      f"memory_parallel {', '.join(map(str, fit_candidates(cfg, args.world)))} x fsdp "
-                      f"{'/'.join(modes)}, each at the first activation_checkpoint of "
-                      f"{'/'.join(checkpoints)} that fits\n{format_shape(shape)}", flush=True)
-            plans = fit(cfg, args.world, args.gpu, args.gpus_per_node, modes, checkpoints, shape)
-        else:
-            plans = [plan(cfg, args.world, args.rank, args.gpu, args.gpus_per_node, shape)]
-    except ConfigError as err:
-        print(f"plan: {err}", file=sys.stderr)
-        return 2
+    gpu_spec(args.gpu)
+    if args.paper:
+        print(paper_table(args.gpu, args.gpus_per_node, args.overrides))
+        return 0
+    cfg, shape = planning_config(args.overrides)
+    if args.fit:
+        check_args(with_layout(cfg, 1, cfg.parallel.fsdp, cfg.parallel.activation_checkpoint), args.world, 0,
+                   args.gpus_per_node, args.gpu)
+        modes, checkpoints = fit_knobs(args.overrides, cfg, args.world, args.gpus_per_node)
+        if not args.json:
+            print(f"fit: {cfg.model.name} + {cfg.memory.kind} on {args.world} x {args.gpu}, trying "
+                  f"memory_parallel {', '.join(map(str, fit_candidates(cfg, args.world)))} x fsdp "
+                  f"{'/'.join(modes)}, each at the first activation_checkpoint of "
+                  f"{'/'.join(checkpoints)} that fits\n{format_shape(shape)}", flush=True)
+        plans = fit(cfg, args.world, args.gpu, args.gpus_per_node, modes, checkpoints, shape)
+    else:
+        plans = [plan(cfg, args.world, args.rank, args.gpu, args.gpus_per_node, shape)]
     if args.json:
         print(json.dumps(plans, indent=2))
     elif not args.fit:

@@ -12,6 +12,7 @@ import sys
 import torch
 
 from memlm.config.run import compose, group_options
+from memlm.errors import entry_point
 from memlm.model import Transformer
 
 
@@ -42,6 +43,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memlm.plan.describe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -20,6 +20,7 @@ import re
 import sys
 from pathlib import Path
 
+from memlm.errors import MemlmError, entry_point
 from memlm.launch.sweep import eval_metrics
 from memlm.studies.levers import (
     flatten,
@@ -46,8 +47,8 @@ VARIANTS = {"ablation_dense": "Dense", "ablation_moe": "MoE", "ablation_peer": "
             "ablation_memplus3": "Memory+ (3 layers)"}
 
 
-class ReportError(Exception):
-    pass
+class ReportError(MemlmError):
+    """A study folder whose runs the report cannot read or use."""
 
 
 def _last_usage(path: Path) -> list[float]:
@@ -295,6 +296,7 @@ def plot(ablation: list[dict], sweep: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memlm.studies.ablation_report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -309,30 +311,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doc", default="docs/results.md", help="markdown file with the GENERATED markers")
     parser.add_argument("--plot", default="docs/scaling.png", help="where to draw the figure ('' for none)")
     args = parser.parse_args(argv)
-    try:
-        ablation_runs = load_points(Path(args.ablation))
-        sweep_runs = [row for root in args.sweep for row in load_points(Path(root))]
-        extra = [row for root in args.replicates for row in load_points(Path(root))]
-        pooled, unmatched = pool(ablation_runs + sweep_runs, extra, METRICS)
-        for run in unmatched:
-            print(f"[report] ignored {run['dump']}: its config matches no run of the study "
-                  "(only seeds, names and paths may differ between replicates)", file=sys.stderr)
-        ab_keys, sw_keys = {r["key"] for r in ablation_runs}, {r["key"] for r in sweep_runs}
-        ablation = [r for r in pooled if r["key"] in ab_keys]
-        sweep = [r for r in pooled if r["key"] in sw_keys]
-        # The ablation's Memory+ run is a point of the size sweep too, unless the sweep ran its size.
-        sizes = {r["memory_params"] for r in sweep}
-        sweep += [r for r in ablation if sweep and variant_name(r) == "Memory+" and r["memory_params"] not in sizes]
-        levers = lever_rows(ablation + [r for r in sweep if r["key"] not in ab_keys],
-                            [row for root in args.levers for row in load_points(Path(root))],
-                            (*METRICS, PHRASINGS_SEEN))
-        text = render(ablation, sweep, levers)
-        write_doc(Path(args.doc), text)
-        if args.plot and sweep:
-            plot(ablation, sweep, Path(args.plot))
-    except ReportError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    ablation_runs = load_points(Path(args.ablation))
+    sweep_runs = [row for root in args.sweep for row in load_points(Path(root))]
+    extra = [row for root in args.replicates for row in load_points(Path(root))]
+    pooled, unmatched = pool(ablation_runs + sweep_runs, extra, METRICS)
+    for run in unmatched:
+        print(f"[report] ignored {run['dump']}: its config matches no run of the study "
+              "(only seeds, names and paths may differ between replicates)", file=sys.stderr)
+    ab_keys, sw_keys = {r["key"] for r in ablation_runs}, {r["key"] for r in sweep_runs}
+    ablation = [r for r in pooled if r["key"] in ab_keys]
+    sweep = [r for r in pooled if r["key"] in sw_keys]
+    # The ablation's Memory+ run is a point of the size sweep too, unless the sweep ran its size.
+    sizes = {r["memory_params"] for r in sweep}
+    sweep += [r for r in ablation if sweep and variant_name(r) == "Memory+" and r["memory_params"] not in sizes]
+    levers = lever_rows(ablation + [r for r in sweep if r["key"] not in ab_keys],
+                        [row for root in args.levers for row in load_points(Path(root))],
+                        (*METRICS, PHRASINGS_SEEN))
+    text = render(ablation, sweep, levers)
+    write_doc(Path(args.doc), text)
+    if args.plot and sweep:
+        plot(ablation, sweep, Path(args.plot))
     print(text)
     print(f"[report] wrote {args.doc}" + (f" and {args.plot}" if args.plot and sweep else ""))
     return 0

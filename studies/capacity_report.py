@@ -31,6 +31,7 @@ import json
 import sys
 from pathlib import Path
 
+from memlm.errors import entry_point
 from memlm.studies import value_lr
 from memlm.studies.ablation_report import ReportError, write_doc
 from memlm.studies.value_lr import mean_bits, said
@@ -273,6 +274,7 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memlm.studies.capacity_report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -283,14 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     for root in args.roots:
         if not root.is_dir():
             parser.error(f"{root}: not a folder")
-    try:
-        rows = load_runs(args.roots)
-        text = render(rows)
-        if args.out:
-            write_doc(args.out, text, BEGIN, END)
-    except ReportError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    rows = load_runs(args.roots)
+    text = render(rows)
+    if args.out:
+        write_doc(args.out, text, BEGIN, END)
     if args.plot:
         plot(rows, args.plot)
     print(text)

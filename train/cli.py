@@ -7,11 +7,10 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 from memlm.config.run import GROUPS, compose, group_options
-from memlm.errors import ConfigError
+from memlm.errors import entry_point
 from memlm.train.show_config import render, split_cfg_flag
 
 USAGE = """usage: python -m memlm.train [key=value ...]
@@ -36,45 +35,23 @@ Sweep (Hydra multirun), one run after another: python -m memlm.train -m memory.n
 """
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         groups = "\n".join(f"  {g:<11} {', '.join(group_options(g))}" for g in GROUPS)
         print(USAGE.format(groups=groups))
         return 0
-    try:
-        show, overrides = split_cfg_flag(argv)
-        if show is not None:
-            print(render(show, overrides))
-            return 0
-        cfg = compose(overrides)
-    except ConfigError as err:
-        _error(err)
-        return 2
-    from memlm.checkpoint.checkpointer import CheckpointError
-    from memlm.checkpoint.run_lock import RunLockedError
-    from memlm.data.stats import DataError
-    from memlm.distributed.env import shutdown
-    from memlm.evals.formats import TaskDataError
+    show, overrides = split_cfg_flag(argv)
+    if show is not None:
+        print(render(show, overrides))
+        return 0
+    cfg = compose(overrides)
+    from memlm.distributed.env import ProcessGroup
     from memlm.train.trainer import Trainer
 
-    finished = False
-    try:
+    # A bad value, data record, checkpoint or eval file, a busy dump_dir, a loss that stayed
+    # non-finite: a MemlmError, one line (entry_point); the group ends as ProcessGroup says.
+    with ProcessGroup(cfg.device):
         Trainer(cfg).fit()
-        finished = True
-    except ConfigError as err:
-        _error(err)
-        return 2
-    # A busy dump_dir, a bad checkpoint, a bad data record or eval file: one clear line.
-    except (RunLockedError, CheckpointError, DataError, TaskDataError) as err:
-        _error(err)
-        return 1
-    finally:
-        shutdown(synchronize=finished)
     return 0
-
-
-def _error(err: Exception) -> None:
-    """One line on stderr; under torchrun only rank 0 says it (every rank raises the same)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {err}", file=sys.stderr, flush=True)

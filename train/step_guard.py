@@ -31,9 +31,11 @@ import math
 
 import torch
 
+from memlm.errors import MemlmError
 
-class NonFiniteLossError(RuntimeError):
-    pass
+
+class NonFiniteLossError(MemlmError, RuntimeError):
+    """The loss stayed NaN/inf for train.max_nonfinite_steps steps in a row (the message says what to lower)."""
 
 
 def step_ok(*values: torch.Tensor) -> torch.Tensor:

@@ -8,16 +8,14 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 
-def async_save_on(rank: int, backend: str, dump_dir: str, out_path: str) -> None:
-    """Init the default group with `backend`, save a tiny model with
+def async_save_on(rank: int, dump_dir: str, out_path: str) -> None:
+    """On the group run_ranks opened (its `backend`), save a tiny model with
     checkpoint.async_save=true, and record what happened."""
     from memlm.checkpoint.checkpointer import Checkpointer, CheckpointError, TrainingState
     from memlm.config.run import CheckpointConfig
 
-    dist.init_process_group(backend)
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(1, 4)).sum().backward()
@@ -37,12 +35,11 @@ def async_save_on(rank: int, backend: str, dump_dir: str, out_path: str) -> None
 def hashed_bytes_per_rank(rank: int, dump_dir: str, out_path: str) -> None:
     """Save and resume-verify an FSDP2-sharded model; record the bytes this rank
     ran crc32 over in each, and the checkpoint's total."""
+    from torch.distributed.fsdp import fully_shard
+
     import memlm.checkpoint.folder as checkpoint_dir
     from memlm.checkpoint.checkpointer import Checkpointer, TrainingState
     from memlm.config.run import CheckpointConfig
-
-    dist.init_process_group("gloo")
-    from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))

@@ -19,22 +19,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
+def _entry(rank: int, world: int, port: int, device: str, backend: str | None, fn: Callable, args: tuple) -> None:
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
         "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
     })
     torch.set_num_threads(1)
-    from memlm.distributed.env import shutdown
+    from memlm.distributed.env import ProcessGroup
 
-    finished = False
-    try:
+    with ProcessGroup(device, backend) as env:  # as the train CLI opens and ends a torchrun rank
+        assert env.rank == rank and env.world_size == world
         fn(rank, *args)
-        finished = True
-    finally:
-        shutdown(synchronize=finished)  # as the train CLI ends a torchrun rank
 
 
-def run_ranks(fn: Callable, world: int, *args) -> None:
-    """Call fn(rank, *args) in `world` processes joined in one gloo group."""
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+def run_ranks(fn: Callable, world: int, *args, device: str = "cpu", backend: str | None = None) -> None:
+    """Call fn(rank, *args) in `world` processes joined in one process group, opened and
+    closed as a command does (memlm.distributed.env.ProcessGroup(device, backend): gloo on
+    CPU unless named; device="cuda": NCCL, one GPU a rank)."""
+    mp.spawn(_entry, args=(world, free_port(), device, backend, fn, args), nprocs=world, join=True)

@@ -15,26 +15,24 @@ import sys
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
 from memlm.config.run import compose
+from memlm.distributed.env import ProcessGroup
 from memlm.train.preemption import install_preemption_handler
 
 
 def main(argv: list[str]) -> int:
     cfg = compose(argv)
-    dist.init_process_group("gloo")
-    dump_dir = Path(cfg.dump_dir)
-    step = 0
-    handler = install_preemption_handler(lambda: (dump_dir / "preempted_at_step").write_text(str(step)))
-    if dist.get_rank() == 0:
-        (dump_dir / "ready").write_text(" ".join(argv))
-    deadline = time.monotonic() + 120  # a stuck test ends instead of hanging forever
-    while not handler.check() and time.monotonic() < deadline:
-        step += 1
-        time.sleep(0.05)
-    handler.uninstall()
-    dist.destroy_process_group()
+    with ProcessGroup("cpu") as env:
+        dump_dir = Path(cfg.dump_dir)
+        step = 0
+        handler = install_preemption_handler(lambda: (dump_dir / "preempted_at_step").write_text(str(step)))
+        if env.is_main:
+            (dump_dir / "ready").write_text(" ".join(argv))
+        deadline = time.monotonic() + 120  # a stuck test ends instead of hanging forever
+        while not handler.check() and time.monotonic() < deadline:
+            step += 1
+            time.sleep(0.05)
+        handler.uninstall()
     return 0 if handler.stopped else 3
 
 
@@ -43,7 +41,6 @@ def stop_together(rank: int, out_dir: str, signal_rank: int, signal_step: int) -
     import json
     import signal
 
-    dist.init_process_group("gloo")
     calls = []
     handler = install_preemption_handler(lambda: calls.append(True))
     step = 0

@@ -83,7 +83,6 @@ def column_parallel_read(rank: int, n_slots: int, v_dim: int, bags: int, k: int,
                          out_path: str) -> None:
     """One column-parallel read and backward on 2 ranks against the plain bag
     over the full table and every rank's tokens; counts the bag calls."""
-    dist.init_process_group("gloo")
     world = dist.get_world_size()
     gen = torch.Generator().manual_seed(0)
     table = torch.randn(n_slots, v_dim, generator=gen)

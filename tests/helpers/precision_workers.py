@@ -21,7 +21,6 @@ def column_parallel_bf16_read(rank: int, n_slots: int, v_dim: int, bags: int, k:
     import memlm.distributed.memory_parallel as parallel
     from memlm.memory.values import ValuePool
 
-    dist.init_process_group("gloo")
     world = dist.get_world_size()
     gen = torch.Generator().manual_seed(0)
     table = torch.randn(n_slots, v_dim, generator=gen).bfloat16()

@@ -138,7 +138,6 @@ def clip_on_two_meshes(rank: int, out_path: str) -> None:
 
     from memlm.distributed.clip import clip_group_
 
-    torch.distributed.init_process_group("gloo")
     flat = init_device_mesh("cpu", (2,))
     grid = init_device_mesh("cpu", (1, 2), mesh_dim_names=("mem_replica", "mem_parallel"))
     gen = torch.Generator().manual_seed(0)

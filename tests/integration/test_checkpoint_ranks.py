@@ -25,15 +25,15 @@ def test_the_trainer_group_has_a_cpu_backend_beside_nccl():
 
 def test_async_save_needs_a_cpu_backend_and_says_so(tmp_path):
     out = tmp_path / "cuda_only.json"
-    run_ranks(async_save_on, 2, "cuda:gloo", str(tmp_path / "a"), str(out))
+    run_ranks(async_save_on, 2, str(tmp_path / "a"), str(out), backend="cuda:gloo")
     outcome = json.loads(out.read_text())
     assert not outcome["ok"]
     assert "checkpoint.async_save=true needs a CPU backend" in outcome["error"] and "cuda only" in outcome["error"]
     assert not (tmp_path / "a" / "checkpoints").exists()  # refused before anything was written
 
     out = tmp_path / "with_cpu.json"
-    run_ranks(async_save_on, 2, process_group_backend(use_cuda=True).replace("nccl", "gloo"), str(tmp_path / "b"),
-              str(out))
+    run_ranks(async_save_on, 2, str(tmp_path / "b"), str(out),
+              backend=process_group_backend(use_cuda=True).replace("nccl", "gloo"))
     assert json.loads(out.read_text()) == {"ok": True}
     assert (tmp_path / "b" / "checkpoints" / "step_00000001" / "meta.json").is_file()
 
