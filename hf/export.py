@@ -44,23 +44,19 @@ import torch
 from safetensors.torch import save_file
 
 import memlm
-from memlm.checkpoint.checkpointer import Checkpointer, CheckpointError, verify
+from memlm.checkpoint.checkpointer import Checkpointer, verify
 from memlm.checkpoint.finite import check_finite
 from memlm.config.run import from_yaml
-from memlm.errors import ConfigError
+from memlm.errors import MemlmError, entry_point
 from memlm.files import atomic_output_dir
 from memlm.hf.bundle import hf_token_ids, portable_config_json, write_hf_side_files
 from memlm.hf.load import build_run_model, resolve_checkpoint_dir, run_tokenizer_path
 from memlm.hf.mapping import to_hf_config, to_hf_state_dict
-from memlm.hf.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
+from memlm.hf.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, ExportError
 from memlm.hf.remote import write_remote_code
 from memlm.model.lora import merge_lora_state
 
 UNITS = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
-
-
-class ExportError(RuntimeError):
-    pass
 
 
 def parse_size(text: str) -> int:
@@ -172,6 +168,7 @@ def write_data_config(cfg, out_dir: Path) -> None:
     (out_dir / DATA_CONFIG_NAME).write_text(json.dumps(payload, indent=2))
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memlm.hf.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -185,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = export(args.checkpoint, args.out_dir, args.max_shard_size, args.overwrite)
-    except (ExportError, CheckpointError, ConfigError) as err:  # a missing, bad or non-finite checkpoint: one line
-        print(f"error: cannot export {args.checkpoint}: {err}", file=sys.stderr)
-        return 1
+    except MemlmError as err:  # a missing, bad or non-finite checkpoint: one line (entry_point), the kind's exit code
+        err.args = (f"cannot export {args.checkpoint}: {err}",)
+        raise
     files = sorted(p.name for p in out.iterdir())
     print(f"[export] {resolve_checkpoint_dir(args.checkpoint)} -> {out}: {', '.join(files)}")
     return 0

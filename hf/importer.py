@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from memlm.errors import ConfigError
 from memlm.hf.mapping import from_hf_json, from_hf_state_dict
-from memlm.hf.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, read_config, weight_files
+from memlm.hf.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, ExportError, read_config, weight_files
 from memlm.hf.remote import MEMORY_INFERENCE, remote_config
 from memlm.memory.config import MemoryConfig
 from memlm.model.args import ModelArgs
@@ -137,7 +137,7 @@ def read_hf_args(init_from: str) -> ModelArgs:
                     f"{present or 'none'}; memlm reads safetensors only: re-save with save_pretrained)")
     try:
         weight_files(directory)
-    except FileNotFoundError as err:
+    except ExportError as err:  # a file missing or unreadable
         raise _fail(init_from, str(err)) from None
     except (ValueError, KeyError, TypeError) as err:  # a malformed index
         raise _fail(init_from,
@@ -289,7 +289,7 @@ def read_export(init_from: str) -> tuple[ModelArgs, MemoryConfig, dict[str, Any]
     try:
         args, memory, meta = read_config(directory)
         weight_files(directory)
-    except FileNotFoundError as err:
+    except ExportError as err:  # a file missing or unreadable
         raise _export_fail(init_from, str(err)) from None
     except (ValueError, KeyError, TypeError) as err:  # malformed JSON or config
         raise _export_fail(init_from, f"{directory / CONFIG_NAME} or its index is not an export's ({err})") from None

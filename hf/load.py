@@ -17,7 +17,7 @@ import torch
 from memlm.checkpoint.checkpointer import Checkpointer, verify
 from memlm.checkpoint.folder import LATEST, latest_checkpoint
 from memlm.config.run import Config, from_yaml
-from memlm.hf.pretrained import CONFIG_NAME, from_pretrained
+from memlm.hf.pretrained import CONFIG_NAME, from_pretrained, read_json
 from memlm.model import Transformer, build_model
 from memlm.model.lora import add_lora
 
@@ -78,9 +78,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedMo
     path = Path(path)
     if (path / CONFIG_NAME).is_file():  # an export directory
         tok = path / "tokenizer.model"
-        import json
-
-        step = json.loads((path / CONFIG_NAME).read_text()).get("step", 0)
+        step = read_json(path / CONFIG_NAME).get("step", 0)  # ExportError when not JSON
         return LoadedModel(from_pretrained(path, device), None, str(tok) if tok.is_file() else None, step, path)
     directory = resolve_checkpoint_dir(path)
     meta = verify(directory)

@@ -36,6 +36,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from memlm.errors import entry_point
+
 DATA = Path("data_cache/continual")
 RUNS = Path("runs/continual")
 RECORDS = Path("docs/runs/continual")
@@ -164,6 +166,7 @@ def execute(run: Run) -> None:
     print(f"[study] {run.name}: done -> {run.record}", flush=True)
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memlm.launch.continual_study", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -25,7 +25,7 @@ from memlm.checkpoint.run_lock import RunLock, lock_run_dir
 from memlm.config.run import Config, to_yaml
 from memlm.distributed import memory_hooks
 from memlm.distributed.clip import clip_group_
-from memlm.distributed.env import build_meshes, init_distributed, seed_everything, shard_index
+from memlm.distributed.env import build_meshes, current_env, seed_everything, shard_index
 from memlm.distributed.parallelize import (
     apply_activation_checkpointing,
     apply_compile,
@@ -81,7 +81,7 @@ class Trainer:
 
     def _init(self, cfg: Config, train_loader: Any, val_loader: Any) -> None:
         self.cfg = cfg
-        self.env = init_distributed(cfg.device)
+        self.env = current_env(cfg.device)  # the caller's ProcessGroup (memlm.train.cli) opens and closes it
         enable_tf32(self.env.device)
         world, per_node = self.env.world_size, self.env.local_world_size
         self.meshes = build_meshes(self.env, memory_hooks.resolve_memory_parallel(cfg, world, per_node),
