@@ -66,7 +66,6 @@ from memlm.checkpoint.folder import (
 from memlm.checkpoint.rng import rng_state, set_rng_state
 from memlm.config.run import CheckpointConfig
 from memlm.files import atomic_write_text
-from memlm.model.lora import is_lora_key
 
 __all__ = ["CheckpointError", "Checkpointer", "check_shapes", "complete_checkpoints", "verify"]
 
@@ -379,15 +378,16 @@ class Checkpointer:
         return meta
 
     @staticmethod
-    def load_weights(path: Path, model, with_checksum: bool = True, adapters: bool = False) -> dict[str, Any]:
-        """init_from: the model weights only. A model with LoRA adapters (finetune=lora)
-        starts them fresh, unless `adapters` (loading a lora run's own checkpoint)."""
+    def load_weights(path: Path, model, with_checksum: bool = True,
+                     fresh: Callable[[str], bool] | None = None) -> dict[str, Any]:
+        """The model weights only (init_from, or loading a run's model). `fresh(key)`: tensors
+        left as initialized (a fine-tune mode's own, e.g. lora's adapters: memlm.finetune.modes)."""
         meta = verify(Path(path), with_checksum)
         whole = get_model_state_dict(model)
-        model_state = whole if adapters else {k: v for k, v in whole.items() if not is_lora_key(k)}
+        model_state = {k: v for k, v in whole.items() if fresh is None or not fresh(k)}
         check_shapes(Path(path), model_state)
         state = {"model": model_state}
         _dcp(dcp.load, state, checkpoint_id=str(path))
-        # Not strict only for the fresh adapters left out above.
+        # Not strict only for the fresh tensors left out above.
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=len(model_state) == len(whole)))
         return meta

@@ -26,11 +26,14 @@ from memlm.data.config import KINDS as DATA_KINDS
 from memlm.data.config import DataConfig
 from memlm.errors import ConfigError
 from memlm.evals.config import EvalConfig
+from memlm.finetune.config import FinetuneConfig
+from memlm.finetune.modes import mode_of
 from memlm.memory.config import MemoryConfig
 from memlm.model.args import ModelArgs
 from memlm.model.ffn import ffn_kinds
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+HF_PREFIX = "hf:"  # init_from=hf:<dir>: a Hugging Face Llama, or an export read as one (memlm.hf.source)
 
 
 def check_number(key: str, value: float, zero: str = "") -> None:
@@ -169,51 +172,6 @@ class CheckpointConfig:
             raise ConfigError(f"{prefix}.verify", self.verify, "one of: checksum, size")
 
 
-FINETUNE_MODES = ("full", "memory", "sparse", "lora")
-LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # memlm.model.lora.TARGETS
-FINETUNE_OPTIMIZERS = ("adamw", "sgd")
-
-
-@dataclass
-class FinetuneConfig:
-    """What trains (train/finetune.py, docs/finetuning.md). full: every parameter
-    (pretraining). memory: only the memory's value tables; every other parameter
-    frozen (no gradient, no optimizer state, bitwise unchanged). sparse: only the
-    `top_t` rows of each value table that the step's batch reads most above the
-    background (memory/slot_selection.py)."""
-
-    mode: str = "full"  # full | memory | sparse
-    top_t: int = 1000  # sparse: value rows of each table updated per step
-    ranking: str = "kl"  # sparse: kl | tfidf (memory/slot_selection.py)
-    # sparse: the background's slot reads (python -m memlm.train.slot_usage);
-    # "" -> slot_usage.safetensors in the init_from folder.
-    background: str = ""
-    # memory, sparse: the value tables' optimizer (memory.value_lr, memory.value_weight_decay): adamw | sgd
-    optimizer: str = "adamw"
-    # lora: adapters of this rank on the projections named (attention wq wk wv wo, dense FFN w1 w2 w3),
-    # output scaled by lora_alpha / lora_rank; trained with optim.* (model/lora.py)
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-
-    def validate(self, prefix: str = "finetune") -> None:
-        if self.mode not in FINETUNE_MODES:
-            raise ConfigError(f"{prefix}.mode", self.mode, f"one of: {', '.join(FINETUNE_MODES)}")
-        if self.optimizer not in FINETUNE_OPTIMIZERS:
-            raise ConfigError(f"{prefix}.optimizer", self.optimizer, f"one of: {', '.join(FINETUNE_OPTIMIZERS)}")
-        if self.ranking not in ("kl", "tfidf"):
-            raise ConfigError(f"{prefix}.ranking", self.ranking, "one of: kl, tfidf")
-        if self.top_t < 1:
-            raise ConfigError(f"{prefix}.top_t", self.top_t, "an integer >= 1 (value rows per table per step)")
-        if self.lora_rank < 1:
-            raise ConfigError(f"{prefix}.lora_rank", self.lora_rank, "an integer >= 1")
-        check_number(f"{prefix}.lora_alpha", self.lora_alpha)
-        bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
-        if bad or not self.lora_targets:
-            raise ConfigError(f"{prefix}.lora_targets", list(self.lora_targets),
-                              f"a non-empty list of: {', '.join(LORA_TARGETS)}")
-
-
 @dataclass
 class Config:
     model: ModelArgs = field(default_factory=ModelArgs)
@@ -277,13 +235,13 @@ class Config:
         self.checkpoint.validate()
         self.profile.validate(self.steps)
         self.finetune.validate()
-        self._validate_finetune()
+        mode_of(self).validate(self)  # what the fine-tune mode needs of the model (memlm.finetune.modes)
         if self.init_from and self.resume not in ("none", "auto"):
             # resume=auto + init_from: a checkpoint in dump_dir wins, init_from starts a run that has
             # none (a requeued or restarted fine-tune continues instead of starting over).
             raise ConfigError("resume", self.resume, f"none or auto with init_from={self.init_from} (a checkpoint "
                               "named by resume restores the weights itself; leave init_from empty for it)")
-        if self.init_from.startswith("hf:") and not self.init_from[3:].strip():
+        if self.init_from.startswith(HF_PREFIX) and not self.init_from[len(HF_PREFIX):].strip():
             raise ConfigError("init_from", self.init_from, "hf:<dir>, the folder of a Hugging Face Llama "
                               "checkpoint or of a memlm export")
         if self.steps < 0:
@@ -300,19 +258,6 @@ class Config:
                 "data.seq_len", self.data.seq_len,
                 f"at most model.max_seq_len={self.model.max_seq_len}",
             )
-
-
-    def _validate_finetune(self) -> None:
-        mode, kind = self.finetune.mode, self.memory.kind
-        if mode == "memory" and kind == "none":
-            raise ConfigError("finetune.mode", mode, "full for a model without memory layers (memory.kind=none): "
-                              "mode=memory trains only the memory's value tables")
-        if mode == "sparse" and kind not in ("memory", "memplus"):
-            raise ConfigError("finetune.mode", mode, f"full or memory with memory.kind={kind}: sparse selects the "
-                              "slots of product-key memory layers (memory.kind=memory or memplus)")
-        if mode in ("full", "lora") and self.finetune.optimizer != "adamw":
-            raise ConfigError("finetune.optimizer", self.finetune.optimizer,
-                              f"adamw with finetune.mode={mode} (sgd is for the value tables of mode=memory or sparse)")
 
 
 def _register_schemas() -> None:
@@ -354,6 +299,9 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> Confi
     config = OmegaConf.to_object(cfg)
     assert isinstance(config, Config)
     config.validate()
+    # A finetune.* setting the mode would ignore: refused in what the user composes, not in a
+    # saved config (a finished run's record stays readable).
+    mode_of(config).refuse_ignored(config.finetune)
     # What init_from points at (a checkpoint, an export, a Llama) is read by
     # memlm.train.preflight.check_init_from, before a run starts: composing
     # reads no files, so a saved run's config stays loadable after that folder is gone.

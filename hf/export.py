@@ -49,12 +49,12 @@ from memlm.checkpoint.finite import check_finite
 from memlm.config.run import from_yaml
 from memlm.errors import MemlmError, entry_point
 from memlm.files import atomic_output_dir
+from memlm.finetune.modes import mode_of
 from memlm.hf.bundle import hf_token_ids, portable_config_json, write_hf_side_files
 from memlm.hf.load import build_run_model, resolve_checkpoint_dir, run_tokenizer_path
 from memlm.hf.mapping import to_hf_config, to_hf_state_dict
 from memlm.hf.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, ExportError
 from memlm.hf.remote import write_remote_code
-from memlm.model.lora import merge_lora_state
 
 UNITS = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 
@@ -92,10 +92,9 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9, ove
     cfg = from_yaml(meta["config"])
     memory = cfg.memory if cfg.memory.kind != "none" else None
     model = build_run_model(cfg)
-    Checkpointer.load_weights(checkpoint, model, adapters=True)
+    Checkpointer.load_weights(checkpoint, model)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if cfg.finetune.mode == "lora":  # a plain model: each adapter merged into its weight
-        state = merge_lora_state(state, cfg.finetune.lora_alpha / cfg.finetune.lora_rank)
+    state = mode_of(cfg).export_state(state, cfg)  # what the fine-tune folds in (lora: merged adapters)
     check_finite(state, f"export of {checkpoint}", ExportError)
     dense = cfg.model.ffn == "dense" and memory is None
     if dense:

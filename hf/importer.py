@@ -3,7 +3,7 @@
     python -m memlm.train init_from=hf:/models/llama model.dim=2048 ... memory=memplus memory.layers=[8]
     python -m memlm.train init_from=exports/try1 <the export's model and memory config> data=...
 
-What `init_from` names is read from the folder's files (`init_kind`):
+What `init_from` names is read from the folder's files (memlm.hf.source):
 
 - a memlm export (`python -m memlm.hf.export`: `memlm_config.json` and
   safetensors), named with or without `hf:`: the run's model and memory config
@@ -42,7 +42,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,12 +56,12 @@ from memlm.errors import ConfigError
 from memlm.hf.mapping import from_hf_json, from_hf_state_dict
 from memlm.hf.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, ExportError, read_config, weight_files
 from memlm.hf.remote import MEMORY_INFERENCE, remote_config
+from memlm.hf.source import model_source, strip_prefix
 from memlm.memory.config import MemoryConfig
 from memlm.model.args import ModelArgs
 from memlm.model.lora import is_lora_key
 from memlm.model.transformer import layer_ffn_kinds
 
-HF_PREFIX = "hf:"
 HF_CONFIG = "config.json"
 HF_TOKENIZER = "tokenizer.model"  # sentencepiece: the only tokenizer format memlm reads
 
@@ -83,32 +82,6 @@ _MLP_KEY = re.compile(r"^(layers\.\d+\.feed_forward)\.(w[123]\.weight)$")
 FREE_MEMORY = ("memory.knn", "memory.eval_knn")
 
 
-def init_dir(init_from: str) -> Path:
-    """The folder `init_from` names, with or without the `hf:` prefix."""
-    return Path(init_from[len(HF_PREFIX):] if init_from.startswith(HF_PREFIX) else init_from)
-
-
-def _export_layout(directory: Path) -> str | None:
-    """The weights_layout of an export's memlm_config.json (None: not an export)."""
-    path = directory / CONFIG_NAME
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text()).get("weights_layout", "memlm")
-    except (ValueError, AttributeError):  # unreadable: read_export names the problem
-        return "memlm"
-
-
-def init_kind(init_from: str) -> str:
-    """What `init_from` names, from the folder's files: "export" (memlm_config.json; with `hf:` only
-    an export in memlm's own layout, since a dense export is a Llama), "hf" (a Hugging Face Llama)
-    or "checkpoint" (a memlm checkpoint, loaded by checkpoint/checkpointer.py)."""
-    layout = _export_layout(init_dir(init_from))
-    if init_from.startswith(HF_PREFIX):
-        return "export" if layout == "memlm" else "hf"
-    return "export" if layout is not None else "checkpoint"
-
-
 def _fail(init_from: str, what: str) -> ConfigError:
     return ConfigError("init_from", init_from, f"hf:<dir> with a Hugging Face Llama checkpoint "
                        f"(LlamaForCausalLM.save_pretrained: config.json + safetensors) or a memlm export "
@@ -118,7 +91,7 @@ def _fail(init_from: str, what: str) -> ConfigError:
 def read_hf_args(init_from: str) -> ModelArgs:
     """The architecture in `<dir>/config.json`, after checking the folder holds a
     Llama checkpoint memlm can read (ConfigError naming what is wrong)."""
-    directory = init_dir(init_from)
+    directory = strip_prefix(init_from)
     if not directory.is_dir():
         raise _fail(init_from, f"{directory} is not a directory")
     config_path = directory / HF_CONFIG
@@ -169,7 +142,7 @@ def check_hf_source(cfg: Any) -> ModelArgs:
         fix = " ".join(f"model.{key}={_show(theirs)}" for key, _, theirs, _ in diffs)
         raise ConfigError(
             "init_from", cfg.init_from,
-            f"a Llama with the run's architecture; {init_dir(cfg.init_from) / HF_CONFIG} differs in "
+            f"a Llama with the run's architecture; {strip_prefix(cfg.init_from) / HF_CONFIG} differs in "
             f"{len(diffs)} value(s): {listed}. Run with the checkpoint's values: {fix}",
         )
     return hf
@@ -179,7 +152,7 @@ def check_hf_tokenizer(init_from: str, tokenizer: Any) -> str:
     """The run's tokenizer (a memlm Tokenizer or None) must be the checkpoint's
     sentencepiece `tokenizer.model`: token ids mean what the model learned.
     Returns a line for the log; raises ConfigError naming both files."""
-    hf_tok = init_dir(init_from) / HF_TOKENIZER
+    hf_tok = strip_prefix(init_from) / HF_TOKENIZER
     if tokenizer is None:
         return "the run has no tokenizer (data.kind=random): token ids are used as they are"
     if not hf_tok.is_file():
@@ -202,7 +175,7 @@ def _plan(init_from: str, args: ModelArgs, target: dict[str, Any], layout: str) 
     """File name -> memlm name of every tensor to load, and the file names dropped.
     `layout`: "hf_llama" (Llama names) or "memlm" (an export's own names). Reads only the safetensors headers."""
     hf_keys: set[str] = set()
-    for path in weight_files(init_dir(init_from)):
+    for path in weight_files(strip_prefix(init_from)):
         with safe_open(str(path), framework="pt") as fh:
             hf_keys.update(fh.keys())
     if layout == "memlm":
@@ -242,7 +215,7 @@ def load_safetensors(init_from: str, model: torch.nn.Module, args: ModelArgs, la
     if exact and (new or dropped):
         raise ConfigError("init_from", init_from, f"an export holding every tensor of the run's model; "
                           f"missing {new[:5]}, not in the model {dropped[:5]}")
-    for path in weight_files(init_dir(init_from)):
+    for path in weight_files(strip_prefix(init_from)):
         part: dict[str, torch.Tensor] = {}
         with safe_open(str(path), framework="pt") as fh:
             for hf_key in fh.keys():
@@ -263,7 +236,7 @@ def load_safetensors(init_from: str, model: torch.nn.Module, args: ModelArgs, la
 def import_hf(cfg: Any, model: torch.nn.Module, tokenizer: Any, log: Callable[[str], None]) -> dict[str, list[str]]:
     """init_from=hf:<dir>: check, load, and log what was kept, new and dropped."""
     check_hf_source(cfg)  # again: a Config built without compose() is checked too
-    directory = init_dir(cfg.init_from)
+    directory = strip_prefix(cfg.init_from)
     log(f"[hf-import] {check_hf_tokenizer(cfg.init_from, tokenizer)}")
     summary = load_safetensors(cfg.init_from, model, cfg.model)
     log(f"[hf-import] initialized from {directory}: kept {len(summary['kept'])} tensors, "
@@ -285,7 +258,7 @@ def _export_fail(init_from: str, what: str) -> ConfigError:
 def read_export(init_from: str) -> tuple[ModelArgs, MemoryConfig, dict[str, Any]]:
     """The model and memory config of an export (memlm.hf.pretrained.read_config), after checking
     its weight files are there (ConfigError naming what is wrong)."""
-    directory = init_dir(init_from)
+    directory = strip_prefix(init_from)
     try:
         args, memory, meta = read_config(directory)
         weight_files(directory)
@@ -340,11 +313,11 @@ def check_export_source(cfg: Any) -> tuple[ModelArgs, MemoryConfig, dict[str, An
         fix = " ".join(f"{key}={_show(its)}" for key, _, its in diffs)
         hint = ""
         if meta.get("weights_layout") == "hf_llama":  # named without hf: (with it, a Llama import)
-            hint = (f" (or init_from=hf:{init_dir(cfg.init_from)}: a dense export is also a Llama, which "
+            hint = (f" (or init_from=hf:{strip_prefix(cfg.init_from)}: a dense export is also a Llama, which "
                     "takes new memory layers)")
         raise ConfigError(
             "init_from", cfg.init_from,
-            f"an export of the run's model; {init_dir(cfg.init_from) / CONFIG_NAME} differs in {len(diffs)} "
+            f"an export of the run's model; {strip_prefix(cfg.init_from) / CONFIG_NAME} differs in {len(diffs)} "
             f"value(s): {listed}. Run with the export's values: {fix}{hint}",
         )
     return args, memory, meta
@@ -355,7 +328,7 @@ def import_export(cfg: Any, model: torch.nn.Module, tokenizer: Any, log: Callabl
     _, _, meta = check_export_source(cfg)  # again: a Config built without compose() is checked too
     log(f"[init] {check_hf_tokenizer(cfg.init_from, tokenizer)}")
     summary = load_safetensors(cfg.init_from, model, cfg.model, meta.get("weights_layout", "memlm"), exact=True)
-    log(f"[init] initialized from the export {init_dir(cfg.init_from)} (step {meta.get('step')}): "
+    log(f"[init] initialized from the export {strip_prefix(cfg.init_from)} (step {meta.get('step')}): "
         f"all {len(summary['kept'])} tensors")
     return summary
 
@@ -363,7 +336,7 @@ def import_export(cfg: Any, model: torch.nn.Module, tokenizer: Any, log: Callabl
 def check_import_source(cfg: Any) -> None:
     """What the preflight checks of an `init_from` export or Llama before a run starts: a Llama's or
     an export's architecture against the run's (a memlm checkpoint is checked when it is loaded)."""
-    kind = init_kind(cfg.init_from)
+    kind = model_source(cfg.init_from).kind
     if kind == "hf":
         check_hf_source(cfg)
     elif kind == "export":
@@ -372,6 +345,6 @@ def check_import_source(cfg: Any) -> None:
 
 def import_init(cfg: Any, model: torch.nn.Module, tokenizer: Any, log: Callable[[str], None]) -> dict[str, list[str]]:
     """The Trainer's load of an `init_from` that is not a memlm checkpoint: a Llama or an export."""
-    if init_kind(cfg.init_from) == "export":
+    if model_source(cfg.init_from).kind == "export":
         return import_export(cfg, model, tokenizer, log)
     return import_hf(cfg, model, tokenizer, log)

@@ -15,11 +15,14 @@ from pathlib import Path
 import torch
 
 from memlm.checkpoint.checkpointer import Checkpointer, verify
-from memlm.checkpoint.folder import LATEST, latest_checkpoint
 from memlm.config.run import Config, from_yaml
+from memlm.finetune.modes import mode_of
 from memlm.hf.pretrained import CONFIG_NAME, from_pretrained, read_json
+from memlm.hf.source import is_export_dir, model_source, resolve_checkpoint_dir
 from memlm.model import Transformer, build_model
-from memlm.model.lora import add_lora
+
+__all__ = ["LoadedModel", "build_run_model", "data_config", "is_export_dir", "keep_tokenizer", "load_model",
+           "resolve_checkpoint_dir", "run_tokenizer_path"]
 
 
 @dataclass
@@ -29,18 +32,6 @@ class LoadedModel:
     tokenizer_path: str | None  # sentencepiece model, when the run had one
     step: int
     source: Path
-
-
-def resolve_checkpoint_dir(path: str | Path) -> Path:
-    """A checkpoint directory from what the user named: a `latest` file or a
-    run's dump_dir -> the checkpoint `latest` names (checkpoint_dir's reader
-    rule: also right while a re-save is between its renames); else the path."""
-    path = Path(path)
-    if path.name == LATEST and path.is_file():
-        return latest_checkpoint(path.parent) or path.parent / path.read_text().strip()
-    if (path / "checkpoints").is_dir():
-        return latest_checkpoint(path / "checkpoints") or path
-    return path
 
 
 RUN_TOKENIZER = "tokenizer.model"  # the copy a run keeps in its dump_dir
@@ -75,33 +66,30 @@ def run_tokenizer_path(cfg: Config, directory: Path | None = None) -> str | None
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
-    path = Path(path)
-    if (path / CONFIG_NAME).is_file():  # an export directory
-        tok = path / "tokenizer.model"
-        step = read_json(path / CONFIG_NAME).get("step", 0)  # ExportError when not JSON
-        return LoadedModel(from_pretrained(path, device), None, str(tok) if tok.is_file() else None, step, path)
-    directory = resolve_checkpoint_dir(path)
+    """The model at `path`, any kind memlm.hf.source names but a Llama (hf:<dir> is an init_from only)."""
+    source = model_source(path)
+    if source.kind != "checkpoint":  # an export directory
+        step = read_json(source.directory / CONFIG_NAME).get("step", 0)  # ExportError when not JSON
+        tok = source.directory / "tokenizer.model"
+        return LoadedModel(from_pretrained(source.directory, device), None, str(tok) if tok.is_file() else None,
+                           step, source.directory)
+    directory = source.directory
     meta = verify(directory)
     cfg = from_yaml(meta["config"])
     model = build_run_model(cfg, device)
-    Checkpointer.load_weights(directory, model, adapters=True)
+    Checkpointer.load_weights(directory, model)
     return LoadedModel(model.eval(), cfg, run_tokenizer_path(cfg, directory), meta["step"], directory)
 
 
 def build_run_model(cfg: Config, device: str | torch.device = "cpu") -> Transformer:
-    """The model a run's checkpoint holds: its architecture, plus the adapters of a finetune=lora run."""
+    """The model a run's checkpoint holds: its architecture, plus what its fine-tune mode adds (lora's adapters)."""
     model = build_model(cfg.model, cfg.memory if cfg.memory.kind != "none" else None, device=device)
-    if cfg.finetune.mode == "lora":
-        add_lora(model, cfg.finetune.lora_rank, cfg.finetune.lora_alpha, cfg.finetune.lora_targets)
+    mode_of(cfg).adapt(model, cfg)
     return model
 
 
 # ------------------------------------------------- the training data, without the weights
 DATA_CONFIG_NAME = "memlm_data.json"  # an export's record of the run's data config (hf/export.py)
-
-
-def is_export_dir(path: str | Path) -> bool:
-    return (Path(path) / CONFIG_NAME).is_file()
 
 
 def data_config(path: str | Path):

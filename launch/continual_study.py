@@ -47,6 +47,7 @@ ROUND_STEPS = 60  # per round: 1/5 of the facts at the sweep's 300 steps keeps t
 # (mode, overrides) of the sweep: SGD for the value tables (Lin et al.'s optimizer), AdamW otherwise.
 SGD = ["finetune.optimizer=sgd"]
 ADAMW = ["finetune.optimizer=adamw"]
+ROUND_MODES = ("full", "memory", "sparse")  # each one's best setting goes on to the rounds and the seeds
 SWEEP = (
     [("full", [f"optim.lr={lr}"]) for lr in ("1e-4", "3e-4", "1e-3", "3e-3")]
     + [("lora", [f"optim.lr={lr}"]) for lr in ("3e-4", "1e-3", "3e-3", "1e-2")]
@@ -129,14 +130,19 @@ def round_runs(seed: int, base: Run, best: Run, rounds: int) -> list[Run]:
     mode = best.name.split("_")[1]
     settings = [o for o in best.overrides if o.startswith(("finetune.", "memory.", "optim."))]
     label = _label(settings)  # in the name: a later sweep that picks another best setting does not reuse these
-    background = final_checkpoint(base) / "slot_usage.safetensors"
+    from memlm.finetune.background import FILE
+    from memlm.finetune.modes import MODES
+
+    # The base's background, for a mode that reads one (the others refuse a setting they ignore).
+    reads = "background" in MODES[mode].reads
+    background = [f"finetune.background={final_checkpoint(base) / FILE}"] if reads else []
     evals = ",".join(f'"bits:facts_b{r + 1}"' for r in range(rounds))
     runs, init = [], final_checkpoint(base)
     for r in range(1, rounds + 1):
         name = f"s{seed}_rounds_{mode}_{label}_r{r}"
         run = Run(name, ["experiment=continual_finetune", f"finetune={mode}", *settings, f"seed={seed}",
                          f"steps={ROUND_STEPS}", f"data.sources.0.path={DATA}/facts_b{r}/train.jsonl",
-                         "checkpoint.at_end=true", f"finetune.background={background}",
+                         "checkpoint.at_end=true", *background,
                          f"eval.tasks=[{evals},\"bits:facts_a\",\"ppl:bio_heldout\",\"qa:bio_qa\"]",
                          f"init_from={init}", f"dump_dir={RUNS / name}"])
         runs.append(run)
@@ -188,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--stage seeds: no seed 0 base model ({base_run(0).record} is missing): "
                              "run seed 0's sweep first")
         seed0 = sweep_runs(0, base_run(0))
-        for mode in ("full", "memory", "sparse"):
+        for mode in ROUND_MODES:
             best = best_setting(seed0, mode)
             if best is None:
                 raise SystemExit(f"--stage seeds: seed 0's sweep has no finished {mode} run to repeat")
@@ -202,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 execute(run)
     if args.stage in ("rounds", "all"):
         rounds = json.loads((DATA / "manifest.json").read_text())["rounds"]
-        for mode in ("full", "memory", "sparse"):
+        for mode in ROUND_MODES:
             best = best_setting(sweep, mode)
             if best is None:
                 print(f"[study] rounds of {mode}: no finished sweep run of that mode, skipped", flush=True)

@@ -40,13 +40,18 @@ FFNBuilder = Callable[[FFNContext], nn.Module]
 
 # Filled at import time by `register_ffn`; read-only afterwards.
 _BUILDERS: dict[str, FFNBuilder] = {}
+_TABLE_KINDS: set[str] = set()
 
 
-def register_ffn(kind: str) -> Callable[[FFNBuilder], FFNBuilder]:
+def register_ffn(kind: str, sparse_tables: bool = False) -> Callable[[FFNBuilder], FFNBuilder]:
+    """`sparse_tables`: the kind's modules hold sparse tables (memlm.memory.tables: a value pool,
+    PEER's experts), the only weights finetune=memory trains."""
     def decorate(builder: FFNBuilder) -> FFNBuilder:
         if kind in _BUILDERS and _BUILDERS[kind] is not builder:
             raise ValueError(f"FFN kind {kind!r} is already registered")
         _BUILDERS[kind] = builder
+        if sparse_tables:
+            _TABLE_KINDS.add(kind)
         return builder
 
     return decorate
@@ -54,6 +59,11 @@ def register_ffn(kind: str) -> Callable[[FFNBuilder], FFNBuilder]:
 
 def ffn_kinds() -> list[str]:
     return sorted(_BUILDERS)
+
+
+def table_kinds() -> list[str]:
+    """The FFN kinds whose modules hold sparse tables (registered with sparse_tables=True)."""
+    return sorted(_TABLE_KINDS)
 
 
 def build_ffn(kind: str, ctx: FFNContext) -> nn.Module:

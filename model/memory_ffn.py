@@ -79,11 +79,11 @@ def _build(ctx: FFNContext, kind: str) -> MemoryFFN:
     return MemoryFFN(memory, dense)
 
 
-@register_ffn("memory")
+@register_ffn("memory", sparse_tables=True)
 def _build_memory(ctx: FFNContext) -> nn.Module:
     return _build(ctx, "memory")
 
 
-@register_ffn("memplus")
+@register_ffn("memplus", sparse_tables=True)
 def _build_memplus(ctx: FFNContext) -> nn.Module:
     return _build(ctx, "memplus")

@@ -156,7 +156,7 @@ class PEER(nn.Module):
         return 2 * (self.n_experts - self.rows_read()) * self.dim
 
 
-@register_ffn("peer")
+@register_ffn("peer", sparse_tables=True)
 def _build_peer(ctx: FFNContext) -> nn.Module:
     cfg = ctx.memory
     if cfg is None:  # model.ffn=peer without a memory section: its defaults

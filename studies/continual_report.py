@@ -43,24 +43,18 @@ def _last_eval(record: Path) -> dict:
 def load_record(record: Path) -> dict:
     """One run: its name, seed, mode, setting and measured results."""
     from memlm.config.run import from_yaml
+    from memlm.finetune.modes import mode_of
 
     cfg = from_yaml((record / "config.yaml").read_text())
     res = _last_eval(record)
     mode = cfg.finetune.mode
-    if mode == "sparse":
-        setting = f"top_t {cfg.finetune.top_t:,}, {cfg.finetune.optimizer} lr {cfg.memory.value_lr:g}"
-    elif mode == "memory":
-        setting = f"{cfg.finetune.optimizer} lr {cfg.memory.value_lr:g}"
-    elif mode == "lora":
-        setting = f"rank {cfg.finetune.lora_rank}, AdamW lr {cfg.optim.lr:g}"
-    else:
-        setting = f"AdamW lr {cfg.optim.lr:g}"
+    setting = mode_of(cfg).describe(cfg)
     command = (record / "command.txt").read_text().strip() if (record / "command.txt").exists() else ""
     rounds = {int(k.removeprefix("bits:facts_b")): v for k, v in res.items()
               if k.startswith("bits:facts_b") and k != "bits:facts_b"}
     b = res.get("bits:facts_b", {})  # the base and the rounds have none
-    lr = cfg.memory.value_lr if mode in ("memory", "sparse") else cfg.optim.lr
-    order = (cfg.finetune.optimizer, cfg.finetune.top_t if mode == "sparse" else 0, cfg.finetune.lora_rank, lr)
+    order = (cfg.finetune.optimizer, cfg.finetune.top_t if "top_t" in mode_of(cfg).reads else 0,
+             cfg.finetune.lora_rank, mode_of(cfg).lr(cfg))
     return {"name": record.name, "seed": cfg.seed, "mode": mode, "setting": setting, "command": command,
             "order": order,
             "b_em": b.get("exact_match"), "b_bits": b.get("stored_bits"), "b_corpus": b.get("corpus_bits"),

@@ -15,6 +15,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from memlm.config.run import Config, OptimConfig
+from memlm.finetune.modes import mode_of
 from memlm.memory.tables import sparse_tables
 
 
@@ -50,14 +51,14 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
     for the bf16 table (torch's AdamW would keep them in bf16).
     finetune=memory/sparse: only the value group (the rest is frozen), with
     finetune.optimizer; sparse gradients hold the selected rows, so the
-    row-wise optimizers touch those rows alone (train/finetune.py)."""
+    row-wise optimizers touch those rows alone (memlm.finetune.modes)."""
     o = cfg.optim
     groups = param_groups(model, cfg)
     if cfg.finetune.optimizer == "sgd":
         from memlm.memory.sparse_sgd import SparseRowSGD
 
         return SparseRowSGD(groups, lr=cfg.memory.value_lr, weight_decay=cfg.memory.value_weight_decay)
-    sparse = (cfg.memory.sparse_updates or cfg.finetune.mode == "sparse") and cfg.memory.kind != "none"
+    sparse = (cfg.memory.sparse_updates or mode_of(cfg).row_gradients) and cfg.memory.kind != "none"
     low_precision_values = cfg.memory.value_dtype != "fp32" and cfg.memory.kind in ("memory", "memplus")
     if sparse or low_precision_values:
         from memlm.memory.sparse_adamw import SparseRowAdamW

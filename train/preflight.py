@@ -2,7 +2,7 @@
 
     check_run_inputs(cfg)     # raises ConfigError / TaskDataError naming the file
     check_eval_inputs(cfg)    # the eval part only (the trainer, whose loader checks the data)
-    check_init_from(cfg)      # what init_from points at: a checkpoint, an export or a Llama
+    check_init_from(cfg)      # what init_from points at (a checkpoint, an export or a Llama), read once
 
 `compose` validates values; this reads what the values point at, without
 tokenizing or generating a corpus, so `python -m memlm.launch local` can
@@ -13,15 +13,14 @@ it touches the run folder.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from memlm.checkpoint.folder import CheckpointError, read_meta
 from memlm.config.run import Config
 from memlm.data.corpus import check_inputs
 from memlm.errors import ConfigError
 from memlm.evals.tasks import load_task
-from memlm.hf.importer import check_import_source, init_kind
-from memlm.train.finetune import check_background
+from memlm.finetune.modes import mode_of
+from memlm.hf.importer import check_import_source
+from memlm.hf.source import ModelSource, model_source
 
 
 def check_eval_inputs(cfg: Config) -> None:
@@ -39,21 +38,25 @@ def check_eval_inputs(cfg: Config) -> None:
         load_task(name, e, cfg.data)
 
 
-def check_init_from(cfg: Config) -> None:
+def check_init_from(cfg: Config) -> ModelSource | None:
     """An export or a Llama (hf:<dir>) must describe the run's architecture
     (every difference is named with its fix); any other `init_from` must be a
-    complete memlm checkpoint folder. finetune=sparse: its background file exists."""
-    check_background(cfg)
-    if not cfg.init_from:
-        return
-    if init_kind(cfg.init_from) != "checkpoint":
+    complete memlm checkpoint (its folder, its run's dump_dir or checkpoints/latest: the newest).
+    The fine-tune mode's own inputs exist (finetune=sparse: its background file)."""
+    source = model_source(cfg.init_from) if cfg.init_from else None
+    mode_of(cfg).check_inputs(cfg, source)
+    if source is None:
+        return None
+    if source.kind != "checkpoint":
         check_import_source(cfg)
-        return
+        return source
     try:
-        read_meta(Path(cfg.init_from))
+        read_meta(source.directory)
     except CheckpointError as err:
-        raise ConfigError("init_from", cfg.init_from, f"a memlm checkpoint folder (<dump_dir>/checkpoints/step_N), "
-                          f"a memlm export (python -m memlm.hf.export) or hf:<Llama dir>; {err}") from None
+        raise ConfigError("init_from", cfg.init_from, f"a memlm checkpoint (<dump_dir>, its checkpoints/latest "
+                          f"or checkpoints/step_N), a memlm export (python -m memlm.hf.export) or hf:<Llama dir>; "
+                          f"{err}") from None
+    return source
 
 
 def check_run_inputs(cfg: Config) -> None:

@@ -1,17 +1,28 @@
-"""Background slot usage: how often the pretraining data reads each memory
-slot, the reference that sparse fine-tuning ranks a batch's reads against
-(finetune=sparse; memory/slot_selection.py; docs/finetuning.md).
+"""Write a background for sparse fine-tuning: how often a corpus reads each memory slot
+(finetune=sparse; memlm.finetune.background; docs/finetuning.md).
 
-    python -m memlm.train.slot_usage runs/base/checkpoints/latest --batches 64
-    python -m memlm.train.slot_usage runs/base --batches 64 data.facts.entities=1000   # another data sample
+    python -m memlm.train.slot_usage runs/base --batches 64                 # beside its newest checkpoint
+    python -m memlm.train.slot_usage runs/base data.facts.entities=1000     # another sample of its data
+    python -m memlm.train.slot_usage hf:/models/llama --out bg.safetensors <the fine-tune's overrides>
+    python -m memlm.train.slot_usage exports/base --out bg.safetensors <the fine-tune's overrides>
 
-Runs the checkpoint's model in training mode (the training knn, as a
-fine-tuning step reads) without gradients over `--batches` batches of its
-run's data (key=value overrides change the saved config), counts every read
-of every memory layer, and writes them beside the checkpoint:
-`slot_usage.safetensors`, one int64 (n_slots,) tensor per layer ("layer4"),
-with the tokens counted and the source in its metadata. Then prints how many
-slots the sample read and how concentrated the reads are.
+The model is any a run can start from (memlm.hf.source):
+- a memlm checkpoint (its folder, its run's dump_dir or checkpoints/latest):
+  the checkpoint's model over its run's data; key=value overrides change the
+  saved config (e.g. its data). Written beside the checkpoint, where a
+  fine-tune with init_from=<that checkpoint> finds it.
+- an export or `hf:<Llama dir>`: the model a run with these overrides and
+  `init_from=<it>` starts from, built and initialized as the trainer does (a
+  retrofit's fresh memory layers included: the same seed, the same weights),
+  over the corpus the overrides name (an export's own data by default; a
+  Llama records none, so `data=...` is needed). `--out` names the file; the
+  fine-tune reads it with `finetune.background=<file>`.
+
+Runs the model in training mode (the training knn, as a fine-tuning step
+reads) without gradients over `--batches` batches, counts every read of every
+memory layer and writes `slot_usage.safetensors`: one int64 (n_slots,) tensor
+per layer ("layer4"), with the tokens counted and the source in its metadata.
+Then prints how many slots the sample read and how concentrated the reads are.
 """
 
 from __future__ import annotations
@@ -21,197 +32,108 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
-from safetensors.torch import load_file, save_file
 
+from memlm.config.run import Config, compose
+from memlm.distributed.env import seed_everything
+from memlm.distributed.memory_hooks import init_value_tables
 from memlm.errors import ConfigError
-from memlm.hf.load import is_export_dir, load_model
-from memlm.memory.layers import ProductKeyMemory
+from memlm.finetune.background import FILE, collect, describe, memory_layers, save_usage
+from memlm.hf.importer import check_import_source, import_init
+from memlm.hf.load import data_config, load_model
+from memlm.hf.source import model_source
 from memlm.memory.schedule import apply_knn_schedule
-from memlm.memory.usage import SlotUsage, reset_usage
+from memlm.model import Transformer
 from memlm.train.data_source import build_train_loader
 
-FILE = "slot_usage.safetensors"
+ONE_PROCESS = argparse.Namespace(rank=0, world_size=1)
 
 
-def memory_layers(model: torch.nn.Module) -> dict[str, ProductKeyMemory]:
-    """The product-key memory layers by their usage name ("layer4")."""
-    return {f"layer{m.layer_id}": m for m in model.modules() if isinstance(m, ProductKeyMemory)}
+def start_model(cfg: Config, tokenizer, log=lambda line: None) -> Transformer:
+    """The weights a one-process run of `cfg` starts from when `cfg.init_from` is an export or a
+    Llama (the trainer's order: seeded init, value tables from the seed, then the import)."""
+    seed_everything(cfg.seed)
+    model = Transformer(cfg.model, cfg.memory)
+    model.init_weights()
+    init_value_tables(model, cfg.seed)
+    import_init(cfg, model, tokenizer, log)
+    return model
 
 
-def layer_counts(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Each memory layer's read counter since its last reset, copied to the CPU."""
-    return {name: layer.usage.counts.detach().cpu().clone() for name, layer in memory_layers(model).items()}
+def _data_overridden(overrides: list[str]) -> bool:
+    return any(o.split("=", 1)[0].lstrip("+~") in ("data", "experiment") or o.startswith("data.") for o in overrides)
 
 
-def save_usage(path: Path, counts: dict[str, torch.Tensor], tokens: int, source: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp_{path.name}")
-    save_file({k: v.to(torch.int64).contiguous() for k, v in counts.items()}, str(tmp),
-              metadata={"tokens": str(tokens), "source": source})
-    tmp.replace(path)
+def _checkpoint_model(name: str, overrides: list[str]):
+    """A checkpoint's model and its run's config, with `overrides` applied to that config."""
+    loaded = load_model(name)
+    cfg = loaded.config
+    if overrides:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cfg), OmegaConf.from_dotlist(overrides)))
+        cfg.validate()
+    loader = build_train_loader(cfg, ONE_PROCESS, "train")
+    return loaded.model, cfg, loader, loaded.step, loaded.source / FILE
 
 
-def load_usage(path: str | Path, layers: dict[str, int]) -> dict[str, torch.Tensor]:
-    """The background counts of `layers` ({name: n_slots}); a ConfigError
-    (finetune.background) names what is missing or the wrong size."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError("finetune.background", str(path), "a slot-usage file (python -m memlm.train.slot_usage "
-                          "<checkpoint> writes slot_usage.safetensors beside it)")
-    try:
-        counts = load_file(str(path))
-    except Exception as err:  # safetensors raises its own error types
-        raise ConfigError("finetune.background", str(path), f"a safetensors file ({err})") from None
-    for name, n_slots in layers.items():
-        got = counts.get(name)
-        if got is None or got.shape != (n_slots,):
-            found = "missing" if got is None else f"of shape {tuple(got.shape)}"
-            raise ConfigError("finetune.background", str(path), f"counts for every memory layer of this model: "
-                              f"{name} is {found}, expected ({n_slots},) (was it collected from this model?)")
-    return {name: counts[name] for name in layers}
+def _started_model(name: str, overrides: list[str], out: str):
+    """The model a run with `overrides` and init_from=<name> (an export or a Llama) starts from."""
+    if not out:
+        raise ConfigError("--out", "", f"a file to write with {name}, which is no checkpoint folder (the "
+                          "fine-tune then reads it with finetune.background=<file>)")
+    source = model_source(name)
+    cfg = compose([*overrides, f"init_from={name}"])
+    if not _data_overridden(overrides):  # an export's own corpus; a Llama records none
+        data = data_config(source.directory) if source.kind == "export" else None
+        if data is None:
+            raise ConfigError("data", cfg.data.kind, f"the corpus to count reads on (data=... or data.* "
+                              f"overrides): {name} records no training data")
+        cfg.data = data
+        cfg.validate()
+    check_import_source(cfg)  # the architecture the overrides describe is the one at `name`
+    loader = build_train_loader(cfg, ONE_PROCESS, "train")
+    model = start_model(cfg, getattr(loader, "tokenizer", None), lambda line: print(line, flush=True))
+    return model, cfg, loader, 0, Path(out)
 
 
-def describe(counts: dict[str, torch.Tensor]) -> list[str]:
-    """One line per layer: slots read, share of reads on the 1% most-read slots, KL from uniform."""
-    lines = []
-    for name, c in counts.items():
-        m = SlotUsage(c.numel()).metrics(c)
-        if not m:
-            lines.append(f"{name}: no reads")
-            continue
-        lines.append(f"{name}: {int(m['reads']):,} reads, {m['usage']:.1%} of {c.numel():,} slots read, "
-                     f"top 1% of slots take {m['top1pct_share']:.1%} of the reads, "
-                     f"KL from uniform {m['kl_uniform']:.3f} nats")
-    return lines
-
-
-class StepReads:
-    """Each memory layer's reads since `start()`. The layers' usage counters
-    (memory/usage.py) only grow; a step's reads are the difference.
-
-        reads = StepReads(memory_layers(model)); reads.start(); trainer.train_step(); reads.since("layer1")
-    """
-
-    def __init__(self, layers: dict[str, torch.nn.Module]):
-        self.layers = layers
-        self._before: dict[str, torch.Tensor] = {}
-
-    @property
-    def started(self) -> bool:
-        return bool(self._before)
-
-    def start(self) -> None:
-        self._before = {name: layer.usage.counts.clone() for name, layer in self.layers.items()}
-
-    def since(self, name: str) -> torch.Tensor:
-        """(n_slots,) int64 reads of layer `name` since start()."""
-        return self.layers[name].usage.counts - self._before[name]
-
-    def stop(self) -> None:
-        self._before = {}
-
-
-class UsageRecorder:
-    """checkpoint.slot_usage_steps=N: the reads of every memory layer over a
-    run's last N steps, summed over the ranks and written beside its final
-    checkpoint, so a finished pretraining run carries its own background.
-
-        recorder.before_step(step); trainer.train_step(); recorder.after_step(step)
-        recorder.write(final_checkpoint_dir)    # every rank (a collective under torchrun)
-    """
-
-    def __init__(self, model: torch.nn.Module, total_steps: int, last_steps: int, tokens_per_step: int,
-                 distributed: bool):
-        self.layers = memory_layers(model) if last_steps else {}
-        self.first = max(0, total_steps - last_steps)  # steps counted from 0: record steps first .. total-1
-        self.tokens_per_step, self.distributed = tokens_per_step, distributed
-        self.counts = {name: torch.zeros_like(layer.usage.counts) for name, layer in self.layers.items()}
-        self.tokens = 0
-        self._reads = StepReads(self.layers)
-
-    def _on(self, step: int) -> bool:
-        return bool(self.layers) and step >= self.first
-
-    def before_step(self, step: int) -> None:
-        if self._on(step):
-            self._reads.start()
-
-    def after_step(self, step: int) -> None:
-        if self._on(step) and self._reads.started:
-            for name in self.layers:
-                self.counts[name] += self._reads.since(name)
-            self.tokens += self.tokens_per_step
-            self._reads.stop()
-
-    def write(self, directory: Path, is_main: bool) -> Path | None:
-        if not self.layers or not self.tokens:
-            return None
-        counts = dict(self.counts)
-        if self.distributed:
-            counts = {name: c.clone() for name, c in counts.items()}
-            for c in counts.values():
-                dist.all_reduce(c)
-        if not is_main:
-            return None
-        path = Path(directory) / FILE
-        save_usage(path, {k: v.cpu() for k, v in counts.items()}, self.tokens, f"the last {self.tokens:,} "
-                   f"training tokens of {directory}")
-        return path
-
-
-@torch.no_grad()
-def collect(model: torch.nn.Module, batches, n_batches: int, device: torch.device) -> tuple[dict, int]:
-    """Read counts of every memory layer over `n_batches` of `batches`
-    ((inputs, targets[, doc_ids]) tuples), and the tokens read."""
-    model.train()  # the memory layers count reads in training mode, at the training knn
-    reset_usage(model)
-    tokens = 0
-    for _ in range(n_batches):
-        inputs, _, *doc = next(batches)
-        doc_ids = doc[0].to(device) if doc else None
-        model(inputs.to(device), doc_ids=doc_ids)
-        tokens += inputs.numel()
-    counts = layer_counts(model)
-    reset_usage(model)
-    return counts, tokens
+def background(name: str, batches: int, out: str = "", overrides: list[str] | None = None) -> Path:
+    """Count the reads of `batches` batches through the model `name` names; returns the file written."""
+    if batches < 1:
+        raise ConfigError("--batches", batches, "an integer >= 1")
+    overrides = list(overrides or [])
+    if model_source(name).kind == "checkpoint":
+        model, cfg, loader, step, default = _checkpoint_model(name, overrides)
+    else:
+        model, cfg, loader, step, default = _started_model(name, overrides, out)
+    if not memory_layers(model):
+        raise ConfigError("model", name, f"a model with product-key memory layers (its memory.kind is "
+                          f"{cfg.memory.kind}; for a Llama or a dense export, the overrides of the retrofit: "
+                          "memory=memplus memory.layers=[...])")
+    apply_knn_schedule(model, cfg.memory, step)
+    counts, tokens = collect(model, loader, batches, torch.device("cpu"))
+    path = Path(out) if out else default
+    save_usage(path, counts, tokens, name)
+    print(f"[slot-usage] {tokens:,} tokens of {cfg.data.kind} data through {name} -> {path}")
+    for line in describe(counts):
+        print(f"[slot-usage] {line}")
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m memlm.train.slot_usage", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="a checkpoint folder, its run's dump_dir or checkpoints/latest")
-    parser.add_argument("--batches", type=int, default=64, help="batches of the run's data to count (default 64)")
-    parser.add_argument("--out", default="", help=f"output file (default: {FILE} in the checkpoint folder)")
-    parser.add_argument("overrides", nargs="*", help="key=value changes to the run's saved config (e.g. its data)")
+    parser = argparse.ArgumentParser(prog="python -m memlm.train.slot_usage", description=__doc__.split("\n\n")[0],
+                                     epilog="docs/finetuning.md shows each path")
+    parser.add_argument("model", help="a checkpoint folder, its run's dump_dir or checkpoints/latest, an export, "
+                        "or hf:<Llama dir>")
+    parser.add_argument("--batches", type=int, default=64, help="batches of the data to count (default 64)")
+    parser.add_argument("--out", default="", help=f"output file (default for a checkpoint: {FILE} beside it; "
+                        "needed for an export or a Llama)")
+    parser.add_argument("overrides", nargs="*", help="key=value: for a checkpoint, changes to its run's saved "
+                        "config (e.g. its data); for an export or a Llama, the fine-tune run's overrides")
     args = parser.parse_args(argv)
     try:
-        if args.batches < 1:
-            raise ConfigError("--batches", args.batches, "an integer >= 1")
-        if is_export_dir(args.checkpoint):
-            raise ConfigError("checkpoint", args.checkpoint, "a run checkpoint (an export holds no run config to "
-                              "read the data from); collect from the run, then copy the file beside the export")
-        loaded = load_model(args.checkpoint)
-        cfg = loaded.config
-        if args.overrides:
-            merged = OmegaConf.merge(OmegaConf.structured(cfg), OmegaConf.from_dotlist(args.overrides))
-            cfg = OmegaConf.to_object(merged)
-            cfg.validate()
-        if not memory_layers(loaded.model):
-            raise ConfigError("checkpoint", args.checkpoint, f"a model with product-key memory layers "
-                              f"(its memory.kind is {cfg.memory.kind})")
-        apply_knn_schedule(loaded.model, cfg.memory, loaded.step)
-        env = argparse.Namespace(rank=0, world_size=1)
-        counts, tokens = collect(loaded.model, build_train_loader(cfg, env, "train"), args.batches,
-                                 torch.device("cpu"))
+        background(args.model, args.batches, args.out, args.overrides)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else loaded.source / FILE
-    save_usage(out, counts, tokens, str(loaded.source))
-    print(f"[slot-usage] {tokens:,} tokens of {cfg.data.kind} data through {loaded.source} -> {out}")
-    for line in describe(counts):
-        print(f"[slot-usage] {line}")
     return 0
 
 

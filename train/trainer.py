@@ -35,14 +35,15 @@ from memlm.distributed.parallelize import (
 from memlm.distributed.precision import autocast, enable_tf32
 from memlm.errors import ConfigError
 from memlm.files import atomic_write_text
-from memlm.hf.importer import import_init, init_kind
+from memlm.finetune.background import UsageRecorder
+from memlm.finetune.modes import mode_of
+from memlm.hf.importer import import_init
 from memlm.hf.load import keep_tokenizer
 from memlm.memory.tables import split_params
 from memlm.model import Transformer
-from memlm.model.lora import add_lora, reset_lora
+from memlm.model.lora import reset_lora
 from memlm.train.data_source import build_train_loader, has_validation, model_batch
 from memlm.train.evaluation import Evaluation
-from memlm.train.finetune import SlotSelection, background_path, freeze_for
 from memlm.train.loss import chunked_cross_entropy
 from memlm.train.metrics import MetricsLogger, check_tensorboard
 from memlm.train.optim import build_optimizer, build_scheduler
@@ -50,7 +51,6 @@ from memlm.train.preemption import install_preemption_handler
 from memlm.train.preflight import check_eval_inputs, check_init_from
 from memlm.train.profiling import StepProfiler
 from memlm.train.progress import Progress
-from memlm.train.slot_usage import UsageRecorder
 from memlm.train.step_guard import NonFiniteLossError, StepGuard, step_if_finite, step_ok
 from memlm.train.summary import run_summary, summary_line, write_summary
 
@@ -98,7 +98,7 @@ class Trainer:
             val_loader = self._default_loader("val")
         self.val_loader = val_loader
         check_eval_inputs(cfg)
-        check_init_from(cfg)
+        self.init_source = check_init_from(cfg)  # what init_from names, read once (memlm.hf.source)
         if self.env.is_main:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
         # One run per dump_dir, taken before anything in it is written, cleaned or resumed.
@@ -107,9 +107,8 @@ class Trainer:
         self.params = split_params(self.model)  # (dense, sparse tables): clipped apart (memlm.memory.tables)
         self.value_grads = memory_hooks.value_grad_reduction(self.model, self.meshes, self.env, self.accum, cfg)
         self.optimizer = build_optimizer(self.model, cfg, self.env.device)
-        # finetune=sparse: the rows each step may change (train/finetune.py)
-        self.selection = (SlotSelection(self.model, cfg, background_path(cfg), self.env.distributed)
-                          if cfg.finetune.mode == "sparse" else None)
+        # What the fine-tune mode does between backward and step (sparse: the rows that may change)
+        self.finetune = mode_of(cfg).step_hook(self.model, cfg, self.env.distributed, self.init_source)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.step = 0
         self.tokens = 0
@@ -143,12 +142,14 @@ class Trainer:
             if cfg.resume == "auto" and self.env.is_main:
                 print(f"[train] resume=auto: no checkpoint in {self.checkpointer.root}, starting from "
                       f"init_from={cfg.init_from}", flush=True)
-            if init_kind(cfg.init_from) != "checkpoint":
+            source = self.init_source
+            if source.kind != "checkpoint":
                 import_init(cfg, self.model, getattr(self.train_loader, "tokenizer", None), self._print_main)
             else:
-                self.checkpointer.load_weights(cfg.init_from, self.model, cfg.checkpoint.verify == "checksum")
+                self.checkpointer.load_weights(source.directory, self.model, cfg.checkpoint.verify == "checksum",
+                                               fresh=mode_of(cfg).fresh_on_init)
                 if self.env.is_main:
-                    print(f"[train] initialized weights from {cfg.init_from}", flush=True)
+                    print(f"[train] initialized weights from {source.directory}", flush=True)
             return None
         if path is None:
             if cfg.resume == "auto" and self.env.is_main:
@@ -218,9 +219,9 @@ class Trainer:
         else:
             with torch.device("meta"):
                 model = Transformer(cfg.model, cfg.memory)
-        freeze_for(model, cfg.finetune.mode)  # before sharding: frozen parameters get no gradient or state
-        if cfg.finetune.mode == "lora":
-            add_lora(model, cfg.finetune.lora_rank, cfg.finetune.lora_alpha, cfg.finetune.lora_targets)
+        mode = mode_of(cfg)
+        mode.adapt(model, cfg)  # lora's adapters
+        mode.freeze(model)  # before sharding: frozen parameters get no gradient or state
         memory_hooks.shard_memory_values(model, self.meshes, env)
         apply_activation_checkpointing(model, cfg.parallel.activation_checkpoint)
         if cfg.parallel.compile:
@@ -262,8 +263,7 @@ class Trainer:
         no weight and no optimizer state (decided on the device)."""
         self.model.train()
         memory_hooks.on_step_start(self.model, self.step, self.cfg)
-        if self.selection is not None:
-            self.selection.start_step()
+        self.finetune.start_step()
         loss_sum = torch.zeros((), device=self.env.device)
         for micro in range(self.accum):
             inputs, targets, doc_ids = model_batch(next(self.train_loader), self.env.device, self.cfg.model.doc_mask)
@@ -274,8 +274,7 @@ class Trainer:
             loss.backward()
             loss_sum += loss.detach()
         self.value_grads.finish()  # started by a hook during the last backward
-        if self.selection is not None:
-            self.selection.restrict_gradients()  # finetune=sparse: only the selected rows keep a gradient
+        self.finetune.after_backward()  # finetune=sparse: only the selected rows keep a gradient
         if self.env.distributed:
             dist.all_reduce(loss_sum)  # every rank must agree on skipping: the global loss decides
             loss_sum /= self.env.world_size

@@ -1,4 +1,4 @@
-"""Fine-tuning modes (train/finetune.py): what is frozen stays bitwise
+"""Fine-tuning modes (memlm.finetune): what is frozen stays bitwise
 unchanged with no optimizer state, sparse steps change at most top_t rows,
 and the selection is the same on one process and on ranks that shard the
 table (memory_parallel)."""
@@ -11,6 +11,7 @@ from equivalence import MEMPLUS, assert_same, distributed_run, global_batches, r
 
 from memlm.config.run import compose
 from memlm.errors import ConfigError
+from memlm.finetune import background
 from memlm.hf.load import load_model
 from memlm.memory.tables import sparse_tables
 from memlm.train import slot_usage
@@ -61,8 +62,9 @@ def _check_steps(trainer, steps: int, base_state: dict, max_rows: int | None) ->
                                                ("sparse", "sgd", "10")])
 def test_only_the_value_table_moves(base, tmp_path, mode, optimizer, lr):
     base_state = load_model(base).model.state_dict()
+    top_t = [f"finetune.top_t={TOP_T}"] if mode == "sparse" else []  # finetune=memory refuses a top_t
     trainer = Trainer(compose([*TINY, f"finetune={mode}", f"finetune.optimizer={optimizer}", f"memory.value_lr={lr}",
-                               f"finetune.top_t={TOP_T}", f"init_from={base}", "steps=3", f"dump_dir={tmp_path}"]))
+                               *top_t, f"init_from={base}", "steps=3", f"dump_dir={tmp_path}"]))
     try:
         _check_steps(trainer, 3, base_state, TOP_T if mode == "sparse" else None)
     finally:
@@ -83,8 +85,8 @@ def test_a_resumed_sparse_run_keeps_the_frozen_weights_and_the_row_budget(base, 
 
 def test_sparse_without_a_background_file_is_refused_before_the_run_folder(base, tmp_path):
     with pytest.raises(ConfigError, match="finetune.background=.*nothing.safetensors.*slot_usage"):
-        Trainer(compose([*TINY, "finetune=sparse", f"init_from={base}", f"finetune.background={tmp_path}/nothing"
-                         ".safetensors", f"dump_dir={tmp_path / 'run'}"]))
+        Trainer(compose([*TINY, "finetune=sparse", f"finetune.top_t={TOP_T}", f"init_from={base}",
+                         f"finetune.background={tmp_path}/nothing.safetensors", f"dump_dir={tmp_path / 'run'}"]))
     assert not (tmp_path / "run").exists()
 
 
@@ -92,7 +94,7 @@ def test_slot_usage_reports_and_refuses_a_dense_model(base, tmp_path, capsys):
     assert slot_usage.main([str(base), "--batches", "2", "--out", str(tmp_path / "u.safetensors")]) == 0
     out = capsys.readouterr().out
     assert "[slot-usage] layer1:" in out and "of 64 slots read" in out
-    counts = slot_usage.load_usage(tmp_path / "u.safetensors", {"layer1": 64})
+    counts = background.load_usage(tmp_path / "u.safetensors", {"layer1": 64})
     assert int(counts["layer1"].sum()) == 2 * 2 * 16 * 2 * 4  # batches x micro_batch x seq_len x heads x knn
     dense = tmp_path / "dense"
     Trainer(compose([*TINY[:5], "steps=1", f"dump_dir={dense}"])).fit()
@@ -121,11 +123,12 @@ def test_the_selection_is_the_same_on_sharded_ranks(tmp_path, world, memory_para
 def test_pretraining_records_its_last_steps_slot_usage_beside_the_final_checkpoint(tmp_path, capsys):
     Trainer(compose([*TINY, "steps=5", "checkpoint.slot_usage_steps=2", f"dump_dir={tmp_path}"])).fit()
     (ckpt,) = (tmp_path / "checkpoints").glob("step_*")
-    counts = slot_usage.load_usage(ckpt / slot_usage.FILE, {"layer1": 64})
+    counts = background.load_usage(ckpt / background.FILE, {"layer1": 64})
     assert int(counts["layer1"].sum()) == 2 * 2 * 16 * 2 * 4  # last 2 steps x micro_batch x seq_len x heads x knn
-    assert f"slot usage of the last 64 tokens -> {ckpt / slot_usage.FILE}" in capsys.readouterr().out
+    assert f"slot usage of the last 64 tokens -> {ckpt / background.FILE}" in capsys.readouterr().out
     # a fine-tune finds it in its init_from folder
-    trainer = Trainer(compose([*TINY, "finetune=sparse", f"init_from={ckpt}", "steps=1", f"dump_dir={tmp_path}/ft"]))
+    trainer = Trainer(compose([*TINY, "finetune=sparse", f"finetune.top_t={TOP_T}", f"init_from={ckpt}", "steps=1",
+                              f"dump_dir={tmp_path}/ft"]))
     trainer.close()
 
 

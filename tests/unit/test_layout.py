@@ -16,6 +16,7 @@ LAYERS = [
     {"memory.fast"},  # the memory read's kernels and custom ops: a folder of its own below the layers
     {"memory"},
     {"model", "data"},
+    {"finetune"},  # what a fine-tune trains: its config section, modes, slot selection and background
     {"config"},
     {"distributed"},
     {"checkpoint"},

@@ -1,0 +1,169 @@
+"""Background slot usage: how often a model's reads hit each memory slot, the
+reference that sparse fine-tuning ranks a batch's reads against
+(finetune=sparse; memlm.finetune.selection; memory/slot_selection.py).
+
+    counts, tokens = collect(model, batches, n_batches, device)   # {"layer4": (n_slots,) int64}
+    save_usage(path, counts, tokens, source)                      # slot_usage.safetensors
+    background = load_usage(path, {"layer4": n_slots})            # checked against the model
+    recorder = UsageRecorder(model, steps, last_steps, ...)       # a pretraining run's own background
+
+The command that writes one from any model a run can start from is
+`python -m memlm.train.slot_usage` (train/slot_usage.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from memlm.errors import ConfigError
+from memlm.memory.layers import ProductKeyMemory
+from memlm.memory.usage import SlotUsage, reset_usage
+
+FILE = "slot_usage.safetensors"
+
+
+def memory_layers(model: torch.nn.Module) -> dict[str, ProductKeyMemory]:
+    """The product-key memory layers by their usage name ("layer4")."""
+    return {f"layer{m.layer_id}": m for m in model.modules() if isinstance(m, ProductKeyMemory)}
+
+
+def layer_counts(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each memory layer's read counter since its last reset, copied to the CPU."""
+    return {name: layer.usage.counts.detach().cpu().clone() for name, layer in memory_layers(model).items()}
+
+
+def save_usage(path: Path, counts: dict[str, torch.Tensor], tokens: int, source: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp_{path.name}")
+    save_file({k: v.to(torch.int64).contiguous() for k, v in counts.items()}, str(tmp),
+              metadata={"tokens": str(tokens), "source": source})
+    tmp.replace(path)
+
+
+def load_usage(path: str | Path, layers: dict[str, int]) -> dict[str, torch.Tensor]:
+    """The background counts of `layers` ({name: n_slots}); a ConfigError
+    (finetune.background) names what is missing or the wrong size."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("finetune.background", str(path), "a slot-usage file (python -m memlm.train.slot_usage "
+                          "<checkpoint> writes slot_usage.safetensors beside it)")
+    try:
+        counts = load_file(str(path))
+    except Exception as err:  # safetensors raises its own error types
+        raise ConfigError("finetune.background", str(path), f"a safetensors file ({err})") from None
+    for name, n_slots in layers.items():
+        got = counts.get(name)
+        if got is None or got.shape != (n_slots,):
+            found = "missing" if got is None else f"of shape {tuple(got.shape)}"
+            raise ConfigError("finetune.background", str(path), f"counts for every memory layer of this model: "
+                              f"{name} is {found}, expected ({n_slots},) (was it collected from this model?)")
+    return {name: counts[name] for name in layers}
+
+
+def describe(counts: dict[str, torch.Tensor]) -> list[str]:
+    """One line per layer: slots read, share of reads on the 1% most-read slots, KL from uniform."""
+    lines = []
+    for name, c in counts.items():
+        m = SlotUsage(c.numel()).metrics(c)
+        if not m:
+            lines.append(f"{name}: no reads")
+            continue
+        lines.append(f"{name}: {int(m['reads']):,} reads, {m['usage']:.1%} of {c.numel():,} slots read, "
+                     f"top 1% of slots take {m['top1pct_share']:.1%} of the reads, "
+                     f"KL from uniform {m['kl_uniform']:.3f} nats")
+    return lines
+
+
+class StepReads:
+    """Each memory layer's reads since `start()`. The layers' usage counters
+    (memory/usage.py) only grow; a step's reads are the difference.
+
+        reads = StepReads(memory_layers(model)); reads.start(); trainer.train_step(); reads.since("layer1")
+    """
+
+    def __init__(self, layers: dict[str, torch.nn.Module]):
+        self.layers = layers
+        self._before: dict[str, torch.Tensor] = {}
+
+    @property
+    def started(self) -> bool:
+        return bool(self._before)
+
+    def start(self) -> None:
+        self._before = {name: layer.usage.counts.clone() for name, layer in self.layers.items()}
+
+    def since(self, name: str) -> torch.Tensor:
+        """(n_slots,) int64 reads of layer `name` since start()."""
+        return self.layers[name].usage.counts - self._before[name]
+
+    def stop(self) -> None:
+        self._before = {}
+
+
+class UsageRecorder:
+    """checkpoint.slot_usage_steps=N: the reads of every memory layer over a
+    run's last N steps, summed over the ranks and written beside its final
+    checkpoint, so a finished pretraining run carries its own background.
+
+        recorder.before_step(step); trainer.train_step(); recorder.after_step(step)
+        recorder.write(final_checkpoint_dir)    # every rank (a collective under torchrun)
+    """
+
+    def __init__(self, model: torch.nn.Module, total_steps: int, last_steps: int, tokens_per_step: int,
+                 distributed: bool):
+        self.layers = memory_layers(model) if last_steps else {}
+        self.first = max(0, total_steps - last_steps)  # steps counted from 0: record steps first .. total-1
+        self.tokens_per_step, self.distributed = tokens_per_step, distributed
+        self.counts = {name: torch.zeros_like(layer.usage.counts) for name, layer in self.layers.items()}
+        self.tokens = 0
+        self._reads = StepReads(self.layers)
+
+    def _on(self, step: int) -> bool:
+        return bool(self.layers) and step >= self.first
+
+    def before_step(self, step: int) -> None:
+        if self._on(step):
+            self._reads.start()
+
+    def after_step(self, step: int) -> None:
+        if self._on(step) and self._reads.started:
+            for name in self.layers:
+                self.counts[name] += self._reads.since(name)
+            self.tokens += self.tokens_per_step
+            self._reads.stop()
+
+    def write(self, directory: Path, is_main: bool) -> Path | None:
+        if not self.layers or not self.tokens:
+            return None
+        counts = dict(self.counts)
+        if self.distributed:
+            counts = {name: c.clone() for name, c in counts.items()}
+            for c in counts.values():
+                dist.all_reduce(c)
+        if not is_main:
+            return None
+        path = Path(directory) / FILE
+        save_usage(path, {k: v.cpu() for k, v in counts.items()}, self.tokens, f"the last {self.tokens:,} "
+                   f"training tokens of {directory}")
+        return path
+
+
+@torch.no_grad()
+def collect(model: torch.nn.Module, batches, n_batches: int, device: torch.device) -> tuple[dict, int]:
+    """Read counts of every memory layer over `n_batches` of `batches`
+    ((inputs, targets[, doc_ids]) tuples), and the tokens read."""
+    model.train()  # the memory layers count reads in training mode, at the training knn
+    reset_usage(model)
+    tokens = 0
+    for _ in range(n_batches):
+        inputs, _, *doc = next(batches)
+        doc_ids = doc[0].to(device) if doc else None
+        model(inputs.to(device), doc_ids=doc_ids)
+        tokens += inputs.numel()
+    counts = layer_counts(model)
+    reset_usage(model)
+    return counts, tokens

@@ -1,0 +1,56 @@
+"""finetune=sparse: which rows of each value table a step may change.
+
+    hook = SlotSelection(model, cfg, background_path, distributed)   # once the model is sharded
+    hook.start_step()       # before the step's first forward
+    hook.after_backward()   # after the backward, before clipping: only the selected rows keep a gradient
+
+Each step ranks the slots its batch read against the background's reads
+(memory/slot_selection.py: KL or TF-IDF) and keeps the gradient of the
+`top_t` best of each table. Under torchrun every rank counts its own batch's
+reads; one all-reduce per table sums them, so every rank (and a one-process
+run on the same global batch) selects the same rows, whatever memory_parallel
+shards the table over.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from memlm.finetune.background import StepReads, load_usage, memory_layers
+from memlm.memory.slot_selection import restrict_table_grad_, slot_scores, top_slots
+
+
+class SlotSelection:
+    def __init__(self, model: nn.Module, cfg, path: Path, distributed: bool):
+        self.top_t, self.ranking, self.distributed = cfg.finetune.top_t, cfg.finetune.ranking, distributed
+        self.layers = memory_layers(model)
+        background = load_usage(path, {name: layer.usage.n_slots for name, layer in self.layers.items()})
+        # One entry per table: a pool shared by several layers (Memory+) is ranked on their summed reads.
+        tables: dict[int, tuple[torch.Tensor, list[str]]] = {}
+        for name, layer in self.layers.items():
+            tables.setdefault(id(layer.values.weight), (layer.values.weight, []))[1].append(name)
+        device = next(iter(self.layers.values())).usage.counts.device
+        self.tables = [(weight, names, sum(background[n] for n in names).to(device))
+                       for weight, names in tables.values()]
+        self._reads = StepReads(self.layers)
+
+    def start_step(self) -> None:
+        self._reads.start()
+
+    def batch_counts(self, names: list[str]) -> torch.Tensor:
+        """(N,) reads of one table's layers since start_step, summed over every rank's batch."""
+        counts = sum(self._reads.since(n) for n in names)
+        if self.distributed:
+            dist.all_reduce(counts)
+        return counts
+
+    @torch.no_grad()
+    def after_backward(self) -> None:
+        for weight, names, background in self.tables:
+            counts = self.batch_counts(names)
+            rows = top_slots(slot_scores(counts, background, self.ranking), counts, self.top_t)
+            restrict_table_grad_(weight, rows)
