@@ -28,7 +28,6 @@ Then prints how many slots the sample read and how concentrated the reads are.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
@@ -37,7 +36,7 @@ from omegaconf import OmegaConf
 from memlm.config.run import Config, compose
 from memlm.distributed.env import seed_everything
 from memlm.distributed.memory_hooks import init_value_tables
-from memlm.errors import ConfigError
+from memlm.errors import ConfigError, entry_point
 from memlm.finetune.background import FILE, collect, describe, memory_layers, save_usage
 from memlm.hf.importer import check_import_source, import_init
 from memlm.hf.load import data_config, load_model
@@ -118,6 +117,7 @@ def background(name: str, batches: int, out: str = "", overrides: list[str] | No
     return path
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memlm.train.slot_usage", description=__doc__.split("\n\n")[0],
                                      epilog="docs/finetuning.md shows each path")
@@ -129,11 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value: for a checkpoint, changes to its run's saved "
                         "config (e.g. its data); for an export or a Llama, the fine-tune run's overrides")
     args = parser.parse_args(argv)
-    try:
-        background(args.model, args.batches, args.out, args.overrides)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    background(args.model, args.batches, args.out, args.overrides)
     return 0
 
 
