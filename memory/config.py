@@ -10,12 +10,48 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memlm.errors import ConfigError
+from memlm.memory.fast.ops import KERNELS
 
 # memory.value_dtype choices; memlm.memory.values.VALUE_DTYPES maps them to torch dtypes.
 VALUE_DTYPE_NAMES = ("fp32", "bf16")
 # memory.kind values whose layers read value tables through a product-key
 # lookup (memory/layers.py: Memory, MemoryPlus; model/memory_ffn.py builds them).
 PRODUCT_KEY_KINDS = ("memory", "memplus")
+# The choice lists of the memory settings: memory.gate (MemoryPlus's output
+# gate), memory.placement, and memory.kernel's KERNELS, imported above from
+# memlm.memory.fast.ops, which dispatches them (memory/fast/ imports nothing from here).
+GATES = ("none", "sigmoid", "swilu")
+PLACEMENTS = ("replace", "parallel")
+
+
+def lookup_size_problem(n_keys: int, heads: int, k_dim: int, **knns: int) -> tuple[str, int, str] | None:
+    """The first invalid size of a product-key lookup (Memory, Memory+, PEER),
+    as (key, value, what is valid), or None. `knns`: the top-k sizes by name
+    (knn=..., eval_knn=...). The one range check: MemoryConfig.validate
+    raises it as a ConfigError, layers built by hand as a ValueError (check_lookup_size)."""
+    for key, value in (("n_keys", n_keys), ("heads", heads)):
+        if value < 1:
+            return key, value, "an integer >= 1"
+    if k_dim < 2 or k_dim % 2:
+        return "k_dim", k_dim, "a positive even integer (the query is split into two halves of k_dim/2)"
+    for key, value in knns.items():
+        if not 1 <= value <= n_keys:
+            return key, value, f"an integer in [1, n_keys={n_keys}] (top-k of each sub-key half)"
+    return None
+
+
+def check_lookup_size(n_keys: int, heads: int, k_dim: int, **knns: int) -> None:
+    """lookup_size_problem as a ValueError naming the argument, its value and what is valid."""
+    problem = lookup_size_problem(n_keys, heads, k_dim, **knns)
+    if problem is not None:
+        key, value, valid = problem
+        raise ValueError(f"{key}={value!r} is invalid: {valid}")
+
+
+def check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    """A ValueError naming `key` and its value unless it is one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"{key}={value!r} is invalid: one of {', '.join(choices)}")
 
 
 @dataclass
@@ -95,12 +131,9 @@ class MemoryConfig:
                 f"{prefix}.layers", list(self.layers),
                 f"memory.kind={self.kind!r} needs at least one layer: set memory.layers or memory.spread",
             )
-        if self.placement not in ("replace", "parallel"):
-            raise ConfigError(f"{prefix}.placement", self.placement, "one of: replace, parallel")
-        if self.gate not in ("none", "sigmoid", "swilu"):
-            raise ConfigError(f"{prefix}.gate", self.gate, "one of: none, sigmoid, swilu")
-        if self.kernel not in ("auto", "triton", "torch"):
-            raise ConfigError(f"{prefix}.kernel", self.kernel, "one of: auto, triton, torch")
+        for key, choices in (("placement", PLACEMENTS), ("gate", GATES), ("kernel", KERNELS)):
+            if getattr(self, key) not in choices:
+                raise ConfigError(f"{prefix}.{key}", getattr(self, key), f"one of: {', '.join(choices)}")
         if self.kind in PRODUCT_KEY_KINDS:
             self._validate_product_key_memory(prefix)
 
@@ -120,36 +153,18 @@ class MemoryConfig:
                 )
             if self.balance_loss_coef < 0:
                 raise ConfigError(f"{prefix}.balance_loss_coef", self.balance_loss_coef, "a number >= 0")
-        if self.kind == "peer":
-            for key in ("n_keys", "heads", "k_dim"):
-                if getattr(self, key) < 1:
-                    raise ConfigError(f"{prefix}.{key}", getattr(self, key), "a positive integer")
-            if not 1 <= self.knn <= self.n_keys:
-                raise ConfigError(
-                    f"{prefix}.knn", self.knn,
-                    f"an integer in [1, memory.n_keys={self.n_keys}] (top-k of each sub-key half)",
-                )
-            if self.k_dim % 2:
-                raise ConfigError(
-                    f"{prefix}.k_dim", self.k_dim, "an even integer (the query is split in two halves)"
-                )
+        if self.kind == "peer":  # (PEER has one knn: no eval_knn)
+            self._validate_lookup_size(prefix, knn=self.knn)
+
+    def _validate_lookup_size(self, prefix: str, **knns: int) -> None:
+        problem = lookup_size_problem(self.n_keys, self.heads, self.k_dim, **knns)
+        if problem is not None:
+            key, value, valid = problem
+            raise ConfigError(f"{prefix}.{key}", value, valid.replace("n_keys=", f"{prefix}.n_keys="))
 
     def _validate_product_key_memory(self, prefix: str) -> None:
         """Values of the product-key memory layers (memory/layers.py)."""
-        for key in ("n_keys", "heads"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{prefix}.{key}", getattr(self, key), "an integer >= 1")
-        if self.k_dim < 2 or self.k_dim % 2:
-            raise ConfigError(
-                f"{prefix}.k_dim", self.k_dim,
-                "a positive even integer (the query is split into two halves of k_dim/2)",
-            )
-        for key in ("knn", "eval_knn"):
-            if not 1 <= getattr(self, key) <= self.n_keys:
-                raise ConfigError(
-                    f"{prefix}.{key}", getattr(self, key),
-                    f"an integer in [1, memory.n_keys={self.n_keys}] (top-k of each sub-key half)",
-                )
+        self._validate_lookup_size(prefix, knn=self.knn, eval_knn=self.eval_knn)
         if self.v_dim < 0:
             raise ConfigError(f"{prefix}.v_dim", self.v_dim, "0 (= model.dim) or a positive integer")
         if self.value_dtype not in VALUE_DTYPE_NAMES:

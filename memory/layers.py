@@ -22,13 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memlm.errors import ConfigError
+from memlm.memory.config import GATES, KERNELS, check_choice
 from memlm.memory.fast.ops import resolve_kernel
-from memlm.memory.product_keys import ProductKeys, balance_loss, check_knn
+from memlm.memory.product_keys import ProductKeys, balance_loss
 from memlm.memory.usage import SlotUsage
 from memlm.memory.values import ValuePool
-
-GATES = ("none", "sigmoid", "swilu")
 
 
 class ProductKeyMemory(nn.Module):
@@ -73,10 +71,11 @@ class ProductKeyMemory(nn.Module):
             self.__dict__["values"] = values
             self.owns_values = False
         self.values.add_reader(heads * knn)
-        if balance_loss_coef < 0:
-            raise ConfigError("memory.balance_loss_coef", balance_loss_coef, "a number >= 0")
+        if not balance_loss_coef >= 0:  # (also NaN)
+            raise ValueError(f"balance_loss_coef={balance_loss_coef!r} is invalid: a number >= 0")
         self.balance_loss_coef = balance_loss_coef
         self.sparse_updates = sparse_updates
+        check_choice("kernel", kernel, KERNELS)
         resolve_kernel(kernel)  # fail at build time if this machine cannot run it at all
         # Keep the config value: `auto` is resolved per call from the tensors' device.
         self.kernel = kernel
@@ -92,7 +91,7 @@ class ProductKeyMemory(nn.Module):
 
     @knn.setter
     def knn(self, value: int) -> None:
-        self.lookup.knn = check_knn(value, self.lookup.n_keys)
+        self.lookup.knn = value  # (checked by the lookup)
 
     @property
     def eval_knn(self) -> int:
@@ -100,7 +99,7 @@ class ProductKeyMemory(nn.Module):
 
     @eval_knn.setter
     def eval_knn(self, value: int) -> None:
-        self.lookup.eval_knn = check_knn(value, self.lookup.n_keys, "memory.eval_knn")
+        self.lookup.eval_knn = value
 
     def read(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, dim) -> y (T, v_dim): the weighted bag of H*knn value rows per token."""
@@ -172,8 +171,7 @@ class MemoryPlus(ProductKeyMemory):
 
     def __init__(self, dim: int, *args, gate: str = "swilu", **kwargs):
         super().__init__(dim, *args, **kwargs)
-        if gate not in GATES:
-            raise ConfigError("memory.gate", gate, f"one of: {', '.join(GATES)}")
+        check_choice("gate", gate, GATES)
         self.gate = gate
         self.w1 = nn.Linear(dim, self.v_dim, bias=False) if gate != "none" else None
         self.w2 = nn.Linear(self.v_dim, dim, bias=False)

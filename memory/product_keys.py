@@ -25,19 +25,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memlm.errors import ConfigError
-
 try:  # torch >= 2.9
     from torch.fx.experimental.sym_node import DynamicInt
 except ImportError:  # pragma: no cover - older torch: knn is a constant, each value compiles once
     DynamicInt = None
+from memlm.memory.config import check_lookup_size
 from memlm.memory.fast.exact import exact_linear, exact_subkey_scores, full_precision
 from memlm.memory.fast.search import product_key_topk, subkey_scores
 from memlm.memory.fast.search_grad import product_key_search, topk_of_sub_scores
 
 SUB_MODES = ("detached", "grad", "none")
 
-__all__ = ["ProductKeys", "balance_loss", "check_knn", "product_key_search", "product_key_topk", "subkey_scores"]
+__all__ = ["ProductKeys", "balance_loss", "product_key_search", "product_key_topk", "subkey_scores"]
 
 
 def balance_loss(sub_scores: torch.Tensor) -> torch.Tensor:
@@ -52,12 +51,6 @@ def balance_loss(sub_scores: torch.Tensor) -> torch.Tensor:
     mean_p = sub_scores.float().softmax(dim=-1).mean(dim=0)  # (H, 2, n_keys)
     kl = (mean_p * (mean_p.clamp_min(1e-30).log() + math.log(n_keys))).sum(dim=-1)  # (H, 2)
     return kl.mean()
-
-
-def check_knn(knn: int, n_keys: int, key: str = "memory.knn") -> int:
-    if not 1 <= knn <= n_keys:
-        raise ConfigError(key, knn, f"an integer in [1, memory.n_keys={n_keys}]")
-    return int(knn)
 
 
 def _unspecialized(knn: int) -> int:
@@ -91,12 +84,7 @@ class ProductKeys(nn.Module):
         eval_knn: int | None = None,
     ):
         super().__init__()
-        if n_keys < 1:
-            raise ConfigError("memory.n_keys", n_keys, "an integer >= 1")
-        if heads < 1:
-            raise ConfigError("memory.heads", heads, "an integer >= 1")
-        if k_dim < 2 or k_dim % 2:
-            raise ConfigError("memory.k_dim", k_dim, "a positive even integer (two halves of k_dim/2)")
+        check_lookup_size(n_keys, heads, k_dim)  # knn and eval_knn: their setters
         self.dim, self.n_keys, self.heads, self.k_dim = dim, n_keys, heads, k_dim
         self.half = k_dim // 2
         self.qk_norm = qk_norm
@@ -114,7 +102,8 @@ class ProductKeys(nn.Module):
 
     @knn.setter
     def knn(self, value: int) -> None:
-        self._knn = _unspecialized(check_knn(value, self.n_keys))
+        check_lookup_size(self.n_keys, self.heads, self.k_dim, knn=value)
+        self._knn = _unspecialized(int(value))
 
     @property
     def eval_knn(self) -> int:
@@ -122,7 +111,8 @@ class ProductKeys(nn.Module):
 
     @eval_knn.setter
     def eval_knn(self, value: int) -> None:
-        self._eval_knn = _unspecialized(check_knn(value, self.n_keys, "memory.eval_knn"))
+        check_lookup_size(self.n_keys, self.heads, self.k_dim, eval_knn=value)
+        self._eval_knn = _unspecialized(int(value))
 
     @property
     def current_knn(self) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from memlm.memory.product_keys import ProductKeys, check_knn
+from memlm.memory.product_keys import ProductKeys
 
 
 def knn_at_step(step: int, knn: int, start: int = 0, steps: int = 0) -> int:
@@ -35,14 +35,14 @@ def knn_at_step(step: int, knn: int, start: int = 0, steps: int = 0) -> int:
 def set_knn(model: nn.Module, knn: int | None = None, eval_knn: int | None = None) -> int:
     """Set the training (and/or evaluation) knn of every memory layer in
     `model`; returns how many lookups were changed. Each value is checked
-    against the layer's n_keys."""
+    against the layer's n_keys (a ValueError from the lookup's setter)."""
     changed = 0
     for module in model.modules():
         if isinstance(module, ProductKeys):
             if knn is not None:
-                module.knn = check_knn(knn, module.n_keys)
+                module.knn = knn
             if eval_knn is not None:
-                module.eval_knn = check_knn(eval_knn, module.n_keys, "memory.eval_knn")
+                module.eval_knn = eval_knn
             changed += 1
     return changed
 

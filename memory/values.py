@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from memlm.memory.config import VALUE_DTYPE_NAMES
+from memlm.memory.fast.exact import full_precision
 from memlm.memory.fast.hugepages import advise_huge_pages
 from memlm.memory.fast.ops import embedding_bag
-from memlm.memory.fast.exact import full_precision
 
 # memory.value_dtype -> the table's storage dtype. bf16 halves the table, its
 # gradient and the bytes each read moves; the optimizer keeps float32 moments

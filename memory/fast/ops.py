@@ -50,9 +50,10 @@ from memlm.memory.fast.bag_grad import (
     weight_gradients,
 )
 
-__all__ = ["ReadsBySlot", "available_kernels", "dense_gradient", "embedding_bag", "resolve_kernel",
+__all__ = ["KERNELS", "ReadsBySlot", "available_kernels", "dense_gradient", "embedding_bag", "resolve_kernel",
            "row_gradients", "sort_reads", "weight_gradients"]
 
+# memory.kernel's choices (memlm.memory.config takes them from here: memory/fast/ sits below it).
 KERNELS = ("auto", "triton", "torch")
 # TRITON_INTERPRET=1 runs Triton kernels on CPU tensors through Triton's
 # interpreter: slow, for tests only. Triton reads it when a kernel is defined

@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from memlm.errors import ConfigError
 from memlm.memory import Memory, MemoryPlus, ValuePool, value_parameters
 from memlm.memory.reference import reference_forward
 
@@ -72,7 +71,7 @@ def test_eval_uses_eval_knn():
     assert int(layer.usage.counts.sum()) == 4 * 2 * 2  # tokens * heads * knn
     layer.knn = 4  # by hand (the knn schedule uses set_knn)
     torch.testing.assert_close(layer(x), reference_forward(layer, x))
-    with pytest.raises(ConfigError, match="memory.knn"):
+    with pytest.raises(ValueError, match="knn=37 is invalid"):
         layer.knn = 37  # more than n_keys
 
 

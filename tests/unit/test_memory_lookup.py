@@ -74,11 +74,14 @@ def test_balance_loss_is_zero_for_uniform_and_log_n_for_collapse():
 
 
 def test_bad_lookup_arguments_name_the_key():
+    """A lookup built by hand raises a plain ValueError (not memlm's ConfigError:
+    there is no config key), naming the argument, its value and what is valid."""
     from memlm.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="memory.k_dim"):
-        ProductKeys(dim=8, n_keys=4, heads=1, knn=2, k_dim=7)
-    with pytest.raises(ConfigError, match="memory.knn"):
-        ProductKeys(dim=8, n_keys=4, heads=1, knn=5, k_dim=8)
-    with pytest.raises(ConfigError, match="memory.eval_knn"):
-        ProductKeys(dim=8, n_keys=4, heads=1, knn=2, k_dim=8, eval_knn=0)
+    for kwargs, message in [({"k_dim": 7}, "k_dim=7 is invalid: a positive even integer"),
+                            ({"knn": 5}, r"knn=5 is invalid: an integer in \[1, n_keys=4\]"),
+                            ({"eval_knn": 0}, r"eval_knn=0 is invalid: an integer in \[1, n_keys=4\]"),
+                            ({"heads": 0}, "heads=0 is invalid: an integer >= 1")]:
+        with pytest.raises(ValueError, match=message) as err:
+            ProductKeys(**{**dict(dim=8, n_keys=4, heads=1, knn=2, k_dim=8), **kwargs})
+        assert not isinstance(err.value, ConfigError)
