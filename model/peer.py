@@ -29,7 +29,10 @@ Choices, and why:
   (`memory.value_lr`, `value_weight_decay`, `value_grad_clip`).
 - The search is the memory layers' own (`memlm.memory.fast.search_grad.product_key_search`,
   which takes keys shared by the heads), with its backward through the selected
-  sub-keys only.
+  sub-keys only, and so is its precision rule: the query is projected in IEEE
+  float32 with autocast and TF32 off. Under FSDP PEER is no unit of its own,
+  so its query weights are gathered in the block's dtype (the memory layers'
+  ProductKeys is gathered in float32).
 """
 
 from __future__ import annotations
@@ -38,29 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memlm.errors import ConfigError
+from memlm.memory.config import check_lookup_size
+from memlm.memory.fast.exact import exact_linear, full_precision
 from memlm.memory.fast.row_dots import row_dots
-from memlm.memory.fast.exact import full_precision
 from memlm.memory.fast.search_grad import product_key_search
 from memlm.model.ffn import FFNContext, register_ffn
 
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
-
-
-def product_key_topk(
-    q: torch.Tensor, keys: torch.Tensor, knn: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-`knn` of s1[i] + s2[j] over all n_keys**2 pairs (i, j).
-
-    q: (T, H, 2, half) queries; keys: (2, n_keys, half) sub-keys shared by the heads.
-    Returns scores (T, H, knn) in q's dtype and expert indices (T, H, knn),
-    index = i * n_keys + j. Exact because each half of a top-knn pair must be in
-    its half's own top-knn. The memory layers' search, with its backward that
-    touches only the selected sub-keys. Unordered, like the memory layers'
-    (see memlm.memory.product_key_topk): the layer only sums over the winners.
-    """
-    scores, idx, _ = product_key_search(q, keys, knn, ordered=False)
-    return scores, idx
 
 
 class ExpertTable(nn.Module):
@@ -86,15 +73,9 @@ class PEER(nn.Module):
         activation: str = "gelu",
     ):
         super().__init__()
-        for key, value in (("n_keys", n_keys), ("heads", heads), ("knn", knn), ("k_dim", k_dim)):
-            if value < 1:
-                raise ConfigError(f"memory.{key}", value, "a positive integer")
-        if knn > n_keys:
-            raise ConfigError("memory.knn", knn, f"an integer in [1, memory.n_keys={n_keys}]")
-        if k_dim % 2:
-            raise ConfigError("memory.k_dim", k_dim, "an even integer (the query is split in two halves)")
+        check_lookup_size(n_keys, heads, k_dim, knn=knn)  # the memory layers' own check (ValueError)
         if activation not in ACTIVATIONS:
-            raise ConfigError("peer activation", activation, f"one of: {', '.join(ACTIVATIONS)}")
+            raise ValueError(f"activation={activation!r} is invalid: one of {', '.join(ACTIVATIONS)}")
         self.dim, self.n_keys, self.heads, self.knn, self.k_dim = dim, n_keys, heads, knn, k_dim
         self.n_experts = n_keys**2
         self.query_norm = query_norm
@@ -105,13 +86,19 @@ class PEER(nn.Module):
 
     def retrieve(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (T, dim) -> weights (T, H, knn) float32+, expert indices (T, H, knn)."""
-        compute = torch.promote_types(x.dtype, torch.float32)
-        q = self.query(x).view(-1, self.heads, 2, self.k_dim // 2)  # (T, H, 2, half)
-        if self.query_norm:
-            q = F.rms_norm(q, (self.k_dim // 2,))
-        # Scores in float32 (autocast off): top-k and softmax over bf16 scores tie and lose mass.
+        weight = self.query.weight  # (H * k_dim, dim)
+        compute = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
+        # The product-key lookup's precision rule (memlm.memory.ProductKeys): the
+        # query projection, scores, top-k and softmax in IEEE float32 (autocast
+        # and TF32 off), so the selection is the float32 model's. (No bias here:
+        # a zero one, which adds nothing.)
         with full_precision(x.device):
-            scores, idx = product_key_topk(q.to(compute), self.keys.to(compute), self.knn)
+            q = exact_linear(x.to(compute), weight.to(compute), weight.new_zeros(weight.shape[0], dtype=compute))
+            q = q.view(-1, self.heads, 2, self.k_dim // 2)  # (T, H, 2, half)
+            if self.query_norm:
+                q = F.rms_norm(q, (self.k_dim // 2,))
+            # The memory layers' search (keys shared by the heads), unordered: the layer only sums over the winners.
+            scores, idx, _ = product_key_search(q, self.keys.to(compute), self.knn, ordered=False)
             return scores.softmax(dim=-1), idx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
