@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                         "needed for an export or a Llama)")
     parser.add_argument("overrides", nargs="*", help="key=value: for a checkpoint, changes to its run's saved "
                         "config (e.g. its data); for an export or a Llama, the fine-tune run's overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before or after the options
     background(args.model, args.batches, args.out, args.overrides)
     return 0
 
