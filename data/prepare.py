@@ -111,16 +111,16 @@ def prepare(sources: list[SourceConfig], tokenizer_path: str, out_dir: str, work
         else:
             records[(unit.source, unit.index)] = done
     start = time.perf_counter()
-    bar = tqdm(desc="tokenizing", unit="tok", unit_scale=True, disable=not show_progress, file=sys.stderr)
-    bar.set_postfix(units=f"{len(records)}/{len(units)}")
     args = (tokenizer_path, on_error, val_fraction, out_dir)
-    if workers == 1 or len(todo) <= 1:
-        for unit in todo:
-            records[(unit.source, unit.index)] = run_unit(unit, *args, _BarQueue(bar))
-            bar.set_postfix(units=f"{len(records)}/{len(units)}")
-    else:
-        _run_parallel(todo, args, workers, records, bar, len(units))
-    bar.close()
+    # Closed on an error too: its line ends before the command's `error:` line.
+    with tqdm(desc="tokenizing", unit="tok", unit_scale=True, disable=not show_progress, file=sys.stderr) as bar:
+        bar.set_postfix(units=f"{len(records)}/{len(units)}")
+        if workers == 1 or len(todo) <= 1:
+            for unit in todo:
+                records[(unit.source, unit.index)] = run_unit(unit, *args, _BarQueue(bar))
+                bar.set_postfix(units=f"{len(records)}/{len(units)}")
+        else:
+            _run_parallel(todo, args, workers, records, bar, len(units))
     manifest = _manifest(plans, records, tok, val_fraction)
     write_json(os.path.join(out_dir, MANIFEST), manifest)
     tokenized = sum(e["tokens"] for u in todo for e in records[(u.source, u.index)]["shards"].values())

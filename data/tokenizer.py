@@ -177,11 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     paths = [p for pattern in args.input for p in expand_paths(pattern, "--input")]
     stats = SkipStats()
-    docs = tqdm(iter_documents(paths, args.format, args.text_field, args.on_error, stats),
-                desc="reading documents", unit="doc", file=sys.stderr)
-    tok = train_tokenizer(docs, args.out, args.vocab_size, args.character_coverage, args.input_sentence_size,
-                          not args.no_shuffle, args.seed, args.threads)
-    docs.close()
+    with tqdm(iter_documents(paths, args.format, args.text_field, args.on_error, stats),
+              desc="reading documents", unit="doc", file=sys.stderr) as docs:  # closed before an error line
+        tok = train_tokenizer(docs, args.out, args.vocab_size, args.character_coverage, args.input_sentence_size,
+                              not args.no_shuffle, args.seed, args.threads)
     print(f"trained {tok.path}: vocab {tok.vocab_size}, sha256 {tok.sha256[:16]}..., "
           f"from {len(paths)} files: {stats.summary()}")
     return 0

@@ -9,30 +9,26 @@ sweep as `python -m memlm.launch sweep`, on one process per point:
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Sequence
 
-from memlm.errors import ConfigError
+from memlm.errors import entry_point
 from memlm.launch.validate import LaunchError
 
 
+@entry_point
 def multirun(argv: Sequence[str]) -> int:
     """Run every point of the sweep in `argv` (train's arguments, with or
     without -m/--multirun); returns the exit code (0 when every point finished)."""
+    from memlm.distributed.env import launcher_rank
     from memlm.launch.sweep import sweep
 
     args = [a for a in argv if a not in ("-m", "--multirun")]
-    try:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise LaunchError("-m/--multirun under torchrun would run every point on every rank; use "
-                              "`python -m memlm.launch sweep --nproc N ...` for multi-process points")
-        flags = [a for a in args if a.startswith("-")]
-        if flags:
-            raise LaunchError(f"{flags[0]}: -m/--multirun takes only Hydra overrides (key=a,b ...)")
-        if not args:
-            raise LaunchError("-m/--multirun needs overrides to sweep, e.g. memory.n_keys=128,256")
-        return sweep(args, [])
-    except (ConfigError, LaunchError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    if launcher_rank()[1] > 1:
+        raise LaunchError("-m/--multirun under torchrun would run every point on every rank; use "
+                          "`python -m memlm.launch sweep --nproc N ...` for multi-process points")
+    flags = [a for a in args if a.startswith("-")]
+    if flags:
+        raise LaunchError(f"{flags[0]}: -m/--multirun takes only Hydra overrides (key=a,b ...)")
+    if not args:
+        raise LaunchError("-m/--multirun needs overrides to sweep, e.g. memory.n_keys=128,256")
+    return sweep(args, [])
