@@ -57,7 +57,7 @@ def tokens_per_rank(cfg: Any, world: int) -> int:
 
 def value_layouts_of(cfg: Any, world: int, gpus_per_node: int) -> list[dict]:
     """Every memory_parallel this run could take on `world` ranks, with its
-    value-table traffic and seconds (memlm.plan.cost.value_layouts);
+    value-table traffic and seconds (memlm.distributed.value_layout.value_layouts);
     [] without value tables."""
     values = value_tables(cfg)
     if values is None:

@@ -16,7 +16,7 @@ from the dense weights asks this file:
 exported (docs/memory.md, "Training hooks"), not a second definition.
 
 Pools are the tables memory parallelism shards by columns
-(memlm.memory.parallel), FSDP leaves alone, the value-gradient reduction
+(memlm.distributed.memory_parallel), FSDP leaves alone, the value-gradient reduction
 sums over replicas and the planner's value-table traffic counts. PEER's
 expert tables are tables for the optimizer and the clip, but not pools: they
 are sharded by rows with their block's FSDP unit, like any weight
