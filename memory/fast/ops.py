@@ -28,7 +28,8 @@ The gradient is
   read, indices (1, U), values (U, v_dim), never a dense (N, v_dim) tensor.
   Pair it with `memlm.memory.SparseRowAdamW`.
 Both formats hold the same numbers, bit for bit (same bags, same order).
-The Triton kernels (memory/fast/triton_bag.py) use the same grouping.
+The Triton kernels (memory/fast/triton_bag.py) use the same grouping, and
+take both gradients in one walk of it.
 """
 
 from __future__ import annotations
@@ -235,14 +236,10 @@ def _bag_gradients(grad_out, values, indices, weights, sparse, kernel, need_valu
     grad_out = grad_out.contiguous()
     grad_values = grad_weights = None
     if kernel == "triton":
-        from memlm.memory.fast.triton_bag import table_grad, weight_grad
+        from memlm.memory.fast.triton_bag import gradients  # one walk of the sorted reads gives both
 
-        indices, weights = indices.contiguous(), weights.contiguous()
-        if need_weights:
-            grad_weights = weight_grad(values, indices, grad_out, weights.dtype)
-        if need_values:
-            grad_values = table_grad(values, indices, weights, grad_out, sparse)
-        return grad_values, grad_weights
+        return gradients(values, indices.contiguous(), weights.contiguous(), grad_out, sparse, need_values,
+                         need_weights)
     w = weights.to(values.dtype)  # what the forward read with (the cast's backward casts back)
     # One sort for both gradients; the weights' alone need none.
     reads = sort_reads(indices, values.shape[0]) if need_values else None

@@ -2,42 +2,157 @@
 
     y[b] = sum_k weights[b, k] * values[indices[b, k]]          values (N, V), indices/weights (B, K)
 
+    out = bag_forward(values, indices, weights)                          # (B, V), the table's dtype
+    grad_values, grad_weights = gradients(values, indices, weights, grad_out)   # (N, V), (B, K)
+
 Reached through `memlm.memory.fast.ops.embedding_bag(..., kernel="triton")` (or
 `auto` on CUDA), which validates the inputs first; the launchers here assume
 valid inputs: a table with unit column stride, contiguous (B, K) indices
-(int32 or int64) and weights, indices in [0, N).
+(int32 or int64) and weights, indices in [0, N). Everything accumulates in
+float32 whatever the table dtype.
 
-Kernels (all accumulate in float32 whatever the table dtype):
-- forward: one program per (bag, block of columns); it gathers a
-  (BLOCK_K, BLOCK_V) tile of rows per step, so BLOCK_K row loads are in flight
-  at once (the read is bandwidth bound: latency hiding is what matters).
-- table gradient, "by_slot" (default): a stable sort of the B*K reads groups
-  them by destination slot (the sort and the segment boundaries are torch
-  ops), then one program per (slot, column block) sums w * grad_out[bag] over
-  its segment in (bag, read) order and writes the row once. No atomics, so
-  two runs give bitwise-equal gradients. Dense: one program per slot of the
-  table (empty segments write the zeros a dense gradient needs anyway, and
-  no host sync is needed to count distinct slots). Sparse: one program per
-  distinct slot read, written straight into the COO values.
-- table gradient, "atomic" (for comparison only): one program per (bag,
-  column block) adds w * grad_out[bag] into a float32 copy of the table with
-  atomics. Order of additions varies run to run: not deterministic.
-- weight gradient: one program per (bag, block of its reads):
-  dot(values[idx], grad_out[bag]) over all columns.
+Algorithms (`ALGORITHMS`; a name picks the kernels of both passes):
+- "segments" (the default by construction; issue #39): forward by whole
+  rows: one program per block of BLOCK_B bags and BLOCK_D >= v_dim columns
+  (one column block up to MAX_BLOCK_D), BLOCK_K rows gathered per step and
+  the next step's indices loaded before this step's rows are summed.
+  Backward: a stable sort of the B*K reads groups them by slot (torch ops),
+  then one program per block of BLOCK_S consecutive segments walks each
+  segment in (bag, read) order: it sums w * grad_out[bag] into the slot's
+  row (written once; an empty segment only writes its zero row) and, from
+  the same grad_out rows and the slot's value row (read once per slot, not
+  once per read), writes each read's weight gradient. No atomics: two runs
+  give bitwise-equal gradients.
+- "by_slot" (the first kernels, kept for the side-by-side comparison):
+  forward by tiles, one program per (bag, 256 columns) and 16 rows a step;
+  table gradient one program per (segment, 256 columns); weight gradient
+  one program per (bag, block of reads), every read's value row read again.
+- "atomic" (comparison only, not deterministic): the first forward and
+  weight gradient; the table gradient adds w * grad_out[bag] into a float32
+  copy of the table with atomics.
 
-Block sizes are heuristics (`_blocks`), not tuned on hardware yet;
-bench/kernels.py sweeps a few on a GPU.
+Which algorithm runs: the `algorithm` argument, else $MEMLM_TRITON_BAG, else
+"segments". Launch configurations come from `forward_launch` /
+`segments_launch`: a table of measured entries (`MEASURED`, empty until a GPU
+run fills it; bench/gpu_speed.py sweeps the candidates) over a rule derived
+from the hardware's shape (16-byte vector loads, one warp per 32 lanes),
+not from a measurement. The CUDA default is settled by the device run.
 """
 
 from __future__ import annotations
+
+import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-ALGORITHMS = ("by_slot", "atomic")
+ALGORITHMS = ("segments", "by_slot", "atomic")
+DEFAULT_ALGORITHM = "segments"
+ALGORITHM_ENV = "MEMLM_TRITON_BAG"
+# Widest column block of one program (whole rows up to this v_dim).
+MAX_BLOCK_D = 2048
+# Offsets at or beyond this need int64 arithmetic.
+INT32_LIMIT = 2**31
 
 
+class Launch(NamedTuple):
+    """One kernel launch's blocks and Triton options."""
+
+    block_b: int  # forward: bags per program; backward: segments per program (BLOCK_S)
+    block_k: int  # rows gathered per step
+    block_d: int  # columns per program (power of two)
+    num_warps: int
+    num_stages: int
+
+
+# Launches measured on a GPU, keyed (pass, BLOCK_D, table element bytes), pass
+# "forward" or "segments". Empty: no GPU has measured them yet (bench/gpu_speed.py).
+MEASURED: dict[tuple[str, int, int], Launch] = {}
+
+
+# ---------------------------------------------------------------- "segments"
+@triton.jit
+def _rows_forward_kernel(values, stride_v, indices, weights, out, B, K, V,
+                         BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                         WIDE: tl.constexpr):
+    # Program (p, c): bags [p * BLOCK_B, +BLOCK_B), columns [c * BLOCK_D, +BLOCK_D).
+    # WIDE: some offset (slot * stride, bag * K, bag * V) reaches 2**31 -> int64.
+    pid = tl.program_id(0)
+    if WIDE:
+        pid = pid.to(tl.int64)
+    bags = pid * BLOCK_B + tl.arange(0, BLOCK_B)                      # (BB,)
+    bmask = bags < B
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)         # (BD,)
+    cmask = cols < V                                                  # V need not be a power of two
+    ks = tl.arange(0, BLOCK_K)                                        # (BK,)
+    base = bags[:, None] * K                                          # (BB, 1) first read of each bag
+    kmask = bmask[:, None] & (ks[None, :] < K)                        # (BB, BK)
+    idx = tl.load(indices + base + ks[None, :], mask=kmask, other=0)
+    w = tl.load(weights + base + ks[None, :], mask=kmask, other=0.0)
+    acc = tl.zeros((BLOCK_B, BLOCK_D), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if WIDE:
+            row = idx.to(tl.int64) * stride_v
+        else:
+            row = idx.to(tl.int32) * stride_v
+        rows = tl.load(values + row[:, :, None] + cols[None, None, :],  # (BB, BK, BD)
+                       mask=kmask[:, :, None] & cmask[None, None, :], other=0.0)
+        # The next step's indices and weights, in flight while these rows are summed.
+        nks = k0 + BLOCK_K + ks
+        nmask = bmask[:, None] & (nks[None, :] < K)
+        nidx = tl.load(indices + base + nks[None, :], mask=nmask, other=0)
+        nw = tl.load(weights + base + nks[None, :], mask=nmask, other=0.0)
+        acc += tl.sum(rows.to(tl.float32) * w.to(tl.float32)[:, :, None], axis=1)
+        idx, w, kmask = nidx, nw, nmask
+    tl.store(out + bags[:, None] * V + cols[None, :], acc.to(out.dtype.element_ty),
+             mask=bmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _segments_kernel(grad_out, values, stride_v, order, seg_start, slots, weights, grad_rows, stride_r, grad_w,
+                     S, K, V,
+                     BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                     DENSE: tl.constexpr, FUSE_W: tl.constexpr, WIDE: tl.constexpr):
+    # Program (p, c) owns segments [p * BLOCK_S, +BLOCK_S) of the sorted reads,
+    # columns [c * BLOCK_D, +BLOCK_D); segment s = reads order[seg_start[s]:seg_start[s+1]]
+    # (flat ids bag * K + k), all of slot s (DENSE) or slots[s]. It writes row s of
+    # grad_rows and, with FUSE_W (one column block covers V), grad_w of those reads.
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)         # (BD,)
+    cmask = cols < V
+    js0 = tl.arange(0, BLOCK_K)                                       # (BK,)
+    first = tl.program_id(0).to(tl.int64) * BLOCK_S                 # int64 segment ids: seg * stride
+    for seg in range(first, tl.minimum(first + BLOCK_S, S)):
+        start = tl.load(seg_start + seg)
+        end = tl.load(seg_start + seg + 1)
+        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        if FUSE_W:
+            if DENSE:
+                slot = seg
+            else:
+                slot = tl.load(slots + seg).to(tl.int64)
+            vrow = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            if end > start:  # an empty segment reads nothing
+                vrow = tl.load(values + slot * stride_v + cols, mask=cmask, other=0.0).to(tl.float32)
+        for j0 in range(start, end, BLOCK_K):
+            js = j0 + js0
+            jmask = js < end
+            read = tl.load(order + js, mask=jmask, other=0)
+            w = tl.load(weights + read, mask=jmask, other=0.0).to(tl.float32)
+            bag = read // K
+            if WIDE:
+                bag = bag.to(tl.int64)
+            g = tl.load(grad_out + bag[:, None] * V + cols[None, :],      # (BK, BD)
+                        mask=jmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(g * w[:, None], axis=0)
+            if FUSE_W:
+                tl.store(grad_w + read, tl.sum(g * vrow[None, :], axis=1).to(grad_w.dtype.element_ty), mask=jmask)
+        # Scalar base first: the per-column offsets stay int32.
+        tl.store(grad_rows + seg * stride_r + cols, acc.to(grad_rows.dtype.element_ty), mask=cmask)
+
+
+# ------------------------------------------------- "by_slot" and "atomic" (the first kernels)
 @triton.jit
 def _bag_forward_kernel(values, stride_v, indices, weights, out, K, V,
                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -110,19 +225,77 @@ def _weight_grad_kernel(values, stride_v, indices, grad_out, grad_w, K, V,
     tl.store(grad_w + bag * K + ks, acc.to(grad_w.dtype.element_ty), mask=kmask)
 
 
+# ------------------------------------------------------------ launch choices
+def resolve_algorithm(algorithm: str | None) -> str:
+    """`algorithm`, else $MEMLM_TRITON_BAG, else DEFAULT_ALGORITHM; checked."""
+    name = algorithm or os.environ.get(ALGORITHM_ENV) or DEFAULT_ALGORITHM
+    if name not in ALGORITHMS:
+        source = "algorithm" if algorithm else ALGORITHM_ENV
+        raise ValueError(f"{source} must be one of {ALGORITHMS}, got {name!r}")
+    return name
+
+
+def _block_d(v_dim: int) -> int:
+    return min(triton.next_power_of_2(max(v_dim, 1)), MAX_BLOCK_D)
+
+
+def _pow2_at_most(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _warps(block_d: int, elem_bytes: int) -> int:
+    """One lane per 16-byte vector of a row; a warp per 32 lanes, 1 to 8."""
+    lanes = max(1, block_d * elem_bytes // 16)
+    return max(1, min(8, lanes // 32))
+
+
+def forward_launch(v_dim: int, reads: int, bags: int, dtype: torch.dtype) -> Launch:
+    """The "segments" forward's launch: measured (MEASURED) or by rule: whole
+    rows, a warp per 32 16-byte lanes, several bags per program when a row
+    leaves lanes idle, and ~16 KB of rows gathered per step."""
+    size = torch.empty((), dtype=dtype).element_size()
+    bd = _block_d(v_dim)
+    known = MEASURED.get(("forward", bd, size))
+    if known is not None:
+        return known
+    warps = _warps(bd, size)
+    lanes = max(1, bd * size // 16)
+    bb = min(max(1, 32 * warps // lanes), triton.next_power_of_2(max(bags, 1)))
+    bk = _pow2_at_most(max(1, min(16, 16384 // (bb * bd * size))))
+    return Launch(bb, min(bk, triton.next_power_of_2(max(reads, 1))), bd, warps, 1)
+
+
+def segments_launch(v_dim: int, dtype: torch.dtype) -> Launch:
+    """The "segments" backward's launch: measured (MEASURED) or by rule: whole
+    rows, 8 segments per program, 4 reads a step (a segment holds B*K/N reads
+    on average: ~2 at the paper's shape)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    bd = _block_d(v_dim)
+    known = MEASURED.get(("segments", bd, size))
+    if known is not None:
+        return known
+    return Launch(8, 4, bd, _warps(bd, size), 1)
+
+
+def _wide(*extents: int) -> bool:
+    """Whether an offset can reach 2**31 (then int64 address math)."""
+    return max(extents) >= INT32_LIMIT
+
+
 def _blocks(reads: int, v_dim: int, block_k: int | None = None, block_v: int | None = None) -> tuple[int, int]:
-    """(BLOCK_K, BLOCK_V): rows gathered per step and columns per program.
-    A 16 x 256 tile keeps 16 row loads in flight per program and ~32 fp32
-    accumulators per thread at 4 warps; small problems get smaller blocks so
-    masked lanes do not dominate."""
+    """The first kernels' (BLOCK_K, BLOCK_V): rows gathered per step and
+    columns per program. A 16 x 256 tile keeps 16 row loads in flight per
+    program; small problems get smaller blocks so masked lanes do not dominate."""
     bk = block_k or min(16, triton.next_power_of_2(max(reads, 1)))
     bv = block_v or min(256, triton.next_power_of_2(max(v_dim, 1)))
     return bk, bv
 
 
+# ---------------------------------------------------------------- forward
 def bag_forward(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                block_k: int | None = None, block_v: int | None = None) -> torch.Tensor:
-    """(N, V), (B, K), (B, K) -> (B, V) in the table's dtype."""
+                algorithm: str | None = None, launch: Launch | None = None) -> torch.Tensor:
+    """(N, V), (B, K), (B, K) -> (B, V) in the table's dtype. `launch`
+    overrides the "segments" forward's configuration (bench/gpu_speed.py's sweep)."""
     bags, reads = indices.shape
     v_dim = values.shape[1]
     out = torch.empty(bags, v_dim, dtype=values.dtype, device=values.device)
@@ -130,37 +303,78 @@ def bag_forward(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tens
         return out
     if reads == 0:
         return out.zero_()
-    bk, bv = _blocks(reads, v_dim, block_k, block_v)
-    grid = (bags, triton.cdiv(v_dim, bv))
-    _bag_forward_kernel[grid](values, values.stride(0), indices, weights, out, reads, v_dim,
-                              BLOCK_K=bk, BLOCK_V=bv)
+    if resolve_algorithm(algorithm) != "segments":
+        bk, bv = _blocks(reads, v_dim)
+        _bag_forward_kernel[(bags, triton.cdiv(v_dim, bv))](values, values.stride(0), indices, weights, out,
+                                                            reads, v_dim, BLOCK_K=bk, BLOCK_V=bv)
+        return out
+    cfg = launch or forward_launch(v_dim, reads, bags, values.dtype)
+    wide = _wide(values.shape[0] * values.stride(0), bags * reads, bags * v_dim)
+    grid = (triton.cdiv(bags, cfg.block_b), triton.cdiv(v_dim, cfg.block_d))
+    _rows_forward_kernel[grid](values, values.stride(0), indices, weights, out, bags, reads, v_dim,
+                               BLOCK_B=cfg.block_b, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, WIDE=wide,
+                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
-def group_by_slot(indices: torch.Tensor, n_slots: int | None):
+# ---------------------------------------------------------------- backward
+def group_by_slot(indices: torch.Tensor, n_slots: int, dense: bool = True):
     """Sort the reads by destination slot. Returns (order, seg_start, slots):
-    order (B*K,) int64 flat read ids, stably sorted by slot; seg_start the
-    segment boundaries. With n_slots (dense): one segment per slot of the
-    table, (n_slots + 1,), slots None. Without (sparse): one segment per
-    distinct slot read, (U + 1,), and slots (U,) int64."""
+    order (B*K,) flat read ids, stably sorted by slot; seg_start the segment
+    boundaries. Dense: one segment per slot of the table, (n_slots + 1,),
+    slots None. Sparse: one segment per distinct slot read, (U + 1,), and
+    slots (U,) int64. Keys and ids are int32 when they fit (a radix sort
+    then makes half the passes; a stable sort gives the same permutation
+    whatever the key width), else int64."""
     flat = indices.reshape(-1)
+    narrow = n_slots <= INT32_LIMIT and flat.numel() < INT32_LIMIT
+    if narrow:
+        flat = flat.to(torch.int32)
     # Stable: each slot's reads stay in (bag, read) order -> a fixed summation order.
     sorted_slots, order = torch.sort(flat, stable=True)
-    if n_slots is not None:
+    order = order.to(torch.int32) if narrow else order
+    if dense:
         # Boundaries of every slot's segment by binary search: no atomics and
         # no host sync (the number of distinct slots is never needed).
         bounds = torch.arange(n_slots + 1, device=flat.device, dtype=sorted_slots.dtype)
-        return order, torch.searchsorted(sorted_slots, bounds), None
+        return order, torch.searchsorted(sorted_slots, bounds, out_int32=narrow), None
     slots, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
-    seg_start = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=flat.device)
+    seg_start = torch.zeros(counts.numel() + 1, dtype=order.dtype, device=flat.device)
     torch.cumsum(counts, 0, out=seg_start[1:])
     return order, seg_start, slots.long()
+
+
+def segment_gradients(values: torch.Tensor, grad_out: torch.Tensor, order: torch.Tensor, seg_start: torch.Tensor,
+                      slots: torch.Tensor | None, weights: torch.Tensor, need_weights: bool,
+                      launch: Launch | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The "segments" walk: (rows (S, V) in the table's dtype, one per segment,
+    and the weights' gradient (B, K) when `need_weights` and one column block
+    covers V, else None). `slots` None: segment s is slot s (dense)."""
+    bags, reads = weights.shape
+    segments = seg_start.numel() - 1
+    v_dim = values.shape[1]
+    rows = torch.empty(segments, v_dim, dtype=values.dtype, device=values.device)
+    cfg = launch or segments_launch(v_dim, values.dtype)
+    fuse = need_weights and triton.cdiv(v_dim, cfg.block_d) == 1
+    grad_w = torch.empty(bags, reads, dtype=weights.dtype, device=values.device) if fuse else None
+    if segments == 0 or v_dim == 0:
+        return rows, (grad_w.zero_() if fuse else None)
+    wide = _wide(bags * v_dim, bags * reads)
+    grid = (triton.cdiv(segments, cfg.block_b), triton.cdiv(v_dim, cfg.block_d))
+    _segments_kernel[grid](grad_out, values, values.stride(0), order, seg_start,
+                           seg_start if slots is None else slots, weights, rows, rows.stride(0),
+                           grad_w if fuse else weights, segments, reads, v_dim,
+                           BLOCK_S=cfg.block_b, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d,
+                           DENSE=slots is None, FUSE_W=fuse, WIDE=wide,
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return rows, grad_w
 
 
 def table_grad_rows(grad_out: torch.Tensor, order: torch.Tensor, seg_start: torch.Tensor,
                     weights: torch.Tensor, reads: int, dtype: torch.dtype,
                     block_k: int | None = None, block_v: int | None = None) -> torch.Tensor:
-    """One row per segment: sum of weights * grad_out over the segment's reads."""
+    """The first kernel ("by_slot"): one row per segment, sum of weights *
+    grad_out over the segment's reads, one program per (segment, column block)."""
     segments = seg_start.numel() - 1
     v_dim = grad_out.shape[1]
     rows = torch.empty(segments, v_dim, dtype=dtype, device=grad_out.device)
@@ -188,7 +402,10 @@ def table_grad_atomic(values: torch.Tensor, indices: torch.Tensor, weights: torc
 
 def weight_grad(values: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
                 dtype: torch.dtype, block_k: int | None = None, block_v: int | None = None) -> torch.Tensor:
-    """(B, K): dot(values[indices[b, k]], grad_out[b])."""
+    """(B, K): dot(values[indices[b, k]], grad_out[b]), one program per (bag,
+    block of reads); the "segments" algorithm uses it only where it cannot
+    fuse (the table needs no gradient, or V spans several column blocks),
+    with whole-row blocks."""
     bags, reads = indices.shape
     v_dim = values.shape[1]
     grad_w = torch.empty(bags, reads, dtype=dtype, device=values.device)
@@ -203,23 +420,48 @@ def weight_grad(values: torch.Tensor, indices: torch.Tensor, grad_out: torch.Ten
     return grad_w
 
 
+def _as_table_gradient(rows: torch.Tensor, slots: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
+    """Dense rows as they are; sparse ones as a coalesced COO tensor."""
+    if slots is None:
+        return rows
+    return torch.sparse_coo_tensor(slots.unsqueeze(0), rows, shape, is_coalesced=True, check_invariants=False)
+
+
+def gradients(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor,
+              sparse: bool = False, need_values: bool = True, need_weights: bool = True,
+              algorithm: str | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(table gradient or None, weights' gradient or None) of one read. The
+    table's is dense (N, V), or with `sparse` a coalesced COO tensor of the
+    rows read; both hold the same numbers bit for bit (same segments, same
+    summation order). grad_out (B, V) contiguous."""
+    algorithm = resolve_algorithm(algorithm)
+    bags, reads = indices.shape
+    v_dim = values.shape[1]
+    grad_values = grad_weights = None
+    if algorithm == "segments" and need_values:
+        order, seg_start, slots = group_by_slot(indices, values.shape[0], dense=not sparse)
+        rows, grad_weights = segment_gradients(values, grad_out, order, seg_start, slots, weights, need_weights)
+        grad_values = _as_table_gradient(rows, slots, values.shape)
+        if need_weights and grad_weights is None:  # V wider than one column block
+            grad_weights = weight_grad(values, indices, grad_out, weights.dtype, None, _block_d(v_dim))
+        return grad_values, grad_weights
+    if need_weights:
+        blocks = (None, _block_d(v_dim)) if algorithm == "segments" else (None, None)
+        grad_weights = weight_grad(values, indices, grad_out, weights.dtype, *blocks)
+    if need_values:
+        if algorithm == "atomic" and not sparse:
+            grad_values = table_grad_atomic(values, indices, weights, grad_out)
+        else:  # atomics have no sparse variant: a sparse result needs the grouping anyway
+            order, seg_start, slots = group_by_slot(indices, values.shape[0], dense=not sparse)
+            rows = table_grad_rows(grad_out, order, seg_start, weights, reads, values.dtype)
+            grad_values = _as_table_gradient(rows, slots, values.shape)
+    return grad_values, grad_weights
+
+
 def table_grad(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor,
-               sparse: bool = False, algorithm: str = "by_slot") -> torch.Tensor:
-    """The table's gradient: dense (N, V), or a coalesced sparse COO tensor of
-    the rows read. Both hold the same numbers bit for bit (same segments,
-    same summation order)."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    if algorithm == "atomic" and not sparse:
-        return table_grad_atomic(values, indices, weights, grad_out)
-    reads = indices.shape[1]
-    if sparse:  # atomics have no sparse variant: a sparse result needs the grouping anyway
-        order, seg_start, slots = group_by_slot(indices, None)
-        rows = table_grad_rows(grad_out, order, seg_start, weights, reads, values.dtype)
-        return torch.sparse_coo_tensor(slots.unsqueeze(0), rows, values.shape,
-                                       is_coalesced=True, check_invariants=False)
-    order, seg_start, _ = group_by_slot(indices, values.shape[0])
-    return table_grad_rows(grad_out, order, seg_start, weights, reads, values.dtype)
+               sparse: bool = False, algorithm: str | None = None) -> torch.Tensor:
+    """The table's gradient alone (see `gradients`)."""
+    return gradients(values, indices, weights, grad_out, sparse, True, False, algorithm)[0]
 
 
 class TritonEmbeddingBag(torch.autograd.Function):
@@ -229,24 +471,21 @@ class TritonEmbeddingBag(torch.autograd.Function):
     def forward(ctx, values, indices, weights, sparse, algorithm):
         ctx.save_for_backward(values, indices, weights)
         ctx.sparse, ctx.algorithm = sparse, algorithm
-        return bag_forward(values, indices, weights)
+        return bag_forward(values, indices, weights, algorithm)
 
     @staticmethod
     def backward(ctx, grad_out):
         values, indices, weights = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grad_values = grad_weights = None
-        if ctx.needs_input_grad[2]:
-            grad_weights = weight_grad(values, indices, grad_out, weights.dtype)
-        if ctx.needs_input_grad[0]:
-            grad_values = table_grad(values, indices, weights, grad_out, ctx.sparse, ctx.algorithm)
+        grad_values, grad_weights = gradients(values, indices, weights, grad_out.contiguous(), ctx.sparse,
+                                              ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.algorithm)
         return grad_values, None, grad_weights, None, None
 
 
 def embedding_bag_triton(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                         sparse: bool = False, algorithm: str = "by_slot") -> torch.Tensor:
+                         sparse: bool = False, algorithm: str | None = None) -> torch.Tensor:
     """The Triton read without input validation (memory.fast.ops validates)."""
+    algorithm = resolve_algorithm(algorithm)
     needs_grad = torch.is_grad_enabled() and (values.requires_grad or weights.requires_grad)
     if not needs_grad:
-        return bag_forward(values, indices, weights)
+        return bag_forward(values, indices, weights, algorithm)
     return TritonEmbeddingBag.apply(values, indices, weights, sparse, algorithm)
