@@ -1,6 +1,7 @@
-"""The Memory / Memory+ math in plain PyTorch, written the long way: the oracle.
+"""The Memory / Memory+ and PEER math in plain PyTorch, written the long way: the oracle.
 
     out = reference_forward(layer, x)   # a Memory / MemoryPlus layer, x (..., dim) -> (..., dim)
+    out = peer_forward(peer, x)         # a PEER FFN (model/peer.py),  x (..., dim) -> (..., dim)
 
 or step by step (T tokens, H heads, n = n_keys, N = n**2 slots, K = knn):
 
@@ -14,17 +15,27 @@ or step by step (T tokens, H heads, n = n_keys, N = n**2 slots, K = knn):
     Memory:  out = y, or W_o y (v_dim != dim)
     Memory+: out = W2(y * silu(W1 x))           gate "swilu"; "sigmoid": sigmoid(W1 x); "none": W2 y
 
+PEER (N = n**2 single-neuron experts: down rows u, up rows v; the heads share the sub-keys):
+
+    q = query(x, peer)                          # (T, H, 2, half)   W_q x (no bias)
+    if query_norm: q = rms(q)                   #                   unit-RMS halves; no 1/sqrt(half), keys as they are
+    w, experts = search(q, keys for every head, K)  # (T, H, K)     the same all-slot search
+    h = act(u_e . x)                            # (T, H, K)         gelu or silu of each kept expert's down dot
+    out = sum_{h,k} w * h * v_e                 # (T, dim)          read(up, experts, w * h)
+
 Every one of the N slots is scored with its full key [k1_i ; k2_j]: no
 product-key shortcut, no custom op, no kernel, no precision handling (call it
 in float64 for a strict oracle; it is O(N) per token, for small tables). The
 fast paths (memory/fast/: the exact sqrt(N) search, its sparse backward, the
 embedding-bag kernels) and the Hugging Face remote layer
 (hf/remote/modeling_memlm.py) are tested against it
-(tests/unit/test_memory_reference.py, tests/unit/test_memory_layers.py).
+(tests/unit/test_memory_reference.py, tests/unit/test_memory_layers.py), and
+so are memlm's PEER and the remote one (tests/unit/test_memory_reference.py).
 
 `reference_forward` reads a layer by its attribute names (lookup.query,
 lookup.keys, values.weight, w1, w2, out, gate), which memlm's layers and the
-remote layer share, so one oracle checks both.
+remote layer share, so one oracle checks both; `peer_forward` likewise (query,
+keys, experts.down, experts.up, heads, knn, query_norm, activation).
 """
 
 from __future__ import annotations
@@ -40,9 +51,11 @@ def rms(x: torch.Tensor) -> torch.Tensor:
 
 
 def query(x: torch.Tensor, lookup: nn.Module) -> torch.Tensor:
-    """x (T, dim) -> the query (T, H, 2, half): W_q x + b, each head's k_dim split in halves."""
-    q = x @ lookup.query.weight.t() + lookup.query.bias  # (T, H * k_dim)
-    return q.view(x.shape[0], lookup.heads, 2, lookup.half)
+    """x (T, dim) -> the query (T, H, 2, half): W_q x + b (PEER: no b), each head's k_dim split in halves."""
+    q = x @ lookup.query.weight.t()  # (T, H * k_dim)
+    if lookup.query.bias is not None:
+        q = q + lookup.query.bias
+    return q.view(x.shape[0], lookup.heads, 2, -1)
 
 
 def all_slot_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -70,11 +83,19 @@ def read(table: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> tor
     return (weights.unsqueeze(-1).to(rows.dtype) * rows).sum(dim=(1, 2))
 
 
+def act(h: torch.Tensor, kind: str) -> torch.Tensor:
+    """silu(h) = h * sigmoid(h); gelu(h) = h * Phi(h), Phi the standard normal CDF (the exact, erf one)."""
+    if kind == "silu":
+        return h * torch.sigmoid(h)
+    if kind == "gelu":
+        return h * 0.5 * (1 + torch.erf(h * 2**-0.5))
+    raise ValueError(f"activation {kind!r}: one of silu, gelu")
+
+
 def gate(y: torch.Tensor, x: torch.Tensor, w1: nn.Module | None, kind: str) -> torch.Tensor:
     """Memory+'s gate on the read y (T, v_dim): y * silu(W1 x), y * sigmoid(W1 x), or y."""
     if kind == "swilu":
-        h = x @ w1.weight.t()
-        return y * h * torch.sigmoid(h)  # silu(h) = h * sigmoid(h)
+        return y * act(x @ w1.weight.t(), "silu")
     if kind == "sigmoid":
         return y * torch.sigmoid(x @ w1.weight.t())
     if kind == "none":
@@ -98,3 +119,23 @@ def reference_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         proj = getattr(layer, "out", None)
         out = y @ proj.weight.t() if proj is not None else y
     return out.reshape(shape)
+
+
+def peer_retrieve(x: torch.Tensor, peer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (T, dim) -> PEER's weights (T, H, knn), softmax per head, and experts (T, H, knn):
+    the top-knn of all N experts, scored with the sub-keys every head shares."""
+    q = query(x, peer)  # (T, H, 2, half)
+    if peer.query_norm:  # PEER's own norm: the query halves only, unscaled (not the memory layers' qk_norm)
+        q = rms(q)
+    keys = peer.keys.expand(peer.heads, *peer.keys.shape)  # (2, n, half) -> (H, 2, n, half)
+    return search(q, keys, peer.knn)
+
+
+def peer_forward(peer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """PEER's output by the plain math above, from its own parameters. x (..., dim) -> (..., dim)."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])  # (T, dim)
+    weights, experts = peer_retrieve(x, peer)  # (T, H, knn) each
+    down = peer.experts.down[experts]  # (T, H, knn, dim): u of each kept expert
+    h = act((down * x[:, None, None, :]).sum(dim=-1), peer.activation)  # (T, H, knn): act(u . x)
+    return read(peer.experts.up, experts, weights.to(h.dtype) * h).to(x.dtype).reshape(shape)

@@ -272,6 +272,12 @@ class ExpertTable(nn.Module):
         self.up = nn.Parameter(torch.zeros(n_experts, dim))  # v: (N, dim)
 
 
+def row_dots(table: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """table (N, dim), idx (T, K), x (T, dim) -> (T, K): table[idx[t, k]] . x[t], by a gather and a batched matmul."""
+    # Not bit for bit memlm's row_dots: that one skips the gather and on CPU takes BLAS dots (another summation order).
+    return torch.einsum("tkd,td->tk", table[idx], x.to(table.dtype)).to(torch.promote_types(table.dtype, x.dtype))
+
+
 class PEER(nn.Module):
     """Product-key retrieval of single-neuron experts (memlm model/peer.py)."""
 
@@ -283,22 +289,29 @@ class PEER(nn.Module):
         self.keys = nn.Parameter(torch.zeros(2, self.n_keys, self.k_dim // 2))  # shared by the heads
         self.experts = ExpertTable(self.n_keys**2, dim)
 
+    def retrieve(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, dim) -> weights (T, H, knn) float32+, expert indices (T, H, knn).
+
+        As memlm's PEER: the query projection too in float32 (or wider) with
+        autocast off, so the selection is the float32 model's."""
+        weight = self.query.weight  # (H * k_dim, dim)
+        compute = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
+        with _full_precision(x.device):
+            q = F.linear(x.to(compute), weight.to(compute)).view(-1, self.heads, 2, self.k_dim // 2)
+            if self.query_norm:
+                q = F.rms_norm(q, (self.k_dim // 2,))
+            sub = torch.einsum("thcd,cnd->thcn", q, self.keys.to(compute))  # (T, H, 2, n_keys)
+            scores, idx = product_key_topk(sub, self.knn)
+            return scores.softmax(dim=-1), idx
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.dim)  # (T, dim)
-        compute = torch.promote_types(x.dtype, torch.float32)
-        q = self.query(x).view(-1, self.heads, 2, self.k_dim // 2)
-        if self.query_norm:
-            q = F.rms_norm(q, (self.k_dim // 2,))
-        with _full_precision(x.device):
-            sub = torch.einsum("thcd,cnd->thcn", q.to(compute), self.keys.to(compute))  # (T, H, 2, n_keys)
-            scores, idx = product_key_topk(sub, self.knn)
-            weights = scores.softmax(dim=-1)
+        weights, idx = self.retrieve(x)  # (T, H, knn) each
         idx = idx.flatten(1)  # (T, H*knn)
         # u_i . x of each retrieved expert; the (T, H*knn, dim) gather is fine at inference.
-        down = self.experts.down[idx]
-        hidden = ACTIVATIONS[self.activation](torch.einsum("tkd,td->tk", down, x.to(down.dtype)))
-        coef = weights.flatten(1).to(x.dtype) * hidden.to(x.dtype)  # (T, H*knn)
+        hidden = ACTIVATIONS[self.activation](row_dots(self.experts.down, idx, x))  # (T, H*knn)
+        coef = weights.flatten(1).to(x.dtype) * hidden  # (T, H*knn)
         out = F.embedding_bag(idx, self.experts.up, per_sample_weights=coef, mode="sum")
         return out.reshape(shape)
 

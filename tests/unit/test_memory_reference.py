@@ -1,9 +1,10 @@
-"""memory/reference.py, the plain math, against the fast paths and the HF remote layer.
+"""memory/reference.py, the plain math, against the fast paths and the HF remote layers.
 
 The reference scores every slot with its full key; the layers use the exact
 sqrt(N) product-key search, custom ops and embedding-bag kernels; the remote
-layer (hf/remote/modeling_memlm.py, shipped in exports) is a separate plain
-re-implementation. All three must give the same slots and outputs.
+layers (hf/remote/modeling_memlm.py, shipped in exports) are a separate plain
+re-implementation. All three must give the same slots and outputs: for the
+memory layers and for PEER (its retrieval and its forward).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memlm.hf.remote.modeling_memlm import PEER as RemotePEER
 from memlm.hf.remote.modeling_memlm import ProductKeyMemory as RemoteMemory
 from memlm.memory import Memory, MemoryPlus, product_key_topk, subkey_scores
 from memlm.memory import reference as ref
+from memlm.model.peer import PEER
 
 SIZES = dict(n_keys=6, heads=2, knn=3, k_dim=6)
 
@@ -106,3 +109,78 @@ def test_a_wrong_reference_is_caught():
     right = ref.all_slot_scores(ref.query(x, lk), lk.keys).topk(lk.eval_knn, dim=-1).indices.sort(-1).values
     assert torch.equal(right, slots)
     assert not torch.equal(swapped.topk(lk.eval_knn, dim=-1).indices.sort(-1).values, slots)
+
+
+# ---------------------------------------------------------------- PEER
+PEER_CASES = [(False, "gelu"), (True, "gelu"), (False, "silu"), (True, "silu")]
+
+
+def _peer(query_norm: bool, activation: str, dim=8, n_keys=6, heads=3, knn=4, k_dim=6) -> PEER:
+    torch.manual_seed(0)
+    peer = PEER(dim, n_keys, heads, knn, k_dim, query_norm=query_norm, activation=activation).double()
+    peer.init_weights(0.5, 0.3)  # a query wider than the model's init: the softmax over kept scores is not flat
+    return peer
+
+
+def _remote_peer(peer: PEER) -> RemotePEER:
+    """The remote PEER with memlm's PEER's settings and weights."""
+    m = dict(n_keys=peer.n_keys, heads=peer.heads, knn=peer.knn, k_dim=peer.k_dim, qk_norm=peer.query_norm,
+             peer_activation=peer.activation)
+    remote = RemotePEER(peer.dim, m).double()
+    remote.load_state_dict(peer.state_dict())  # strict: the same parameter names
+    return remote
+
+
+def _by_expert(weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, H, knn) weights and experts, each head's knn sorted by expert (memlm's search is unordered)."""
+    experts, order = experts.sort(dim=-1)
+    return weights.gather(-1, order), experts
+
+
+@pytest.mark.parametrize("query_norm,activation", PEER_CASES)
+def test_peer_retrieval_equals_the_reference(query_norm, activation):
+    peer = _peer(query_norm, activation)
+    remote = _remote_peer(peer)
+    x = torch.randn(20, 8, dtype=torch.float64)
+    with torch.no_grad():
+        want_w, want_e = _by_expert(*ref.peer_retrieve(x, peer))
+        for name, module in [("memlm", peer), ("remote", remote)]:
+            w, e = _by_expert(*module.retrieve(x))
+            assert torch.equal(e, want_e), name
+            torch.testing.assert_close(w, want_w, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("query_norm,activation", PEER_CASES)
+def test_peer_equals_the_reference_outputs_and_gradients(query_norm, activation):
+    peer = _peer(query_norm, activation)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    out, want = peer(x), ref.peer_forward(peer, x)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    g = torch.randn_like(out)
+    params = [x, peer.query.weight, peer.keys, peer.experts.down, peer.experts.up]
+    got, expected = torch.autograd.grad(out, params, g), torch.autograd.grad(want, params, g)
+    for name, a, b in zip(["x", "query", "keys", "down", "up"], got, expected):
+        assert a.abs().sum() > 0, name
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("query_norm,activation", PEER_CASES)
+def test_the_hf_remote_peer_equals_the_reference(query_norm, activation):
+    remote = _remote_peer(_peer(query_norm, activation))
+    x = torch.randn(3, 4, 8, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(remote(x), ref.peer_forward(remote, x), rtol=1e-10, atol=1e-12)
+
+
+def test_the_peer_reference_has_peers_query_norm():
+    """The comparison can fail: the memory layers' qk_norm (a query scaled by
+    1/sqrt(half), unit-RMS keys) in place of PEER's own selects other experts."""
+    peer = _peer(True, "gelu")
+    x = torch.randn(20, 8, dtype=torch.float64)
+    with torch.no_grad():
+        _, experts = _by_expert(*peer.retrieve(x))
+        _, right = _by_expert(*ref.peer_retrieve(x, peer))
+        keys = peer.keys.expand(peer.heads, *peer.keys.shape)
+        _, wrong = _by_expert(*ref.search(ref.query(x, peer), keys, peer.knn, qk_norm=True))
+    assert torch.equal(right, experts)
+    assert not torch.equal(wrong, experts)
