@@ -144,9 +144,11 @@ class ProcessGroup:
     to a peer is still being delivered; a rank that destroys its group and
     exits then can abort the peer the same way (measured: 1 run in 16 of a
     2-rank test without it, 0 in 32 with it). It is torch's monitored_barrier
-    on a gloo group (the default group on CPU, a side group beside NCCL): a
-    peer that died is seen at once (its connections close), one that is
-    alive but never arrives after END_BARRIER_TIMEOUT; either way this rank
+    on a gloo group of its own, opened with the group (on GPUs too, beside
+    NCCL) with END_BARRIER_TIMEOUT as its timeout: a peer that died is seen at
+    once (its connections close), one that is alive but never arrives after
+    END_BARRIER_TIMEOUT (gloo waits out a send with its group's timeout, not
+    monitored_barrier's, so the default group's 30 minutes would apply); either way this rank
     raises PeerLostError naming the peer, after destroying its groups. A rank
     that failed skips the barrier and leaves at once: its peers then name it.
     """
@@ -158,7 +160,7 @@ class ProcessGroup:
         self.backend = backend
         self.env: DistEnv | None = None
         self._opened = False  # this object joined the default group (and so destroys it)
-        self._barrier_group = None  # None: the default group
+        self._barrier_group = None  # the end barrier's gloo group, its timeout END_BARRIER_TIMEOUT
 
     def __enter__(self) -> DistEnv:
         return self.open()
@@ -173,7 +175,7 @@ class ProcessGroup:
         joined_before = dist.is_initialized()
         self.env = init_distributed(self.device, self.backend)
         self._opened = dist.is_initialized() and not joined_before
-        if self.env.distributed and dist.get_backend() != "gloo":
+        if self.env.distributed:  # gloo's sends wait for the group's timeout, not monitored_barrier's
             self._barrier_group = dist.new_group(backend="gloo", timeout=END_BARRIER_TIMEOUT)
         ProcessGroup.current = self
         return self.env
