@@ -3,7 +3,9 @@
 The interpreter (test_kernels_triton.py) checks what the kernels compute but
 not that Triton's compiler accepts them; this test runs the whole compiler
 (Triton IR -> PTX -> ptxas, which the triton wheel ships) for the H100/H200
-target and checks that the default block sizes do not spill registers. It
+target and checks that the default block sizes do not spill registers: the
+first kernels, and the "segments" ones at their default launches (int32 and
+int64 offsets, dense and sparse, fused and not). It
 runs in a child process so that a TRITON_INTERPRET=1 in this one (which turns
 the kernels into interpreted functions at import) cannot interfere.
 """
@@ -23,6 +25,7 @@ pytest.importorskip("triton")
 
 CHILD = textwrap.dedent("""
     import inspect, json, os, subprocess, sys, tempfile
+    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -33,6 +36,32 @@ CHILD = textwrap.dedent("""
         sys.exit(0)
     target = GPUTarget("cuda", 90, 32)
     blocks = dict(zip(("BLOCK_K", "BLOCK_V"), tb._blocks(128, 1024)))
+    # The "segments" kernels at their default launches for the paper's read
+    # (16,384 bags x 128 reads, v_dim 1024, bf16), and for an fp32 table of v_dim 96.
+    fwd = tb.forward_launch(1024, 128, 16384, torch.bfloat16)
+    seg = tb.segments_launch(1024, torch.bfloat16)
+    fwd96 = tb.forward_launch(96, 128, 16384, torch.float32)
+    rows_sig = dict(values="*bf16", stride_v="i32", indices="*i32", weights="*fp32", out="*bf16", B="i32", K="i32",
+                    V="i32")
+    seg_sig = dict(grad_out="*bf16", values="*bf16", stride_v="i32", order="*i32", seg_start="*i32",
+                   slots="*i64", weights="*fp32", grad_rows="*bf16", stride_r="i32", grad_w="*fp32", S="i32",
+                   K="i32", V="i32")
+    def rows_consts(cfg, wide):
+        return dict(BLOCK_B=cfg.block_b, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, WIDE=wide)
+    def seg_consts(cfg, dense, fuse, wide):
+        return dict(BLOCK_S=cfg.block_b, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, DENSE=dense, FUSE_W=fuse,
+                    WIDE=wide)
+    new = {
+        "rows_forward": (tb._rows_forward_kernel, rows_sig, rows_consts(fwd, False), fwd),
+        "rows_forward_int64": (tb._rows_forward_kernel, dict(rows_sig, indices="*i64", stride_v="i64"),
+                               rows_consts(fwd, True), fwd),
+        "rows_forward_fp32_v96": (tb._rows_forward_kernel, dict(rows_sig, values="*fp32", out="*fp32"),
+                                  rows_consts(fwd96, False), fwd96),
+        "segments_dense": (tb._segments_kernel, seg_sig, seg_consts(seg, True, True, False), seg),
+        "segments_sparse": (tb._segments_kernel, seg_sig, seg_consts(seg, False, True, False), seg),
+        "segments_unfused_int64": (tb._segments_kernel, dict(seg_sig, order="*i64", seg_start="*i64"),
+                                   seg_consts(seg, True, False, True), seg),
+    }
     kernels = {
         "forward": (tb._bag_forward_kernel, dict(values="*bf16", stride_v="i32", indices="*i32",
                     weights="*fp32", out="*bf16", K="i32", V="i32"), blocks),
@@ -43,11 +72,19 @@ CHILD = textwrap.dedent("""
         "atomic": (tb._grad_atomic_kernel, dict(grad_out="*fp32", indices="*i64", weights="*fp32",
                    grad_acc="*fp32", K="i32", V="i32"), {"BLOCK_V": blocks["BLOCK_V"]}),
     }
+    kernels = {name: (fn, sig, consts, None) for name, (fn, sig, consts) in kernels.items()}
+    kernels.update(new)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    report = {}
-    for name, (fn, sig, consts) in kernels.items():
+    DIVISIBLE = {"stride_v", "stride_r", "V", "K", "B"}
+    report, scalar_bf16_loads = {}, {}
+    for name, (fn, sig, consts, launch) in kernels.items():
         sig = dict(sig, **{k: "constexpr" for k in consts})
-        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target)
+        options = {} if launch is None else {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+        # What the JIT assumes at the paper's shape: 16-byte aligned tensors; strides, V, K, B divisible by 16.
+        attrs = {(i,): [["tt.divisibility", 16]] for i, (arg, kind) in enumerate(sig.items())
+                 if kind.startswith("*") or arg in DIVISIBLE}
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=target,
+                                  options=options)
         usage = ""
         if os.path.exists(cuobjdump):
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -55,7 +92,9 @@ CHILD = textwrap.dedent("""
                 f.flush()
                 usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
         report[name] = [line.strip() for line in usage.splitlines() if "REG:" in line]
+        scalar_bf16_loads[name] = compiled.asm["ptx"].count("ld.global.b16")
     print("REPORT " + json.dumps(report))
+    print("SCALAR " + json.dumps(scalar_bf16_loads))
 """)
 
 
@@ -69,8 +108,13 @@ def test_kernels_compile_for_sm90_without_spills():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     if "UNSUPPORTED" in proc.stdout:
         pytest.skip(proc.stdout.strip())
-    report = json.loads(proc.stdout.split("REPORT ", 1)[1])
-    assert set(report) == {"forward", "table_grad", "weight_grad", "atomic"}
+    report = json.loads(proc.stdout.split("REPORT ", 1)[1].splitlines()[0])
+    scalar_loads = json.loads(proc.stdout.split("SCALAR ", 1)[1].splitlines()[0])
+    # The new kernels read bf16 rows as 16-byte vectors (ld.global.v4), never one element at a time.
+    for name in ("rows_forward", "rows_forward_int64", "segments_dense", "segments_sparse"):
+        assert scalar_loads[name] == 0, (name, scalar_loads)
+    assert set(report) == {"forward", "table_grad", "weight_grad", "atomic", "rows_forward", "rows_forward_int64",
+                           "rows_forward_fp32_v96", "segments_dense", "segments_sparse", "segments_unfused_int64"}
     for name, lines in report.items():
         for line in lines:  # "REG:64 STACK:0 SHARED:0 LOCAL:0 ...": STACK/LOCAL > 0 means spills
             fields = dict(item.split(":", 1) for item in line.split())

@@ -1,4 +1,5 @@
-"""Runs tests/unit/test_kernels_triton.py through Triton's interpreter on CPU.
+"""Runs tests/unit/test_kernels_triton.py and test_kernels_variants.py through
+Triton's interpreter on CPU.
 
 Triton decides at kernel definition (import) time whether to interpret, from
 TRITON_INTERPRET. Setting it in this process would make every later Triton
@@ -19,18 +20,19 @@ import torch
 
 pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("TRITON_INTERPRET=1 here: test_kernels_triton.py runs in this process", allow_module_level=True)
+    pytest.skip("TRITON_INTERPRET=1 here: the kernel tests run in this process", allow_module_level=True)
 if torch.cuda.is_available():
-    pytest.skip("CUDA present: test_kernels_triton.py runs the compiled kernels directly", allow_module_level=True)
+    pytest.skip("CUDA present: the kernel tests run the compiled kernels directly", allow_module_level=True)
 
 TESTS = Path(__file__).resolve().parent
+FILES = ("test_kernels_triton.py", "test_kernels_variants.py")
 
 
 def test_triton_kernels_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(TESTS / "test_kernels_triton.py"), "-q", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", *(str(TESTS / name) for name in FILES), "-q", "-p", "no:cacheprovider"],
         cwd=TESTS.parents[1], env=env, capture_output=True, text=True, timeout=600,
     )
     report = proc.stdout[-6000:] + proc.stderr[-2000:]
