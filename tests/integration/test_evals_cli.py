@@ -71,7 +71,6 @@ def test_cli_help_and_bad_input(run_dir, data_dir, tmp_path, capsys):
         ([f"checkpoint={tmp_path / 'nothing'}", "tasks=[synthetic_qa]"], "an existing checkpoint folder"),
         ([f"checkpoint={run_dir}", "tasks=[squad]"], "eval.tasks='squad': one of: nq_open"),
         ([f"checkpoint={run_dir}"], "tasks=[nq_open,mmlu]"),
-        ([f"checkpoint={run_dir}", "tasks=[mmlu]", f"data_dir={data_dir}"], "mmlu/test"),
         ([f"checkpoint={run_dir}", "tasks=[synthetic_qa]", "out=x.txt"], "a path ending in .json"),
         ([f"checkpoint={run_dir}", "tasks=[synthetic_qa]", "limit=-1"], "eval.limit=-1"),
         ([f"checkpoint={run_dir}", "tasks"], "key=value"),
@@ -80,6 +79,10 @@ def test_cli_help_and_bad_input(run_dir, data_dir, tmp_path, capsys):
     for argv, message in cases:
         assert main(argv) == 2, argv
         assert message in capsys.readouterr().err, argv
+    # A task file that is not there is a fault of what was read (TaskDataError): exit 1, as from
+    # memlm.train and memlm.launch (docs/errors.md).
+    assert main([f"checkpoint={run_dir}", "tasks=[mmlu]", f"data_dir={data_dir}"]) == 1
+    assert "mmlu/test" in capsys.readouterr().err
 
 
 def test_cli_eval_run_takes_the_runs_own_eval_settings(run_dir, tmp_path, capsys):

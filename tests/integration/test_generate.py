@@ -205,10 +205,10 @@ def test_cli_bad_values_exit_2_naming_the_value(run_dir, capsys, extra, message)
     assert message in capsys.readouterr().err
 
 
-def test_cli_bad_paths_and_missing_prompts_exit_2(run_dir, tmp_path, capsys):
+def test_cli_bad_paths_and_missing_prompts_exit_2_or_1_for_a_folder_without_a_model(run_dir, tmp_path, capsys):
     assert main([str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert f"checkpoint='{tmp_path / 'nope'}'" in capsys.readouterr().err
-    assert main([str(tmp_path), "--prompt", "x"]) == 2  # a folder that holds no model
+    assert main([str(tmp_path), "--prompt", "x"]) == 1  # a folder that holds no model: a CheckpointError
     assert str(tmp_path) in capsys.readouterr().err
     assert main([str(run_dir)]) == 2
     assert "--prompt" in capsys.readouterr().err
