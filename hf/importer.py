@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 from memlm.errors import ConfigError
 from memlm.hf.mapping import from_hf_json, from_hf_state_dict
 from memlm.hf.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, ExportError, read_config, weight_files
-from memlm.hf.remote import MEMORY_INFERENCE, remote_config
+from memlm.hf.remote import MEMORY_INFERENCE, memory_settings
 from memlm.hf.source import model_source, strip_prefix
 from memlm.memory.config import MemoryConfig
 from memlm.model.args import ModelArgs
@@ -295,7 +295,7 @@ def architecture(args: ModelArgs, memory: MemoryConfig) -> dict[str, Any]:
 def _memory_settings(args: ModelArgs, memory: MemoryConfig) -> dict[str, Any]:
     """memory.<key> -> value of every memory setting the model computes with, resolved as the remote
     config resolves them (v_dim 0 -> model.dim, expert_hidden_dim 0 -> dense size // top_k)."""
-    settings = remote_config(args, memory)["memory"]
+    settings = memory_settings(args, memory)
     return {f"memory.{key}": settings[key] for key in MEMORY_INFERENCE}
 
 

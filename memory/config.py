@@ -71,6 +71,13 @@ class MemoryConfig:
     share_values: bool = True
     qk_norm: bool = False
     gate: str = "swilu"  # none | sigmoid | swilu
+    # Biases on Memory+'s W1 and W2: out = W2(y * silu(W1 x + b1)) + b2. The official
+    # code's projections have them (nn.Linear's default), the paper's equation has
+    # none. Default off, as every measured run so far: none has measured the biases
+    # yet (docs/memory.md, "Where memlm's defaults differ from the official code").
+    # Off, a model has exactly the tensors it had before this switch.
+    # memory.kind=memplus only; the biases start at zero.
+    w_bias: bool = False
     placement: str = "replace"  # replace | parallel
     value_lr: float = 1e-3
     value_weight_decay: float = 0.0
@@ -114,6 +121,10 @@ class MemoryConfig:
 
     def validate(self, n_layers: int, prefix: str = "memory") -> None:
         """Check values that do not depend on a particular layer implementation."""
+        if self.w_bias and self.kind != "memplus":
+            raise ConfigError(f"{prefix}.w_bias", self.w_bias,
+                              f"false with {prefix}.kind={self.kind!r}: the biases are Memory+'s W1 and W2 "
+                              "(memory.kind=memplus)")
         if self.kind == "none":
             return
         for idx in self.layers:

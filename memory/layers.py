@@ -10,6 +10,7 @@ The read (docs/memory.md, "The math, as implemented"), per token:
     y = sum over the H*knn reads of weight * V[slot]        (memory.fast.ops.embedding_bag)
     Memory:     out = y, or W_o y with an output projection
     MemoryPlus: out = W2(y * silu(W1 x))   (gate "swilu"; "sigmoid": sigmoid(W1 x); "none": W2 y)
+                with bias=True (memory.w_bias): W2(y * silu(W1 x + b1)) + b2
 
 The value table lives in a `ValuePool`. Pass `values=pool` to share one pool
 between layers (Memory+); the caller then registers the pool once on a
@@ -167,14 +168,18 @@ class Memory(ProductKeyMemory):
 
 
 class MemoryPlus(ProductKeyMemory):
-    """Memory+: out = W2(y * gate(W1 x)), gate in {swilu (silu), sigmoid, none}."""
+    """Memory+: out = W2(y * gate(W1 x)), gate in {swilu (silu), sigmoid, none}.
 
-    def __init__(self, dim: int, *args, gate: str = "swilu", **kwargs):
+    `bias=True` (memory.w_bias) gives W1 and W2 biases, as the official code's
+    projections have: out = W2(y * gate(W1 x + b1)) + b2, both biases starting at 0.
+    Without it the layer has no bias tensors (its state dict as before the switch)."""
+
+    def __init__(self, dim: int, *args, gate: str = "swilu", bias: bool = False, **kwargs):
         super().__init__(dim, *args, **kwargs)
         check_choice("gate", gate, GATES)
         self.gate = gate
-        self.w1 = nn.Linear(dim, self.v_dim, bias=False) if gate != "none" else None
-        self.w2 = nn.Linear(self.v_dim, dim, bias=False)
+        self.w1 = nn.Linear(dim, self.v_dim, bias=bias) if gate != "none" else None  # W1: dim -> v_dim
+        self.w2 = nn.Linear(self.v_dim, dim, bias=bias)  # W2: v_dim -> dim
         self._init_projections()  # lookup and pool initialized themselves
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -194,6 +199,8 @@ class MemoryPlus(ProductKeyMemory):
         for lin in (self.w1, self.w2):
             if lin is not None:
                 nn.init.normal_(lin.weight, mean=0.0, std=std)
+                if lin.bias is not None:  # (the official code leaves its biases to the caller: docs/memory.md)
+                    nn.init.zeros_(lin.bias)
 
     def flops_per_token(self) -> int:
         gate = 2 * self.dim * self.v_dim if self.w1 is not None else 0

@@ -14,6 +14,7 @@ or step by step (T tokens, H heads, n = n_keys, N = n**2 slots, K = knn):
     y = sum_{h,k} w[t,h,k] * V[slots[t,h,k]]    # (T, v_dim)        read(...)
     Memory:  out = y, or W_o y (v_dim != dim)
     Memory+: out = W2(y * silu(W1 x))           gate "swilu"; "sigmoid": sigmoid(W1 x); "none": W2 y
+             with biases (memory.w_bias):       W2(y * silu(W1 x + b1)) + b2
 
 PEER (N = n**2 single-neuron experts: down rows u, up rows v; the heads share the sub-keys):
 
@@ -33,7 +34,8 @@ embedding-bag kernels) and the Hugging Face remote layer
 so are memlm's PEER and the remote one (tests/unit/test_memory_reference.py).
 
 `reference_forward` reads a layer by its attribute names (lookup.query,
-lookup.keys, values.weight, w1, w2, out, gate), which memlm's layers and the
+lookup.keys, values.weight, w1, w2, out, gate; a Linear's bias where it has
+one), which memlm's layers and the
 remote layer share, so one oracle checks both; `peer_forward` likewise (query,
 keys, experts.down, experts.up, heads, knn, query_norm, activation).
 """
@@ -50,12 +52,15 @@ def rms(x: torch.Tensor) -> torch.Tensor:
     return x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
 
 
+def affine(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
+    """x (T, in) -> W x + b (T, out) of an nn.Linear, the b only where it has one."""
+    out = x @ lin.weight.t()
+    return out + lin.bias if lin.bias is not None else out
+
+
 def query(x: torch.Tensor, lookup: nn.Module) -> torch.Tensor:
     """x (T, dim) -> the query (T, H, 2, half): W_q x + b (PEER: no b), each head's k_dim split in halves."""
-    q = x @ lookup.query.weight.t()  # (T, H * k_dim)
-    if lookup.query.bias is not None:
-        q = q + lookup.query.bias
-    return q.view(x.shape[0], lookup.heads, 2, -1)
+    return affine(x, lookup.query).view(x.shape[0], lookup.heads, 2, -1)  # (T, H * k_dim) split
 
 
 def all_slot_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -93,11 +98,11 @@ def act(h: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def gate(y: torch.Tensor, x: torch.Tensor, w1: nn.Module | None, kind: str) -> torch.Tensor:
-    """Memory+'s gate on the read y (T, v_dim): y * silu(W1 x), y * sigmoid(W1 x), or y."""
+    """Memory+'s gate on the read y (T, v_dim): y * silu(W1 x [+ b1]), y * sigmoid(W1 x [+ b1]), or y."""
     if kind == "swilu":
-        return y * act(x @ w1.weight.t(), "silu")
+        return y * act(affine(x, w1), "silu")
     if kind == "sigmoid":
-        return y * torch.sigmoid(x @ w1.weight.t())
+        return y * torch.sigmoid(affine(x, w1))
     if kind == "none":
         return y
     raise ValueError(f"gate {kind!r}: one of swilu, sigmoid, none")
@@ -114,10 +119,10 @@ def reference_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     y = read(layer.values.weight, slots, weights).to(x.dtype)  # (T, v_dim)
     w2 = getattr(layer, "w2", None)
     if w2 is not None:  # Memory+
-        out = gate(y, x, getattr(layer, "w1", None), layer.gate) @ w2.weight.t()
+        out = affine(gate(y, x, getattr(layer, "w1", None), layer.gate), w2)
     else:  # Memory
         proj = getattr(layer, "out", None)
-        out = y @ proj.weight.t() if proj is not None else y
+        out = affine(y, proj) if proj is not None else y
     return out.reshape(shape)
 
 

@@ -74,7 +74,8 @@ def _build(ctx: FFNContext, kind: str) -> MemoryFFN:
         kernel=cfg.kernel, layer_id=ctx.layer_id, value_init_scale=cfg.value_init_scale,
         value_dtype=VALUE_DTYPES[cfg.value_dtype],
     )
-    memory = MemoryPlus(dim, gate=cfg.gate, **common) if kind == "memplus" else Memory(dim, **common)
+    memory = (MemoryPlus(dim, gate=cfg.gate, bias=cfg.w_bias, **common) if kind == "memplus"
+              else Memory(dim, **common))
     dense = SwiGLU(dim, ctx.args.hidden_dim) if cfg.placement == "parallel" else None
     return MemoryFFN(memory, dense)
 

@@ -55,8 +55,11 @@ MODEL_TRAINING_ONLY = ("name", "init_std", "depth_init", "doc_mask", "rope_resta
 # or that only decide which blocks hold which kind (-> layer_ffn_kinds).
 MEMORY_INFERENCE = (
     "n_keys", "heads", "knn", "eval_knn", "k_dim", "v_dim", "share_values", "qk_norm", "gate",
-    "placement", "value_dtype", "n_experts", "top_k", "expert_hidden_dim",
+    "placement", "value_dtype", "n_experts", "top_k", "expert_hidden_dim", "w_bias",
 )
+# Of those, the switches config.json carries only when on (configuration_memlm.MEMORY_SWITCHES):
+# a model without them exports the config.json it exported before they existed.
+MEMORY_SWITCHES = ("w_bias",)
 MEMORY_LAYER_CHOICE = ("kind", "layers", "spread")
 MEMORY_TRAINING_ONLY = (
     "value_lr", "value_weight_decay", "value_init_scale", "value_grad_clip", "value_grad_reduce_dtype",
@@ -66,12 +69,9 @@ MEMORY_TRAINING_ONLY = (
 REMOTE_KINDS = ("dense", "memory", "memplus", "moe", "peer")
 
 
-def remote_config(args: ModelArgs, memory: MemoryConfig | None) -> dict[str, Any]:
-    """The config.json of a remote-code bundle (a plain dict, no transformers needed)."""
-    kinds = layer_ffn_kinds(args, memory)
-    unknown = sorted(set(kinds) - set(REMOTE_KINDS))
-    if unknown:
-        raise ValueError(f"FFN kinds {unknown} have no Hugging Face modeling code; known: {list(REMOTE_KINDS)}")
+def memory_settings(args: ModelArgs, memory: MemoryConfig | None) -> dict[str, Any]:
+    """Every MEMORY_INFERENCE setting, resolved (v_dim 0 -> model.dim, expert_hidden_dim
+    0 -> the dense size // top_k), plus the remote file's peer_activation."""
     # The builders' own default when there is no memory section (model.ffn=moe, peer, ...).
     mem = memory if memory is not None else MemoryConfig(kind=args.ffn)
     settings = {key: getattr(mem, key) for key in MEMORY_INFERENCE}
@@ -79,6 +79,19 @@ def remote_config(args: ModelArgs, memory: MemoryConfig | None) -> dict[str, Any
     settings["expert_hidden_dim"] = (mem.expert_hidden_dim
                                      or default_expert_hidden_dim(args.hidden_dim, max(mem.top_k, 1)))
     settings["peer_activation"] = "gelu"  # model/peer.py builds PEER with its default activation
+    return settings
+
+
+def remote_config(args: ModelArgs, memory: MemoryConfig | None) -> dict[str, Any]:
+    """The config.json of a remote-code bundle (a plain dict, no transformers needed)."""
+    kinds = layer_ffn_kinds(args, memory)
+    unknown = sorted(set(kinds) - set(REMOTE_KINDS))
+    if unknown:
+        raise ValueError(f"FFN kinds {unknown} have no Hugging Face modeling code; known: {list(REMOTE_KINDS)}")
+    settings = memory_settings(args, memory)
+    for key in MEMORY_SWITCHES:  # written only when on
+        if not settings[key]:
+            del settings[key]
     return {
         "architectures": ["MemlmForCausalLM"],
         "model_type": "memlm",
@@ -120,4 +133,5 @@ def config_fields() -> tuple[set[str], set[str]]:
     return ({f.name for f in dataclasses.fields(ModelArgs)}, {f.name for f in dataclasses.fields(MemoryConfig)})
 
 
-__all__ = ["AUTO_MAP", "REMOTE_FILES", "REMOTE_KINDS", "config_fields", "remote_config", "write_remote_code"]
+__all__ = ["AUTO_MAP", "REMOTE_FILES", "REMOTE_KINDS", "config_fields", "memory_settings", "remote_config",
+           "write_remote_code"]

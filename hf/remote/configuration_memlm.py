@@ -23,6 +23,8 @@ MEMORY_KEYS = (
     "n_keys", "heads", "knn", "eval_knn", "k_dim", "v_dim", "share_values", "qk_norm", "gate",
     "placement", "value_dtype", "n_experts", "top_k", "expert_hidden_dim", "peer_activation",
 )
+# Switches the export writes only when on (absent: off, as in exports made before them).
+MEMORY_SWITCHES = ("w_bias",)
 
 
 class MemlmConfig(PretrainedConfig):

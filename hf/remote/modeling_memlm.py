@@ -173,11 +173,15 @@ class ProductKeys(nn.Module):
         self.keys = nn.Parameter(torch.zeros(self.heads, 2, self.n_keys, self.half))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (T, dim) -> softmax weights (T, H*knn) float32, slots (T, H*knn)."""
-        q = self.query(x)
+        """x (T, dim) -> softmax weights (T, H*knn) float32+, slots (T, H*knn).
+
+        As memlm's lookup: the query projection too in float32 (or wider) with
+        autocast off, so the selection is the float32 model's."""
+        weight, bias = self.query.weight, self.query.bias  # (H * k_dim, dim), (H * k_dim,)
+        compute = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
         with _full_precision(x.device):
-            compute = torch.promote_types(q.dtype, torch.float32)
-            q = q.view(-1, self.heads, 2, self.half).to(compute)
+            q = F.linear(x.to(compute), weight.to(compute), bias.to(compute))  # (T, H * k_dim)
+            q = q.view(-1, self.heads, 2, self.half)
             keys = self.keys.to(compute)
             if self.qk_norm:
                 q = F.rms_norm(q, (self.half,)) * self.half**-0.5
@@ -189,7 +193,9 @@ class ProductKeys(nn.Module):
 
 
 class ProductKeyMemory(nn.Module):
-    """Memory (out = y, or W_o y) and Memory+ (out = W2(y * gate(W1 x)))."""
+    """Memory (out = y, or W_o y) and Memory+ (out = W2(y * gate(W1 x)), with
+    memory.w_bias: W2(y * gate(W1 x + b1)) + b2). `w_bias` is in config.json only
+    when true: exports without it (and every export before it) have no biases."""
 
     def __init__(self, dim: int, m: dict, plus: bool, pool: ValuePool | None):
         super().__init__()
@@ -202,8 +208,9 @@ class ProductKeyMemory(nn.Module):
         self.plus = plus
         self.gate = m["gate"] if plus else "none"
         if plus:
-            self.w1 = nn.Linear(dim, self.v_dim, bias=False) if self.gate != "none" else None
-            self.w2 = nn.Linear(self.v_dim, dim, bias=False)
+            bias = bool(m.get("w_bias", False))
+            self.w1 = nn.Linear(dim, self.v_dim, bias=bias) if self.gate != "none" else None
+            self.w2 = nn.Linear(self.v_dim, dim, bias=bias)
         else:
             self.out = nn.Linear(self.v_dim, dim, bias=False) if self.v_dim != dim else None
 

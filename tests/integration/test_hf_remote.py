@@ -3,7 +3,7 @@
 The modeling file (hf/remote/modeling_memlm.py) re-implements memlm's
 decoder and every FFN kind in plain PyTorch; these tests keep the two equal:
 - logits within 1e-5 of memlm's for each kind and its variants (gates, shared
-  or own value tables, qk-norm, parallel placement, bf16 tables, v_dim != dim,
+  or own value tables, qk-norm, W1/W2 biases, parallel placement, bf16 tables, v_dim != dim,
   MoE, PEER, mixed kinds), greedy generate() equal to memlm's greedy decoding,
   left-padded batches equal to unpadded rows;
 - every ModelArgs / MemoryConfig field and every registered FFN kind is mapped
@@ -41,6 +41,7 @@ CASES = {
     "memplus_shared_swilu": ({}, dict(kind="memplus", layers=[1], **PKM)),
     "memplus_own_values_sigmoid_qknorm": (
         {}, dict(kind="memplus", layers=[0, 2], share_values=False, gate="sigmoid", qk_norm=True, **PKM)),
+    "memplus_w_bias_sigmoid": ({}, dict(kind="memplus", layers=[1], gate="sigmoid", w_bias=True, **PKM)),
     "memplus_nogate_parallel_bf16_tied": (
         dict(tie_embeddings=True, n_kv_heads=0),
         dict(kind="memplus", layers=[1], gate="none", placement="parallel", value_dtype="bf16", **PKM)),
@@ -150,11 +151,15 @@ def test_every_config_field_and_ffn_kind_is_covered():
     assert set(hf_remote.MODEL_TO_CONFIG) <= model_fields
     assert memory_mapped <= memory_fields
     assert set(hf_remote.REMOTE_KINDS) == set(ffn_kinds()), "an FFN kind without Hugging Face modeling code"
-    from memlm.hf.remote.configuration_memlm import FFN_KINDS, MEMORY_KEYS
+    from memlm.hf.remote.configuration_memlm import FFN_KINDS, MEMORY_KEYS, MEMORY_SWITCHES
 
     assert set(FFN_KINDS) == set(hf_remote.REMOTE_KINDS)
     written = hf_remote.remote_config(ModelArgs(**ARGS), MemoryConfig(**CASES["memplus_shared_swilu"][1]))
     assert set(written["memory"]) == set(MEMORY_KEYS)
+    # A switch (memory.w_bias) is written only when on: off, config.json is what it was before the switch.
+    assert set(hf_remote.MEMORY_SWITCHES) == set(MEMORY_SWITCHES) <= set(hf_remote.MEMORY_INFERENCE)
+    biased = hf_remote.remote_config(ModelArgs(**ARGS), MemoryConfig(**CASES["memplus_w_bias_sigmoid"][1]))
+    assert set(biased["memory"]) == set(MEMORY_KEYS) | {"w_bias"} and biased["memory"]["w_bias"] is True
 
 
 def test_modeling_files_import_only_torch_and_transformers():

@@ -55,6 +55,18 @@ def test_bad_values_fail_at_compose_naming_the_key(override, key):
     assert key in str(err.value)
 
 
+def test_w1_w2_biases_are_a_memplus_switch_off_by_default():
+    """memory.w_bias: off in every preset (no run has measured it yet), on only for Memory+."""
+    assert compose(["model=373m", "memory=memplus"]).memory.w_bias is False
+    assert compose(["memory=pk", "memory.layers=[0]", "memory.spread=0"]).memory.w_bias is False
+    assert compose([*SMALL, "memory.w_bias=true"]).memory.w_bias is True
+    for preset in (["memory=pk", "memory.layers=[0]", "memory.spread=0"], ["memory=none"]):
+        with pytest.raises(ConfigError) as err:
+            compose([*preset, "memory.w_bias=true"])
+        assert err.value.key == "memory.w_bias" and err.value.value is True
+        assert "memory.kind=memplus" in str(err.value)
+
+
 def test_bad_values_also_fail_for_plain_memory():
     with pytest.raises(ConfigError, match="memory.k_dim"):
         compose(["memory=pk", "memory.layers=[0]", "memory.spread=0", "memory.k_dim=7"])

@@ -14,6 +14,11 @@ must equal the plain one exactly:
   last bits, up to 1e-7: the regression of issue #41);
 - a Memory+ / Memory model equals its export loaded by transformers
   (AutoModelForCausalLM, trust_remote_code): logits 0.0 apart;
+- with W1/W2 biases (memory.w_bias, the official code's projections), the same:
+  the forward `==` the plain formulation with biases, gradients within 1e-6
+  relative of autograd's through it (every case), the export's logits 0.0 apart;
+- under bf16 autocast the remote lookup, like memlm's, projects its query in
+  float32: the same slots and weights, `==`;
 - the lookup still returns fresh tensors, so FSDP2 (memlm.distributed.parallelize's
   units) does not warn about a returned view.
 """
@@ -43,22 +48,41 @@ CASES = [
     (MemoryPlus, {"gate": "swilu", "qk_norm": True}),
     (MemoryPlus, {"gate": "sigmoid", "v_dim": 24}),
     (MemoryPlus, {"gate": "none"}),
+    # memory.w_bias: W2(y * gate(W1 x + b1)) + b2
+    (MemoryPlus, {"gate": "swilu", "bias": True}),
+    (MemoryPlus, {"gate": "sigmoid", "v_dim": 24, "qk_norm": True, "bias": True}),
+    (MemoryPlus, {"gate": "none", "bias": True}),
 ]
+
+
+@torch.no_grad()
+def _random_biases(module: torch.nn.Module) -> None:
+    """Biases away from their zero init (the query's too), so that each one counts in a comparison."""
+    gen = torch.Generator().manual_seed(3)
+    for name, p in module.named_parameters():
+        if name.endswith(".bias"):
+            p.copy_(0.5 * torch.randn(p.shape, generator=gen))
 
 
 def _layer(cls, training: bool, **kwargs):
     torch.manual_seed(0)
-    return cls(32, **{**SIZES, **kwargs}).train(training)
+    layer = cls(32, **{**SIZES, **kwargs}).train(training)
+    _random_biases(layer)
+    return layer
 
 
 def _remote_twin(layer) -> RemoteMemory:
     """The exported (plain) layer with the memlm layer's settings and weights, float32."""
     lk = layer.lookup
+    plus = isinstance(layer, MemoryPlus)
     m = dict(n_keys=lk.n_keys, heads=lk.heads, knn=lk.knn, eval_knn=lk.eval_knn, k_dim=lk.k_dim,
              v_dim=layer.v_dim, qk_norm=lk.qk_norm, gate=getattr(layer, "gate", "none"), value_dtype="fp32")
-    remote = RemoteMemory(layer.dim, m, plus=isinstance(layer, MemoryPlus), pool=None)
-    missing, _ = remote.load_state_dict(layer.state_dict(), strict=False)
+    if plus and layer.w2.bias is not None:
+        m["w_bias"] = True  # as config.json carries it: only when on
+    remote = RemoteMemory(layer.dim, m, plus=plus, pool=None)
+    missing, unexpected = remote.load_state_dict(layer.state_dict(), strict=False)
     assert not missing, missing
+    assert not unexpected, unexpected  # the same tensors: with biases too
     return remote.train(layer.training)
 
 
@@ -72,6 +96,47 @@ def test_the_layer_equals_the_plain_formulation_bit_for_bit(cls, kwargs, trainin
     assert out.dtype == plain.dtype == torch.float32
     diff = (out - plain).abs().max().item()
     assert diff == 0.0, f"max |memlm - plain| {diff}"
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("cls,kwargs", CASES, ids=lambda c: c.__name__ if isinstance(c, type) else str(c))
+def test_gradients_equal_the_plain_formulation_within_1e_6(cls, kwargs, training):
+    """memlm's backward (the search's sparse backward, its own read backward) against
+    autograd through the plain formulation: every parameter's gradient and the input's,
+    max |memlm - plain| <= 1e-6 * max |plain|, float32."""
+    layer = _layer(cls, training, **kwargs)
+    remote = _remote_twin(layer)
+    x = torch.randn(3, 40, 32, generator=torch.Generator().manual_seed(1))
+    g = torch.randn(3, 40, 32, generator=torch.Generator().manual_seed(2))
+    ours, theirs = dict(layer.named_parameters()), dict(remote.named_parameters())
+    assert set(ours) == set(theirs)
+    names = sorted(ours)
+    xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    grads = torch.autograd.grad(layer(xs[0]), [xs[0], *(ours[n] for n in names)], g)
+    plain = torch.autograd.grad(remote(xs[1]), [xs[1], *(theirs[n] for n in names)], g)
+    for name, a, b in zip(["x", *names], grads, plain):
+        scale = b.abs().max().item()
+        assert scale > 0, f"{name}: no gradient to compare"
+        rel = (a - b).abs().max().item() / scale
+        assert rel <= 1e-6, f"{name}: max |memlm - plain| / max |plain| = {rel:.3g}"
+
+
+def test_the_remote_lookup_projects_its_query_in_float32_under_autocast():
+    """Under bf16 autocast both lookups run the query projection in float32 with
+    autocast off: the remote one selects memlm's slots with memlm's weights, `==`
+    (a bf16 query changes the selection: docs/memory.md, "The math, as implemented")."""
+    layer = _layer(MemoryPlus, True, bias=True)
+    remote = _remote_twin(layer)
+    x = torch.randn(200, 32, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        weights, slots, _ = layer.lookup(x)
+        plain_weights, plain_slots = remote.lookup(x)
+        bf16_query = remote.lookup.query(x)  # what autocast makes of the projection outside the lookup
+    assert bf16_query.dtype == torch.bfloat16  # (the test runs under autocast)
+    assert plain_weights.dtype == weights.dtype == torch.float32
+    assert torch.equal(plain_slots, slots)
+    diff = (plain_weights - weights).abs().max().item()
+    assert diff == 0.0, f"max |memlm - remote| weight {diff}"
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
@@ -89,18 +154,22 @@ def test_the_read_weights_are_softmax_of_the_selected_scores(training):
     assert diff == 0.0, f"max |weights - softmax(scores)| {diff}"
 
 
-def _memlm_model(kind: str):
+def _memlm_model(kind: str, w_bias: bool = False):
     args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=101, multiple_of=16, max_seq_len=64,
                      rope_theta=5000.0)
-    memory = MemoryConfig(kind=kind, layers=[1], n_keys=8, knn=4, eval_knn=3, heads=2, k_dim=16)
-    return build_model(args, memory, seed=0).eval(), args, memory
+    memory = MemoryConfig(kind=kind, layers=[1], n_keys=8, knn=4, eval_knn=3, heads=2, k_dim=16, w_bias=w_bias)
+    model = build_model(args, memory, seed=0).eval()
+    if w_bias:
+        _random_biases(model)
+    return model, args, memory
 
 
-@pytest.mark.parametrize("kind", ["memplus", "memory"])
-def test_an_export_in_transformers_equals_memlm_bit_for_bit(tmp_path, kind):
+@pytest.mark.parametrize("kind,w_bias", [("memplus", False), ("memory", False), ("memplus", True)],
+                         ids=["memplus", "memory", "memplus_w_bias"])
+def test_an_export_in_transformers_equals_memlm_bit_for_bit(tmp_path, kind, w_bias):
     """What hf/export.py writes for a memory model (memlm-named safetensors and
     the remote code), loaded the way users load it."""
-    model, args, memory = _memlm_model(kind)
+    model, args, memory = _memlm_model(kind, w_bias)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "model.safetensors"),
               metadata={"format": "pt"})
     hf_remote.write_remote_code(tmp_path, args, memory)

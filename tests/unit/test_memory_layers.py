@@ -18,6 +18,9 @@ def _layer(cls, dim=8, seed=0, **kwargs):
     layer.init_weights()
     with torch.no_grad():  # spread the sub-keys so that no two slot scores nearly tie
         layer.lookup.keys.mul_(5.0)
+        for name, p in layer.named_parameters():  # biases away from their zero init, so that each counts
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
     return layer
 
 
@@ -27,6 +30,8 @@ CASES = [
     (MemoryPlus, {"gate": "swilu"}),
     (MemoryPlus, {"gate": "sigmoid", "v_dim": 12}),
     (MemoryPlus, {"gate": "none", "qk_norm": False}),
+    (MemoryPlus, {"gate": "swilu", "bias": True}),  # memory.w_bias
+    (MemoryPlus, {"gate": "sigmoid", "v_dim": 12, "bias": True}),
 ]
 
 
@@ -45,7 +50,8 @@ def test_output_and_gradients_equal_the_reference(cls, kwargs):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("cls,kwargs", [(Memory, {"v_dim": 4}), (MemoryPlus, {"qk_norm": True})])
+@pytest.mark.parametrize("cls,kwargs", [(Memory, {"v_dim": 4}), (MemoryPlus, {"qk_norm": True}),
+                                        (MemoryPlus, {"bias": True})])
 def test_gradcheck(cls, kwargs):
     layer = _layer(cls, dim=4, **kwargs)
     names = [n for n, _ in layer.named_parameters()]
@@ -121,6 +127,24 @@ def test_published_init():
     meta.to_empty(device="cpu")
     meta.init_weights()
     assert float(meta.values.weight.std()) == pytest.approx(192**-0.5, rel=0.02)
+
+
+def test_the_bias_switch_adds_exactly_w1_and_w2_biases_starting_at_zero():
+    """Off (the default), the layer's tensors are those it had before the switch; on, two more."""
+    names = {"lookup.query.weight", "lookup.query.bias", "lookup.keys", "values.weight",
+             "w1.weight", "w2.weight"}
+    assert set(MemoryPlus(16, **SIZES).state_dict()) == names
+    assert set(MemoryPlus(16, **SIZES, gate="none").state_dict()) == names - {"w1.weight"}
+    biased = MemoryPlus(16, **SIZES, v_dim=12, bias=True)
+    assert set(biased.state_dict()) == names | {"w1.bias", "w2.bias"}
+    assert biased.w1.bias.shape == (12,) and biased.w2.bias.shape == (16,)
+    with torch.no_grad():
+        biased.w1.bias.fill_(1.0)
+        biased.w2.bias.fill_(1.0)
+    biased.init_weights()
+    assert float(biased.w1.bias.detach().abs().max()) == float(biased.w2.bias.detach().abs().max()) == 0.0
+    # The bias flops (dim + v_dim adds) are not counted, as the query's bias is not.
+    assert biased.flops_per_token() == MemoryPlus(16, **SIZES, v_dim=12).flops_per_token()
 
 
 @torch.no_grad()
