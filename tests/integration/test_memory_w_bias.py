@@ -7,7 +7,9 @@
   trust_remote_code one (config.json `memory.w_bias`, read by transformers),
   whose logits equal memlm's exactly (0.0, float32 on CPU);
 - with the switch off, neither the checkpoint nor the export has a W1/W2 bias
-  tensor, and config.json has no `w_bias` key (what it was before the switch).
+  tensor, and config.json has no `w_bias` key (what it was before the switch);
+- a run started from a biased export without the switch is refused at compose,
+  naming memory.w_bias and the fix.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import torch
 from train_workers import full_state
 
 from memlm.config.run import compose
+from memlm.errors import ConfigError
 from memlm.hf import from_pretrained
 from memlm.hf.export import export
+from memlm.train.preflight import check_init_from
 from memlm.train.trainer import Trainer
 
 RUN = ["model.vocab_size=128", "model.n_layers=3", "data.seq_len=16", "data.micro_batch=2", "optim.warmup=2",
@@ -78,3 +82,9 @@ def test_both_export_kinds_carry_the_biases_only_when_on(tmp_path, w_bias):
         assert torch.equal(from_pretrained(out)(tokens), logits)  # the memlm layout
         diff = (hf(tokens).logits - logits).abs().max().item()  # the trust_remote_code bundle
     assert diff == 0.0, f"max |memlm - transformers| logit {diff}"
+    if w_bias:  # init_from=<the export>: the switch is part of the model, the run must set it
+        with pytest.raises(ConfigError) as err:
+            check_init_from(compose([*RUN, f"init_from={out}"]))  # what a run checks before it starts
+        assert "memory.w_bias=false but the export's is true" in str(err.value)
+        assert str(err.value).endswith("Run with the export's values: memory.w_bias=true")
+        check_init_from(compose([*RUN, "memory.w_bias=true", f"init_from={out}"]))
