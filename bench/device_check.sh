@@ -32,7 +32,19 @@
 #                   FAIL: a path raises or ends on a non-finite loss.
 #   equivalence     2 NCCL ranks (memory_parallel=2) == 1 process; only with >= 2 GPUs.
 #                   FAIL: a loss or weight more than 1e-3 off.
-# SECTIONS="... compile ..." runs both compile sections. Everything goes
+#   speed_kernels   bench/gpu_speed.py kernels (issue #39): at the paper's read, every Triton algorithm
+#                   (segments, by_slot, atomic), the torch path, F.embedding_bag and the official
+#                   kernel (.official/, from bench/official_kernel.sh), checked then timed fwd, bwd,
+#                   fwd+bwd, and a sweep of the new launches. Not in the default list: SECTIONS="env speed".
+#                   FAIL: one of ours raises or is off the float32 reference by more than 2e-2 of its
+#                   max, or .official/ is missing (a dry run only notes it).
+#   speed_train     bench/gpu_speed.py train: 373M dense and Memory+, eager and compiled (Memory+
+#                   eager also on the first kernels), tokens/s and MFU.
+#                   FAIL: a run raises or ends on a non-finite loss.
+#   speed_profile   bench/gpu_speed.py profile: one Memory+ step under torch.profiler, by part.
+#                   FAIL: the step raises or no time was recorded.
+# SECTIONS="... compile ..." runs both compile sections; SECTIONS="... speed ..." the three speed
+# sections (limits 120 + 240 + 60 s: with env, about 7.5 minutes on one H200, issue #39's run). Everything goes
 # under $OUT: one log per section, JSON figures, a copy of docs/benchmarks.md
 # with the GPU kernel rows, and summary.txt (one line per section: status,
 # seconds, result). Budget: the limits below add up to 560 s on one GPU, but
@@ -61,6 +73,7 @@ DRY_RUN="${DRY_RUN:-0}"
 SECTIONS="${SECTIONS:-env kernel_tests kernel_bench mfu nosync compile_dense compile_memplus paths equivalence}"
 SECTIONS=" ${SECTIONS} "
 SECTIONS="${SECTIONS// compile / compile_dense compile_memplus }"
+SECTIONS="${SECTIONS// speed / speed_kernels speed_train speed_profile }"
 BUDGET_S="${BUDGET_S:-480}"
 mkdir -p "$OUT"
 cd "$REPO_ROOT"
@@ -247,6 +260,27 @@ for variant in dense memplus; do
         ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/compile_$variant.json"
 done
 wanted paths && run_section paths 120 "${TRAIN[@]}" paths ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/paths.json"
+# Issue #39's speed run (bench/gpu_speed.py). The kernels part runs under the
+# interpreter in a dry run; the official kernel comes from .official/ (carried).
+SPEED=("$PY" bench/gpu_speed.py)
+OFFICIAL=()
+[ -d "$REPO_ROOT/.official" ] && OFFICIAL=(--official "$REPO_ROOT/.official")
+if wanted speed_kernels || wanted speed_train || wanted speed_profile; then
+    [ -f "$OUT/benchmarks.md" ] || cp docs/benchmarks.md "$OUT/benchmarks.md"  # the new rows go into this copy
+fi
+if wanted speed_kernels; then
+    if [ "$DRY_RUN" = "1" ]; then
+        run_section speed_kernels 120 env TRITON_INTERPRET=1 "${SPEED[@]}" kernels --dry-run \
+            ${OFFICIAL[@]+"${OFFICIAL[@]}"} --json "$OUT/speed_kernels.json" --doc "$OUT/benchmarks.md"
+    else
+        run_section speed_kernels 120 "${SPEED[@]}" kernels ${OFFICIAL[@]+"${OFFICIAL[@]}"} \
+            --json "$OUT/speed_kernels.json" --doc "$OUT/benchmarks.md"
+    fi
+fi
+wanted speed_train && run_section speed_train 240 "${SPEED[@]}" train ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} \
+    --json "$OUT/speed_train.json" --doc "$OUT/benchmarks.md"
+wanted speed_profile && run_section speed_profile 60 "${SPEED[@]}" profile ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} \
+    --json "$OUT/speed_profile.json" --doc "$OUT/benchmarks.md"
 if wanted equivalence; then
     gpus="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
     if [ "$DRY_RUN" = "1" ] || [ "${gpus:-0}" -ge 2 ]; then

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from kernels import RESULT_TOL, checked, fwd_bytes, make_case, reference, relative_error, time_cuda  # noqa: E402
+from kernels import block_sweep, checked, fwd_bytes, make_case, measure, reference, sweep_markdown, time_cuda  # noqa: E402
 from report import machine_line, write_section  # noqa: E402
 
 TITLE = "## GPU speed (bench/gpu_speed.py)"
@@ -67,12 +67,6 @@ DRY_SHAPE = (16, 8, 64, 64)
 GOAL_FWD_GBS = 3000.0
 GOAL_FWD_BWD_MS = 6.0
 GOAL_TOKENS_RATIO = 0.9
-# The sweep's candidates for the "segments" kernels: (BLOCK_B, BLOCK_K, num_warps, num_stages)
-# forward, (BLOCK_S, BLOCK_K, num_warps, num_stages) backward; BLOCK_D is the rule's.
-FORWARD_SWEEP = ((1, 4, 4, 1), (1, 8, 4, 1), (1, 16, 4, 1), (2, 8, 4, 1), (1, 8, 2, 1), (1, 8, 8, 1),
-                 (1, 8, 1, 1), (1, 8, 4, 2), (1, 8, 4, 3))
-SEGMENTS_SWEEP = ((8, 4, 4, 1), (4, 4, 4, 1), (16, 4, 4, 1), (32, 4, 4, 1), (8, 2, 4, 1), (8, 8, 4, 1),
-                  (8, 4, 2, 1), (8, 4, 8, 1), (16, 2, 2, 1))
 ALGORITHM_NOTE = {"segments": "new: whole rows; blocked by-slot walk, weights' gradient fused",
                   "by_slot": "the first kernels, the default until #39",
                   "atomic": "the first forward, an atomic table gradient: not deterministic"}
@@ -102,18 +96,14 @@ def load_official(path: Path | None):
 
 
 def time_cpu(fn, repeats: int) -> float:
-    """Median seconds of `repeats` calls after one warm-up (the dry run's timer)."""
-    fn()
+    """Median seconds of `repeats` calls, no warm-up: the dry run's timer (its
+    figures only show that the plumbing runs)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
-
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    return (t.to_dense() if t.is_sparse else t).float()
 
 
 def write_part(doc: Path, heading: str, body: str) -> None:
@@ -178,76 +168,6 @@ def train_variants(case, official) -> dict:
     return fns
 
 
-def off_by(results, ref, which: tuple[int, ...]) -> str | None:
-    """What of `results` is off the float32 reference (ref[i] for i in which), or None."""
-    tol = RESULT_TOL[torch.bfloat16]
-    off = []
-    for got, i in zip(results, which):
-        what = ("output", "table grad", "weight grad")[i]
-        if got is None or tuple(got.shape) != tuple(ref[i].shape):
-            off.append(f"{what} shape {None if got is None else tuple(got.shape)}")
-            continue
-        err = relative_error(_dense(got), ref[i])
-        if not err <= tol:
-            off.append(f"{what} off by {err:.2e} of its max (limit {tol:.0e})")
-    return "; ".join(off) or None
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def measure(label: str, fn, ref, which, timer, repeats, failures, notes, ours: bool):
-    """Check fn()'s results against ref, then time it: seconds, or None (why goes
-    to failures for ours, to notes for the others)."""
-    sink = failures if ours else notes
-    off = checked(label, sink, lambda: off_by(fn() if len(which) > 1 else (fn(),), ref, which) or "")
-    if off is None:
-        return None
-    if off:
-        sink.append(f"{label}: {off}")
-        print(f"{label} WRONG: {off}", flush=True)
-        return None
-    sec = checked(label, sink, lambda: timer(fn, repeats))
-    _sync()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return sec
-
-
-def kernel_sweep(case, ref, timer, repeats, failures) -> dict:
-    """The "segments" launches of FORWARD_SWEEP and SEGMENTS_SWEEP, each checked, then timed."""
-    from memlm.memory.fast import triton_bag
-
-    values, indices, weights, grad_out = (t.detach() for t in case)
-    tokens, reads = indices.shape
-    base_f = triton_bag.forward_launch(values.shape[1], reads, tokens, values.dtype)
-    base_s = triton_bag.segments_launch(values.shape[1], values.dtype)
-    nbytes = fwd_bytes((tokens, reads, *values.shape), values.dtype)
-    out = {"forward": [], "segments": [], "sort_ms": None}
-    for bb, bk, warps, stages in FORWARD_SWEEP:
-        launch = base_f._replace(block_b=bb, block_k=bk, num_warps=warps, num_stages=stages)
-        sec = measure(f"sweep forward {tuple(launch)}", lambda la=launch: triton_bag.bag_forward(
-            values, indices, weights, launch=la), ref, (0,), timer, repeats, failures, [], True)
-        if sec is not None:
-            out["forward"].append(dict(launch=list(launch), ms=sec * 1e3, gbs=nbytes / sec / 1e9))
-            print(f"sweep forward {tuple(launch)}: {sec * 1e3:.3f} ms, {nbytes / sec / 1e9:.0f} GB/s", flush=True)
-    sort = checked("sort", failures, lambda: timer(lambda: triton_bag.group_by_slot(indices, values.shape[0]),
-                                                   repeats))
-    out["sort_ms"] = None if sort is None else sort * 1e3
-    order, seg_start, _ = triton_bag.group_by_slot(indices, values.shape[0])
-    for bs, bk, warps, stages in SEGMENTS_SWEEP:
-        launch = base_s._replace(block_b=bs, block_k=bk, num_warps=warps, num_stages=stages)
-        sec = measure(f"sweep segments {tuple(launch)}", lambda la=launch: triton_bag.segment_gradients(
-            values, grad_out, order, seg_start, None, weights, True, la), ref, (1, 2), timer, repeats, failures,
-            [], True)
-        if sec is not None:
-            out["segments"].append(dict(launch=list(launch), ms=sec * 1e3))
-            print(f"sweep segments {tuple(launch)}: {sec * 1e3:.3f} ms (after the sort)", flush=True)
-    return out
-
-
 def part_kernels(dry: bool, official_dir: Path | None, repeats: int) -> dict:
     device = "cpu" if dry else "cuda"
     shape = DRY_SHAPE if dry else GPU_SHAPE
@@ -272,7 +192,7 @@ def part_kernels(dry: bool, official_dir: Path | None, repeats: int) -> dict:
             rows.append(dict(name=name, pass_=pass_, ms=sec * 1e3, gbs=nbytes / sec / 1e9 if pass_ == "fwd" else None))
             print(f"{pass_:7s} {name:18s} {sec * 1e3:9.3f} ms" + (f"  {nbytes / sec / 1e9:6.0f} GB/s"
                                                                 if pass_ == "fwd" else ""), flush=True)
-    sweep = kernel_sweep(case, ref, timer, repeats, failures)
+    sweep = block_sweep(case, ref, repeats, failures, timer)
     goals = kernel_goals(rows) if not dry else {}
     return {"ok": not failures, "shape": shape, "rows": rows, "sweep": sweep, "failures": failures,
             "notes": notes, "goals": goals, "official": str(official_dir) if official_dir else None,
@@ -299,19 +219,6 @@ def kernel_goals(rows) -> dict:
     return goals
 
 
-def best_launches(sweep: dict, v_dim: int) -> list[tuple[str, str, str]]:
-    """(pass, MEASURED key, Launch) of the sweep's fastest launches: what triton_bag.MEASURED would take."""
-    from memlm.memory.fast import triton_bag
-
-    out = []
-    for what in ("forward", "segments"):
-        if sweep[what]:
-            best = min(sweep[what], key=lambda s: s["ms"])
-            launch = triton_bag.Launch(*best["launch"])
-            out.append((what, f"MEASURED[({what!r}, {launch.block_d}, 2)], bf16", repr(launch)))
-    return out
-
-
 def kernels_markdown(result: dict, dry: bool) -> str:
     tokens, reads, slots, v_dim = result["shape"]
     official = {r["pass_"]: r["ms"] for r in result["rows"] if r["name"] == "official"}
@@ -327,21 +234,10 @@ def kernels_markdown(result: dict, dry: bool) -> str:
         ratio = f"{official[r['pass_']] / r['ms']:.2f}x" if r["pass_"] in official else "-"
         bandwidth = f"{r['gbs']:.0f} GB/s" if r["gbs"] else "-"
         lines.append(f"| {name} | {r['pass_']} | {r['ms']:.3f} ms | {bandwidth} | {ratio} |")
-    sweep = result["sweep"]
-    if sweep["forward"]:
-        lines += ["", "Sweep of the \"segments\" forward (BLOCK_B, BLOCK_K, BLOCK_D, warps, stages):", "",
-                  "| launch | time | effective bandwidth |", "|---|---:|---:|"]
-        lines += [f"| {tuple(s['launch'])} | {s['ms']:.3f} ms | {s['gbs']:.0f} GB/s |" for s in sweep["forward"]]
-    if sweep["segments"]:
-        lines += ["", "Sweep of the \"segments\" backward kernel after the sort (BLOCK_S, BLOCK_K, BLOCK_D, warps, "
-                  f"stages); the sort (group_by_slot) takes {sweep['sort_ms']:.3f} ms:"
-                  if sweep["sort_ms"] is not None else "", "", "| launch | time |", "|---|---:|"]
-        lines += [f"| {tuple(s['launch'])} | {s['ms']:.3f} ms |" for s in sweep["segments"]]
-    lines += [""] + [f"- {k}: {v}." for k, v in result["goals"].items()]
-    lines += [f"- Fastest {what} launch: {best} ({key}); the rule's default is the first row of its sweep."
-              for what, key, best in best_launches(result["sweep"], v_dim)]
-    if result["notes"]:
-        lines += [""] + [f"- Not measured: {n}." for n in result["notes"]]
+    lines += sweep_markdown(result["sweep"])
+    notes = [f"- {k}: {v}." for k, v in result["goals"].items()] + [f"- Not measured: {n}."
+                                                                     for n in result["notes"]]
+    lines += [""] + notes if notes else []
     return "\n".join(lines)
 
 
@@ -400,17 +296,21 @@ def train_ratios(results) -> dict:
     """Memory+ tokens/s over dense's, per mode (new kernels)."""
     by = {(r["variant"], r["mode"], r["kernels"]): r["tokens_per_s"] for r in results}
     return {mode: by[("memplus", mode, "segments")] / by[("dense", mode, "segments")]
-            for mode in ("eager", "compiled") if ("memplus", mode, "segments") in by and ("dense", mode, "segments") in by}
+            for mode in ("eager", "compiled")
+            if ("memplus", mode, "segments") in by and ("dense", mode, "segments") in by}
 
 
 def train_markdown(result: dict, dry: bool) -> str:
     import device_train as dt
 
-    model = " ".join(dt.TINY_MODEL if dry else dt.GPU_MODEL)
+    variants = dt._variants(dry)
+    model, memplus = " ".join(variants["dense"]), " ".join(variants["memplus"][len(variants["dense"]):])
     lines = [("**DRY RUN on CPU (tiny models): plumbing only, not speeds.**\n\n" if dry else "")
              + f"{machine_line()} Commit {commit()}.", "",
-             f"`{model}`, random tokens, the real Trainer; Memory+ = `memory=memplus` (1M slots, 3 layers sharing "
-             "one pool); mean step time over the timed steps after warm-up.", "",
+             f"`{model}`, random tokens, the real Trainer; Memory+ adds `{memplus}`"
+             + ("" if dry else " (1M slots, 3 layers sharing one pool)")
+             + "; mean step time over the timed steps after warm-up; compiled = `parallel.compile=true`, its "
+             "first step includes the compilation.", "",
              "| model | read kernels | mode | step | tokens/s | TFLOP/s | MFU | first step |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in result["results"]:

@@ -46,11 +46,18 @@ TITLE = "## Kernels (bench/kernels.py)"
 # tokens, reads per token (heads x knn), slots, v_dim
 CPU_SHAPE = (2048, 128, 65536, 256)
 GPU_SHAPE = (16384, 128, 1 << 20, 1024)
-GPU_KERNELS = ("triton", "triton-atomic", "torch", "F.embedding_bag")
+# "triton": the default algorithm of memory/fast/triton_bag.py; "triton-<algorithm>": another one.
+GPU_KERNELS = ("triton", "triton-by_slot", "triton-atomic", "torch", "F.embedding_bag")
 # Largest passing max |kernel - float32 reference| / max |reference|, per table
 # dtype: float32 accumulation-order noise, and bf16's 8-bit significand (output
 # and table gradient rounded to bf16: ~0.4% of a value, a few of them summed).
 RESULT_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+# The sweep's candidates for the "segments" kernels: (BLOCK_B, BLOCK_K, num_warps, num_stages)
+# forward, (BLOCK_S, BLOCK_K, num_warps, num_stages) backward; BLOCK_D is the rule's.
+FORWARD_SWEEP = ((1, 4, 4, 1), (1, 8, 4, 1), (1, 16, 4, 1), (2, 8, 4, 1), (1, 8, 2, 1), (1, 8, 8, 1),
+                 (1, 8, 1, 1), (1, 8, 4, 2), (1, 8, 4, 3))
+SEGMENTS_SWEEP = ((8, 4, 4, 1), (4, 4, 4, 1), (16, 4, 4, 1), (32, 4, 4, 1), (8, 2, 4, 1), (8, 8, 4, 1),
+                  (8, 4, 2, 1), (8, 4, 8, 1), (16, 2, 2, 1))
 
 
 def make_case(shape, dtype, device, seed=0):
@@ -64,15 +71,16 @@ def make_case(shape, dtype, device, seed=0):
 
 
 def read(name, values, indices, weights, sparse=False):
-    """The read (B, v_dim) by kernel `name`: "F.embedding_bag", "triton",
-    "triton-atomic", or a memory.kernel value of ops.embedding_bag."""
+    """The read (B, v_dim) by kernel `name`: "F.embedding_bag", "triton" (the
+    default algorithm), "triton-<algorithm>" (triton_bag.ALGORITHMS), or a
+    memory.kernel value of ops.embedding_bag."""
     if name == "F.embedding_bag":
         return F.embedding_bag(indices, values, per_sample_weights=weights.to(values.dtype), mode="sum",
                                sparse=sparse)
     if name.startswith("triton"):
         from memlm.memory.fast.triton_bag import embedding_bag_triton
 
-        algo = "atomic" if "atomic" in name else "by_slot"
+        algo = name.split("-", 1)[1] if "-" in name else None
         return embedding_bag_triton(values, indices, weights, sparse=sparse, algorithm=algo)
     return ops.embedding_bag(values, indices, weights, sparse=sparse, kernel=name)
 
@@ -247,7 +255,7 @@ def bench_gpu(shape, repeats: int, sweep: bool, failures: list[str], device: str
     """The kernels on a bf16 table at `shape`, each checked against the
     float32 reference, then timed with `timer(fn, repeats)` (CUDA events);
     what raises or is off goes to `failures` (the other rows still run)."""
-    rows, sweeps = [], []
+    rows, sweeps = [], {}
     case = make_case(shape, torch.bfloat16, device)
     nbytes = fwd_bytes(shape, torch.bfloat16)
     ref_results = reference(case)
@@ -267,7 +275,7 @@ def bench_gpu(shape, repeats: int, sweep: bool, failures: list[str], device: str
         run = runner(name, case)
         for train in passes:
             if train is False and name in ("triton-atomic", "torch") and rows:
-                continue  # same forward as "triton" / F.embedding_bag
+                continue  # same forward as "triton-by_slot" / F.embedding_bag
             label = f"{device} {name} {'fwd+bwd' if train else 'fwd'}"
             sec = checked(label, failures, lambda r=run, t=train: timer(lambda: r(t), repeats))
             if sec is None:
@@ -279,42 +287,112 @@ def bench_gpu(shape, repeats: int, sweep: bool, failures: list[str], device: str
                   + (f"  {nbytes / sec / 1e9:7.0f} GB/s" if not train else ""), flush=True)
         torch.cuda.empty_cache()
     if sweep:
-        sweeps = block_sweep(case, ref_results[0], repeats, failures, timer)
+        sweeps = block_sweep(case, ref_results, repeats, failures, timer)
     return rows, sweeps
 
 
-def block_sweep(case, ref_out, repeats: int, failures: list[str], timer=time_cuda) -> list[dict]:
-    """Triton block sizes: forward (checked against `ref_out`), table
-    gradient segments and weight gradient, timed."""
+def off_by(results, ref, which: tuple[int, ...], dtype=torch.bfloat16) -> str | None:
+    """What of `results` is off the float32 reference (ref[i] for i in which), or None."""
+    tol = RESULT_TOL[dtype]
+    off = []
+    for got, i in zip(results, which):
+        what = ("output", "table grad", "weight grad")[i]
+        if got is None or tuple(got.shape) != tuple(ref[i].shape):
+            off.append(f"{what} shape {None if got is None else tuple(got.shape)}")
+            continue
+        err = relative_error(_dense(got), ref[i])
+        if not err <= tol:
+            off.append(f"{what} off by {err:.2e} of its max (limit {tol:.0e})")
+    return "; ".join(off) or None
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure(label: str, fn, ref, which, timer, repeats, failures, notes, ours: bool):
+    """Check fn()'s results against ref, then time it: seconds, or None (why goes
+    to failures for ours, to notes for the others)."""
+    sink = failures if ours else notes
+    off = checked(label, sink, lambda: off_by(fn() if len(which) > 1 else (fn(),), ref, which) or "")
+    if off is None:
+        return None
+    if off:
+        sink.append(f"{label}: {off}")
+        print(f"{label} WRONG: {off}", flush=True)
+        return None
+    sec = checked(label, sink, lambda: timer(fn, repeats))
+    _sync()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return sec
+
+
+def block_sweep(case, ref, repeats: int, failures: list[str], timer=time_cuda) -> dict:
+    """The "segments" launches of FORWARD_SWEEP and SEGMENTS_SWEEP, each checked, then timed."""
     from memlm.memory.fast import triton_bag
 
     values, indices, weights, grad_out = (t.detach() for t in case)
-    shape = (*indices.shape, *values.shape)
-    nbytes = fwd_bytes(shape, values.dtype)
+    tokens, reads = indices.shape
+    base_f = triton_bag.forward_launch(values.shape[1], reads, tokens, values.dtype)
+    base_s = triton_bag.segments_launch(values.shape[1], values.dtype)
+    nbytes = fwd_bytes((tokens, reads, *values.shape), values.dtype)
+    out = {"forward": [], "segments": [], "sort_ms": None, "elem_bytes": values.element_size()}
+    forward = [base_f] + [base_f._replace(block_b=bb, block_k=bk, num_warps=warps, num_stages=stages)
+                          for bb, bk, warps, stages in FORWARD_SWEEP]
+    for launch in dict.fromkeys(forward):  # the rule's default first, once
+        sec = measure(f"sweep forward {tuple(launch)}", lambda la=launch: triton_bag.bag_forward(
+            values, indices, weights, launch=la), ref, (0,), timer, repeats, failures, [], True)
+        if sec is not None:
+            out["forward"].append(dict(launch=list(launch), ms=sec * 1e3, gbs=nbytes / sec / 1e9))
+            print(f"sweep forward {tuple(launch)}: {sec * 1e3:.3f} ms, {nbytes / sec / 1e9:.0f} GB/s", flush=True)
+    sort = checked("sort", failures, lambda: timer(lambda: triton_bag.group_by_slot(indices, values.shape[0]),
+                                                   repeats))
+    out["sort_ms"] = None if sort is None else sort * 1e3
     order, seg_start, _ = triton_bag.group_by_slot(indices, values.shape[0])
-    sweeps = []
-    for bk, bv in ((8, 128), (16, 128), (16, 256), (32, 256), (16, 512), (32, 512), (64, 128)):
-        label = f"sweep BLOCK_K={bk} BLOCK_V={bv}"
-        out = checked(label, failures, lambda k=bk, c=bv: triton_bag.bag_forward(values, indices, weights, k, c))
-        if out is None:
-            continue
-        err = relative_error(out, ref_out)
-        if not err <= RESULT_TOL[values.dtype]:
-            failures.append(f"{label}: forward off by {err:.2e} of its max")
-            continue
-        times = checked(label, failures, lambda k=bk, c=bv: (
-            timer(lambda: triton_bag.bag_forward(values, indices, weights, k, c), repeats),
-            timer(lambda: triton_bag.table_grad_rows(grad_out, order, seg_start, weights, shape[1], values.dtype,
-                                                     k, c), repeats),
-            timer(lambda: triton_bag.weight_grad(values, indices, grad_out, weights.dtype, k, c), repeats)))
-        if times is None:
-            continue
-        fwd, grad, wgrad = times
-        sweeps.append(dict(block_k=bk, block_v=bv, fwd_ms=fwd * 1e3, fwd_gbs=nbytes / fwd / 1e9,
-                           table_grad_ms=grad * 1e3, weight_grad_ms=wgrad * 1e3))
-        print(f"sweep BLOCK_K={bk:3d} BLOCK_V={bv:4d}: fwd {fwd * 1e3:.3f} ms ({nbytes / fwd / 1e9:.0f} GB/s), "
-              f"table grad (segments) {grad * 1e3:.3f} ms, weight grad {wgrad * 1e3:.3f} ms", flush=True)
-    return sweeps
+    segments = [base_s] + [base_s._replace(block_b=bs, block_k=bk, num_warps=warps, num_stages=stages)
+                           for bs, bk, warps, stages in SEGMENTS_SWEEP]
+    for launch in dict.fromkeys(segments):
+        sec = measure(f"sweep segments {tuple(launch)}", lambda la=launch: triton_bag.segment_gradients(
+            values, grad_out, order, seg_start, None, weights, True, la), ref, (1, 2), timer, repeats, failures,
+            [], True)
+        if sec is not None:
+            out["segments"].append(dict(launch=list(launch), ms=sec * 1e3))
+            print(f"sweep segments {tuple(launch)}: {sec * 1e3:.3f} ms (after the sort)", flush=True)
+    return out
+
+
+def best_launches(sweep: dict) -> list[tuple[str, str, str]]:
+    """(pass, MEASURED key, Launch) of the sweep's fastest launches: what triton_bag.MEASURED would take."""
+    from memlm.memory.fast import triton_bag
+
+    out = []
+    for what in ("forward", "segments"):
+        if sweep[what]:
+            best = min(sweep[what], key=lambda s: s["ms"])
+            launch = triton_bag.Launch(*best["launch"])
+            out.append((what, f"triton_bag.MEASURED[({what!r}, {launch.block_d}, {sweep['elem_bytes']})]",
+                        repr(launch)))
+    return out
+
+
+def sweep_markdown(sweep: dict) -> list[str]:
+    """The sweep's tables and its fastest launches (what triton_bag.MEASURED would take)."""
+    lines = []
+    if sweep.get("forward"):
+        lines += ["", "Sweep of the \"segments\" forward, Launch(BLOCK_B, BLOCK_K, BLOCK_D, warps, stages); "
+                  "the first row is the rule's default:", "",
+                  "| launch | time | effective bandwidth |", "|---|---:|---:|"]
+        lines += [f"| {tuple(s['launch'])} | {s['ms']:.3f} ms | {s['gbs']:.0f} GB/s |" for s in sweep["forward"]]
+    if sweep.get("segments"):
+        sort = f"; the sort before it (group_by_slot) takes {sweep['sort_ms']:.3f} ms" if sweep.get("sort_ms") else ""
+        lines += ["", "Sweep of the \"segments\" backward kernel (both gradients), Launch(BLOCK_S, BLOCK_K, "
+                  f"BLOCK_D, warps, stages){sort}; the first row is the rule's default:", "",
+                  "| launch | time |", "|---|---:|"]
+        lines += [f"| {tuple(s['launch'])} | {s['ms']:.3f} ms |" for s in sweep["segments"]]
+    best = [f"- Fastest {what} launch: {launch} ({key})." for what, key, launch in best_launches(sweep)]
+    return lines + ([""] + best if best else [])
 
 
 def cpu_markdown(rows, shape, threads) -> str:
@@ -354,13 +432,7 @@ def gpu_markdown(rows, sweeps, shape) -> str:
         bw = f"{r['gbs']:.0f} GB/s" if r["gbs"] else "-"
         ratio = f"{ref[r['pass_']] / r['ms']:.2f}x" if r["pass_"] in ref else "-"
         lines.append(f"| {r['name']} | {r['pass_']} | {r['ms']:.3f} ms | {bw} | {ratio} |")
-    if sweeps:
-        lines += ["", "Block sizes (BLOCK_K rows x BLOCK_V columns per step):", "",
-                  "| BLOCK_K | BLOCK_V | forward | table grad (segments only) | weight grad |",
-                  "|---:|---:|---:|---:|---:|"]
-        for s in sweeps:
-            lines.append(f"| {s['block_k']} | {s['block_v']} | {s['fwd_ms']:.3f} ms ({s['fwd_gbs']:.0f} GB/s) | "
-                         f"{s['table_grad_ms']:.3f} ms | {s['weight_grad_ms']:.3f} ms |")
+    lines += sweep_markdown(sweeps) if sweeps else []
     return "\n".join(lines)
 
 

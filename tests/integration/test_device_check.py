@@ -39,6 +39,7 @@ def _load(name: str):
 
 kernels = _load("kernels")
 device_train = _load("device_train")
+gpu_speed = _load("gpu_speed")
 
 
 def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
@@ -59,7 +60,7 @@ def test_script_is_valid_bash():
 def test_header_lists_every_section_with_its_rule():
     header = SCRIPT.read_text().split("set -uo pipefail")[0]
     for section in ("env", "kernel_tests", "kernel_bench", "mfu", "nosync", "compile_dense", "compile_memplus",
-                    "paths", "equivalence"):
+                    "paths", "equivalence", "speed_kernels", "speed_train", "speed_profile"):
         assert f"#   {section} " in header, section
     assert header.count("FAIL:") >= 8  # a rule for each section (the two compile sections share one)
 
@@ -155,6 +156,77 @@ def test_a_baseline_without_bf16_weights_backward_is_timed_forward_only(monkeypa
     assert failures == []
     assert [(r["name"], r["pass_"]) for r in rows] == [("F.embedding_bag", "fwd"), ("torch", "fwd+bwd")]
     assert "timed forward only" in kernels.gpu_markdown(rows, [], shape)
+
+
+# ----------------------------------------------------- speed (bench/gpu_speed.py)
+def test_speed_check_records_ours_as_failures_and_the_official_as_notes():
+    """A wrong or raising kernel of ours fails the kernels part; the official
+    kernel's problems are reported beside it, not as ours; neither is timed."""
+    values, indices, weights, grad_out = kernels.make_case((8, 4, 32, 16), torch.bfloat16, "cpu")
+    ref = kernels.reference((values, indices, weights, grad_out))
+    right = ref[0].to(torch.bfloat16)
+
+    def timer(fn, repeats):
+        return 1e-3
+
+    failures, notes = [], []
+    assert kernels.measure("fwd good", lambda: right, ref, (0,), timer, 1, failures, notes, True) == 1e-3
+    assert kernels.measure("fwd ours", lambda: right * 1.1, ref, (0,), timer, 1, failures, notes, True) is None
+    assert kernels.measure("fwd official", lambda: right * 1.1, ref, (0,), timer, 1, failures, notes, False) is None
+
+    def raising():
+        raise RuntimeError("Unsupported data type")
+
+    assert kernels.measure("bwd official", raising, ref, (1, 2), timer, 1, failures, notes, False) is None
+    assert len(failures) == 1 and failures[0].startswith("fwd ours: output off by"), failures
+    assert [n.split(":")[0] for n in notes] == ["fwd official", "bwd official raised RuntimeError"], notes
+
+
+def test_speed_goals_are_judged_not_failed():
+    rows = [dict(name="segments", pass_="fwd", ms=1.5, gbs=2900.0), dict(name="official", pass_="fwd", ms=1.4,
+                                                                         gbs=3100.0),
+            dict(name="segments", pass_="fwd+bwd", ms=5.0, gbs=None), dict(name="official", pass_="fwd+bwd", ms=9.0,
+                                                                           gbs=None)]
+    goals = gpu_speed.kernel_goals(rows)
+    assert goals["forward >= 3.0 TB/s"].startswith("not met")
+    assert goals["fwd+bwd <= 6 ms"].startswith("met") and goals["fwd+bwd vs official"].startswith("met (1.80x)")
+    assert goals["fwd vs official"].startswith("not met")
+
+
+class _Event:
+    def __init__(self, name, own, inclusive, parent=None):
+        self.name, self.cpu_parent = name, parent
+        self.self_cpu_time_total, self.cpu_time_total = own * 1e3, inclusive * 1e3
+
+
+def test_profile_breakdown_counts_each_part_once():
+    step = _Event("train_step", 1.0, 10.0)
+    search = _Event("memlm::product_key_search", 1.0, 3.0, step)
+    inner = _Event("memlm::exact_subkey_scores", 2.0, 2.0, search)  # inside the search: not counted again
+    read = _Event("memlm::embedding_bag", 2.0, 2.0, step)
+    optim = _Event("Optimizer.step#AdamW.step", 4.0, 4.0)
+    parts = gpu_speed.profile_breakdown([step, search, inner, read, optim], device_time=False)
+    assert parts["search forward"] == 3.0 and parts["read forward"] == 2.0 and parts["read backward"] == 0.0
+    assert parts["optimizer step (all parameters, the value table's included)"] == 4.0
+    assert parts["total"] == 10.0 and parts["the rest"] == 1.0
+
+
+def test_speed_parts_replace_only_their_own_part(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\n## Other\n\nkept\n")
+    gpu_speed.write_part(doc, "Profile", "profile one")
+    gpu_speed.write_part(doc, "Kernels", "kernels one")
+    gpu_speed.write_part(doc, "Profile", "profile two")
+    text = doc.read_text()
+    assert "## Other\n\nkept" in text and "profile one" not in text
+    assert text.index("### Kernels\n\nkernels one") < text.index("### Profile\n\nprofile two")
+
+
+def test_speed_without_a_gpu_fails_unless_dry(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert gpu_speed.main(["profile"]) == 1
+    assert "RESULT speed_profile FAIL: no CUDA device" in capsys.readouterr().out
 
 
 # -------------------------------------------------------------------------- mfu
@@ -430,3 +502,21 @@ def test_dry_run_passes(tmp_path):
         assert " ok " in _summary_line(tmp_path, section), summary
     assert "RESULT mfu ok" in summary and "RESULT equivalence ok" in summary
     assert (tmp_path / "out" / "mfu.json").exists()
+
+
+@pytest.mark.slow
+def test_speed_dry_run_passes(tmp_path):
+    """Issue #39's device run (SECTIONS="env speed") on CPU: the kernels part
+    under the interpreter (with the official kernel when bench/official_kernel.sh
+    has copied it here), tiny train and profile parts; JSON and doc rows written."""
+    result = _run(tmp_path, PYTHON=sys.executable, SECTIONS="env speed", DRY_RUN="1")
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert result.returncode == 0, summary + result.stdout[-3000:]
+    for part in ("kernels", "train", "profile"):
+        assert " ok " in _summary_line(tmp_path, f"speed_{part}"), summary
+        assert json.loads((tmp_path / "out" / f"speed_{part}.json").read_text())["dry_run"] is True
+    doc = (tmp_path / "out" / "benchmarks.md").read_text()
+    section = doc.split("## GPU speed (bench/gpu_speed.py)", 1)[1]
+    assert section.count("DRY RUN on CPU") == 3
+    for name in ("segments", "by_slot", "atomic", "F.embedding_bag"):
+        assert f"| {name}" in section, name
