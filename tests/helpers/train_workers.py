@@ -53,10 +53,7 @@ def fit_and_dump(rank: int, overrides: list[str], out_path: str) -> None:
 
 def hybrid_init_shards(rank: int, overrides: list[str], out_dir: str) -> None:
     """Two "nodes" of two ranks (hybrid: shard within, replicate across): each
-    rank saves its local shards after a sharded init on meta."""
-    import os
-
-    os.environ.update({"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": str(rank % 2)})
+    rank saves its local shards after a sharded init on meta (run_ranks(..., per_node=2))."""
     trainer = Trainer(compose(overrides))
     local = {k: v.to_local().clone() if hasattr(v, "to_local") else v.detach().clone()
              for k, v in trainer.model.state_dict().items()}

@@ -61,7 +61,7 @@ def test_hybrid_sharded_init_gives_every_replica_the_same_dense_weights(tmp_path
 
     overrides = [*TINY, "parallel.fsdp=hybrid", "parallel.init=sharded", "data.micro_batch=1",
                  f"dump_dir={tmp_path / 'd'}"]
-    run_ranks(hybrid_init_shards, 4, overrides, str(tmp_path))
+    run_ranks(hybrid_init_shards, 4, overrides, str(tmp_path), per_node=2)
     local = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
     for name, shard in local[0].items():
         assert torch.equal(shard, local[2][name]) and torch.equal(local[1][name], local[3][name]), name
