@@ -15,7 +15,7 @@ their best settings is stated against the paper's.
 `runs_at(variant, entities, value_lr)` returns the runs of one setting (one
 per seed), as the report groups them; value_lr None means the study's.
 A run that also sets one of the official code's levers (LEVER_DEFAULTS: value
-weight decay, a bf16 table) is no seed of any setting: the table "Levers"
+weight decay, a bf16 table, W1/W2 biases) is no seed of any setting: the table "Levers"
 sets it beside the same seed's run without it.
 """
 
@@ -27,7 +27,7 @@ RunsAt = Callable[[str, int, float | None], list[dict]]
 # The study's values of the official code's levers that a config reaches
 # (issue #32): a run that sets another is a lever run, set beside the same
 # seed's run without it and never averaged in as a seed of a setting.
-LEVER_DEFAULTS = {"value_weight_decay": 0.0, "value_dtype": "fp32"}
+LEVER_DEFAULTS = {"value_weight_decay": 0.0, "value_dtype": "fp32", "w_bias": False}
 ORDER = ["Dense", "MoE", "PEER", "Memory", "Memory+"]
 PAPER_ORDER = "Memory+ > PEER > Memory > MoE > Dense"
 GOAL_VS_DENSE = 5.0  # issue #32: Memory+ at its best stores at least 5x Dense's bits (two-seed means)
