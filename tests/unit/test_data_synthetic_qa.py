@@ -82,9 +82,8 @@ def test_seen_and_unseen_files_split_the_questions(tmp_path):
 def test_bad_qa_fraction(capsys):
     with pytest.raises(ConfigError, match=r"qa_fraction.*\[0, 1\]"):
         generate(10, 1, qa_fraction=1.5)
-    with pytest.raises(SystemExit):
-        main(["--people", "3", "--out", "/nonexistent-unused", "--qa-fraction", "-0.1"])
-    assert "qa_fraction" in capsys.readouterr().err
+    assert main(["--people", "3", "--out", "/nonexistent-unused", "--qa-fraction", "-0.1"]) == 2  # one error line
+    assert capsys.readouterr().err.startswith("error: invalid config value qa_fraction=-0.1")
 
 
 def test_seen_and_unseen_eval_tasks(tmp_path):
