@@ -59,6 +59,12 @@ class ConfigError(MemlmError, ValueError):
         super().__init__(f"invalid config value {key}={value!r}: {valid}")
 
 
+def launcher_rank() -> tuple[int, int]:
+    """(rank, world size) as the launcher set them (torchrun: RANK, WORLD_SIZE); (0, 1) for one process.
+    What a process is before and after its group; memlm.distributed.env's DistEnv takes them from here."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
 def error_line(err: MemlmError, rank: int, world_size: int) -> str | None:
     """The line a rank prints for `err`, or None when rank 0 speaks for it."""
     if world_size > 1 and not err.same_on_every_rank:
@@ -70,8 +76,6 @@ def error_line(err: MemlmError, rank: int, world_size: int) -> str | None:
 
 def report(err: MemlmError) -> int:
     """Print `err` as the one `error: ...` line (with its traceback under MEMLM_DEBUG=1); its exit code."""
-    from memlm.distributed.env import launcher_rank
-
     rank, world_size = launcher_rank()
     if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
         traceback.print_exception(err, file=sys.stderr)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from memlm.errors import ConfigError, MemlmError
+from memlm.errors import ConfigError, MemlmError, launcher_rank
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -51,12 +51,6 @@ class DistEnv:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
-
-
-def launcher_rank() -> tuple[int, int]:
-    """(rank, world size) as the launcher set them (torchrun: RANK, WORLD_SIZE); (0, 1) for one process.
-    What a process is before (and after) its group: DistEnv.rank and world_size come from here."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 def process_group_backend(use_cuda: bool) -> str:

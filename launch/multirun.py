@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from memlm.errors import entry_point
+from memlm.errors import entry_point, launcher_rank
 from memlm.launch.validate import LaunchError
 
 
@@ -19,7 +19,6 @@ from memlm.launch.validate import LaunchError
 def multirun(argv: Sequence[str]) -> int:
     """Run every point of the sweep in `argv` (train's arguments, with or
     without -m/--multirun); returns the exit code (0 when every point finished)."""
-    from memlm.distributed.env import launcher_rank
     from memlm.launch.sweep import sweep
 
     args = [a for a in argv if a not in ("-m", "--multirun")]
