@@ -43,7 +43,7 @@ def _layer(folder: str) -> int:
 def _modules():
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT)
-        if rel.parts[0] in SKIP or path.name == "__main__.py":
+        if rel.parts[0] in SKIP or rel.parts[0].startswith(".") or path.name == "__main__.py":  # .venv, .official
             continue
         yield rel, ".".join(rel.with_suffix("").parts)
 
