@@ -116,7 +116,11 @@ def load_split(shards_dir: str, manifest: dict, source: str, split: str) -> list
     folder = os.path.join(shards_dir, source)
     shards = []
     for entry in sources[source]["shards"][split]:
-        tokens = open_tokens(os.path.join(folder, entry["bin"]), dtype)
+        path = os.path.join(folder, entry["bin"])
+        if not os.path.isfile(path):
+            raise ConfigError("data.shards_dir", shards_dir,
+                              f"intact shards: {path}, named by its {MANIFEST}, is missing; re-run prepare")
+        tokens = open_tokens(path, dtype)
         offsets = read_index(os.path.join(folder, entry["index"]), shards_dir)
         if len(tokens) != entry["tokens"] or offsets[-1] != len(tokens) or len(offsets) != entry["docs"] + 1:
             raise ConfigError("data.shards_dir", shards_dir,

@@ -128,6 +128,31 @@ def test_one_corrupt_checkpoint_is_the_same_exit_code_from_every_command(files, 
     assert set(codes.values()) == {FAULT_EXIT}, codes
 
 
+def test_a_missing_shard_is_one_line(files, tmp_path, capsys):
+    """A shard file the manifest names is gone: the reader names it (memlm.data.shards.load_split)."""
+    from memlm.data.config import SourceConfig
+    from memlm.data.prepare import prepare
+    from memlm.data.shards import MANIFEST, load_split, read_manifest
+    from memlm.errors import entry_point
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(f'{{"text": "document {i} about things"}}\n' for i in range(20)))
+    prepare([SourceConfig(name="a", path=str(corpus))], str(files["run"] / "tokenizer.model"), str(tmp_path / "s"),
+            workers=1)
+    manifest = read_manifest(str(tmp_path / "s"))
+    missing = tmp_path / "s" / "a" / manifest["sources"]["a"]["shards"]["train"][0]["bin"]
+    missing.unlink()
+
+    @entry_point
+    def main(argv=None):
+        load_split(str(tmp_path / "s"), manifest, "a", "train")
+        return 0
+
+    capsys.readouterr()
+    assert main() == USAGE_EXIT
+    assert f"{missing}, named by its {MANIFEST}, is missing" in one_error_line(capsys.readouterr().err)
+
+
 # ------------------------------------------------------------------ every main, every kind
 def _bad_jsonl(root: Path) -> Path:
     path = root / "bad.jsonl"
@@ -165,9 +190,10 @@ def _every_main(files) -> list[tuple[str, list[str], int, str]]:
         ("memlm.data.facts", ["--entities", "0", "--out", str(root / "f")], USAGE_EXIT, "entities"),
         ("memlm.data.continual", ["--rounds", "0", "--out", str(root / "c")], USAGE_EXIT, "rounds"),
         ("memlm.launch.cli", ["local", "--nproc", "1", "--", "model.vocab_size=512", "data=synthetic",
-                              f"data.cache_dir={root / 'cache'}", "data.synthetic.people=40", "eval.after_training=true",
-                              "eval.tasks=[nq_open]", f"eval.data_dir={_bad_task_dir(root)}",
-                              f"dump_dir={root / 'launched'}"], FAULT_EXIT, "test.jsonl"),
+                              f"data.cache_dir={root / 'cache'}", "data.synthetic.people=40",
+                              "eval.after_training=true", "eval.tasks=[nq_open]",
+                              f"eval.data_dir={_bad_task_dir(root)}", f"dump_dir={root / 'launched'}"],
+         FAULT_EXIT, "test.jsonl"),
         ("memlm.launch.cli", ["local", "--nproc", "0"], USAGE_EXIT, "--nproc"),
         ("memlm.plan.cli", ["model=nope"], USAGE_EXIT, "model='nope'"),
         ("memlm.plan.describe", ["model=nope"], USAGE_EXIT, "model='nope'"),
