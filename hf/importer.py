@@ -45,7 +45,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -54,7 +53,15 @@ from torch.distributed.checkpoint.state_dict import (
 
 from memlm.errors import ConfigError
 from memlm.hf.mapping import from_hf_json, from_hf_state_dict
-from memlm.hf.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, ExportError, read_config, weight_files
+from memlm.hf.pretrained import (
+    CONFIG_NAME,
+    INDEX_NAME,
+    WEIGHTS_NAME,
+    ExportError,
+    open_safetensors,
+    read_config,
+    weight_files,
+)
 from memlm.hf.remote import MEMORY_INFERENCE, memory_settings
 from memlm.hf.source import model_source, strip_prefix
 from memlm.memory.config import MemoryConfig
@@ -110,11 +117,8 @@ def read_hf_args(init_from: str) -> ModelArgs:
                     f"{present or 'none'}; memlm reads safetensors only: re-save with save_pretrained)")
     try:
         weight_files(directory)
-    except ExportError as err:  # a file missing or unreadable
+    except ExportError as err:  # a weight file missing, or an index that is not one
         raise _fail(init_from, str(err)) from None
-    except (ValueError, KeyError, TypeError) as err:  # a malformed index
-        raise _fail(init_from,
-                    f"{directory / INDEX_NAME} is not a safetensors index with a weight_map ({err})") from None
     try:
         return from_hf_json(values)
     except (KeyError, ValueError) as err:
@@ -176,7 +180,7 @@ def _plan(init_from: str, args: ModelArgs, target: dict[str, Any], layout: str) 
     `layout`: "hf_llama" (Llama names) or "memlm" (an export's own names). Reads only the safetensors headers."""
     hf_keys: set[str] = set()
     for path in weight_files(strip_prefix(init_from)):
-        with safe_open(str(path), framework="pt") as fh:
+        with open_safetensors(path) as fh:
             hf_keys.update(fh.keys())
     if layout == "memlm":
         ours = {k: k for k in hf_keys}
@@ -217,7 +221,7 @@ def load_safetensors(init_from: str, model: torch.nn.Module, args: ModelArgs, la
                           f"missing {new[:5]}, not in the model {dropped[:5]}")
     for path in weight_files(strip_prefix(init_from)):
         part: dict[str, torch.Tensor] = {}
-        with safe_open(str(path), framework="pt") as fh:
+        with open_safetensors(path) as fh:
             for hf_key in fh.keys():
                 dest = plan.get(hf_key)
                 if dest is None:
@@ -262,10 +266,8 @@ def read_export(init_from: str) -> tuple[ModelArgs, MemoryConfig, dict[str, Any]
     try:
         args, memory, meta = read_config(directory)
         weight_files(directory)
-    except ExportError as err:  # a file missing or unreadable
+    except ExportError as err:  # a file missing, not JSON, or not an export's config (memlm.hf.pretrained)
         raise _export_fail(init_from, str(err)) from None
-    except (ValueError, KeyError, TypeError) as err:  # malformed JSON or config
-        raise _export_fail(init_from, f"{directory / CONFIG_NAME} or its index is not an export's ({err})") from None
     return args, memory, meta
 
 

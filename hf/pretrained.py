@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 
 from memlm.errors import MemlmError
 from memlm.hf.mapping import from_hf_state_dict
@@ -37,7 +38,8 @@ INDEX_NAME = "model.safetensors.index.json"
 
 
 class ExportError(MemlmError, RuntimeError):
-    """An export that cannot be written (python -m memlm.hf.export) or read: names the file and the fault."""
+    """An export (python -m memlm.hf.export) that cannot be written or read, or another safetensors
+    model folder (a Hugging Face Llama) that cannot be read: names the file and the fault."""
 
 
 REWRITE = "export the checkpoint again (python -m memlm.hf.export)"
@@ -81,8 +83,11 @@ def weight_files(directory: str | Path) -> list[Path]:
     if index.is_file():
         try:
             names = sorted(set(read_json(index)["weight_map"].values()))
+        except ExportError as err:  # not JSON
+            raise ExportError(f"{index} is not a safetensors index ({str(err).removeprefix(f'{index} ')})") from None
         except (KeyError, TypeError, AttributeError) as err:
-            raise ExportError(f"{index} is not a safetensors index ({type(err).__name__}: {err})") from None
+            raise ExportError(f"{index} is not a safetensors index with a weight_map "
+                              f"({type(err).__name__}: {err})") from None
     else:
         names = [WEIGHTS_NAME]
     for name in names:
@@ -91,13 +96,25 @@ def weight_files(directory: str | Path) -> list[Path]:
     return [directory / name for name in names]
 
 
+@contextmanager
+def open_safetensors(path: Path) -> Iterator[Any]:
+    """safe_open of a weight file; a file that is not safetensors, or is cut short (found while
+    its tensors are read in the with block), is an ExportError naming it."""
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            yield fh
+    except (SafetensorError, OSError) as err:
+        raise ExportError(f"{path} is not a readable safetensors file ({err})") from None
+
+
 def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(directory):
         try:
-            state.update(load_file(str(path)))
-        except (SafetensorError, OSError) as err:
-            raise ExportError(f"{path} is not a readable safetensors file ({err}); {REWRITE}") from None
+            with open_safetensors(path) as fh:
+                state.update({key: fh.get_tensor(key) for key in fh.keys()})
+        except ExportError as err:
+            raise ExportError(f"{err}; {REWRITE}") from None
     return state
 
 

@@ -250,7 +250,8 @@ def test_a_broken_export_is_named(runs, tmp_path):
                        "is missing"):
         composed([*overrides, f"init_from={broken}"])
     (broken / "memlm_config.json").write_text("{not json")
-    with pytest.raises(ConfigError, match=r"memlm_config.json or its index is not an export's"):
+    # The reader's own line (memlm.hf.pretrained, the same from memlm.evals and memlm.generate), under init_from.
+    with pytest.raises(ConfigError, match=r"init_from=.*memlm_config.json is not readable JSON"):
         composed([*overrides, f"init_from=hf:{broken}"])
 
 
