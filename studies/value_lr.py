@@ -138,13 +138,38 @@ def lever_lines(rows: list[dict], entities: int, runs_at: RunsAt) -> list[str]:
         out.append(f"| {r['variant']} | {_lr(r['value_lr'])} | `{r['lever']}` | {r['seed']} "
                    f"| {r['stored_bits']:,.0f} | {100 * r['exact_match']:.1f} | {without} | {change} | {vs_dense} "
                    f"| {r['run']} |")
+    out += lever_means(levers, entities, runs_at, dense)
     spreads = [max(x["stored_bits"] for x in runs) - min(x["stored_bits"] for x in runs)
                for points in settings(rows, entities, runs_at).values() for _, runs in points if len(runs) >= 2]
     if spreads:
-        out += ["", f"One seed each: a lever's change is settled only by a second seed (two seeds of one setting "
+        out += ["", f"A lever's change is settled only over seeds, and it becomes a default when its mean beats "
+                f"the same seeds' mean without it and each of its seeds beats that mean (two seeds of one setting "
                 f"here differ by up to {max(spreads):,.0f} bits). x Dense: against Dense's mean over "
                 f"{len(dense)} seed(s)."]
     return out
+
+
+def lever_means(levers: list[dict], entities: int, runs_at: RunsAt, dense: list[dict]) -> list[str]:
+    """One line per lever setting run at two or more seeds: its mean and spread against the mean of
+    the same seeds without it, and whether the default rule holds."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in levers:
+        groups.setdefault((r["variant"], r["value_lr"], r["lever"]), []).append(r)
+    out = []
+    for (variant, lr, lever), runs in groups.items():
+        seeds = {r["seed"] for r in runs}
+        base = [b for b in runs_at(variant, entities, lr) if b["seed"] in seeds]
+        if len(runs) < 2 or len(base) != len(runs):
+            continue
+        with_, without = mean_bits(runs), mean_bits(base)
+        spread = max(r["stored_bits"] for r in runs) - min(r["stored_bits"] for r in runs)
+        rule = all(r["stored_bits"] > without for r in runs) and with_ > without
+        vs_dense = f", {with_ / mean_bits(dense):.2f}x Dense" if dense else ""
+        out.append(f"- {variant}, value lr {_lr(lr)}, `{lever}` over seeds {', '.join(map(str, sorted(seeds)))}: "
+                   f"mean {with_:,.0f} bits (spread {spread:,.0f}) against {without:,.0f} without it "
+                   f"({with_ / without - 1:+.1%}{vs_dense}); each seed above the mean without it: "
+                   f"{'yes' if rule else 'no'}.")
+    return ["", *out] if out else []
 
 
 def panel(axes, rows: list[dict], entities: int, runs_at: RunsAt) -> None:

@@ -207,3 +207,22 @@ def test_a_lever_run_is_set_beside_its_seed_and_is_no_seed_of_a_setting(tmp_path
     assert "here differ by up to 200 bits). x Dense: against Dense's mean over 2 seed(s)." in text
     assert "- `m40_1e-1_wd`: `python -m memlm.train memory.value_weight_decay=0.1`" in text
     assert "| m40_1e-1_wd | Memory+ | 0 | 256 | 0.1 | `memory.value_weight_decay=0.1` |" in text
+
+
+def test_a_lever_at_two_seeds_gets_its_mean_and_the_default_rule():
+    from memlm.studies.value_lr import lever_means
+
+    def run(seed, bits, lever=""):
+        return {"variant": "Memory+", "value_lr": 0.1, "lever": lever, "seed": seed, "stored_bits": bits,
+                "entities": 40}
+
+    base = [run(0, 700.0), run(1, 500.0)]
+    runs_at = lambda variant, entities, lr: base  # noqa: E731
+    dense = [{"stored_bits": 100.0}]
+    lever = "memory.value_weight_decay=0.1"
+    (line,) = lever_means([run(0, 650.0, lever), run(1, 750.0, lever)], 40, runs_at, dense)[1:]
+    assert line == (f"- Memory+, value lr 0.1, `{lever}` over seeds 0, 1: mean 700 bits (spread 100) against 600 "
+                    "without it (+16.7%, 7.00x Dense); each seed above the mean without it: yes.")
+    (line,) = lever_means([run(0, 550.0, lever), run(1, 750.0, lever)], 40, runs_at, dense)[1:]
+    assert line.endswith("each seed above the mean without it: no.")  # 550 < 600: the mean alone does not do
+    assert lever_means([run(0, 650.0, lever)], 40, runs_at, dense) == []  # one seed: no mean
