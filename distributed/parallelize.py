@@ -16,6 +16,7 @@ from torch.distributed.tensor import Shard
 from memlm.config.run import ParallelConfig
 from memlm.distributed.env import Meshes
 from memlm.distributed.precision import compute_dtype
+from memlm.memory.config import PRODUCT_KEY_KINDS
 from memlm.memory.tables import table_modules, value_pools
 from memlm.model import Transformer
 
@@ -28,9 +29,7 @@ FULL_PRECISION = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=to
 
 
 def _is_memory_block(block: nn.Module) -> bool:
-    return bool(table_modules(block)) or block.ffn_kind in (
-        "memory", "memplus",
-    )
+    return bool(table_modules(block)) or block.ffn_kind in PRODUCT_KEY_KINDS
 
 
 def apply_activation_checkpointing(model: Transformer, mode: str) -> None:

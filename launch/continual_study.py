@@ -11,17 +11,21 @@ record exists is skipped: a study stopped halfway keeps every finished run
 and resumes where it stopped. `python -m memlm.studies.continual_report`
 turns the records into the tables and plot of docs/results.md.
 
+What runs is the plan in configs/studies/continual.yaml (`load_plan`): the
+sweep's settings, the modes that go on to the rounds, the learning threshold
+and the report's goals.
+
 Stages:
 - `base`: the corpora (memlm.data.continual) and the base model, pretrained
   on biographies + facts A, with its background slot usage.
-- `sweep`: facts B taught by every mode from the base's final checkpoint,
-  over learning rates (and `top_t` for sparse).
+- `sweep`: facts B taught by every entry of the plan's sweep, from the base's
+  final checkpoint.
 - `rounds`: facts B in rounds (facts_b1 ... facts_b5), each round starting
-  from the previous round's final weights, for the best setting of full,
-  memory and sparse in the sweep (the least facts-A loss among the runs that
-  learned at least LEARNED of facts B).
+  from the previous round's final weights, for the best setting of each of
+  the plan's round modes in the sweep (the least facts-A loss among the runs
+  that learned at least the plan's `learned` share of facts B).
 - `seeds`: with `--seed S` (S > 0), a second base model and the best
-  setting of full, memory and sparse found in seed 0's sweep, at seed S.
+  setting of each round mode found in seed 0's sweep, at seed S.
 """
 
 from __future__ import annotations
@@ -36,29 +40,56 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from memlm.errors import entry_point
+import yaml
+
+from memlm.config.run import CONFIG_DIR
+from memlm.errors import ConfigError, entry_point
 
 DATA = Path("data_cache/continual")
 RUNS = Path("runs/continual")
 RECORDS = Path("docs/runs/continual")
-LEARNED = 0.95  # facts-B exact match a setting must reach to count as having learned them
-ROUND_STEPS = 60  # per round: 1/5 of the facts at the sweep's 300 steps keeps the exposures per fact
+PLAN_FILE = CONFIG_DIR / "studies" / "continual.yaml"
+SGD = "finetune.optimizer=sgd"  # left out of run names: the sweep's default for the value tables
 
-# (mode, overrides) of the sweep: SGD for the value tables (Lin et al.'s optimizer), AdamW otherwise.
-SGD = ["finetune.optimizer=sgd"]
-ADAMW = ["finetune.optimizer=adamw"]
-ROUND_MODES = ("full", "memory", "sparse")  # each one's best setting goes on to the rounds and the seeds
-SWEEP = (
-    [("full", [f"optim.lr={lr}"]) for lr in ("1e-4", "3e-4", "1e-3", "3e-3")]
-    + [("lora", [f"optim.lr={lr}"]) for lr in ("3e-4", "1e-3", "3e-3", "1e-2")]
-    + [("lora", ["finetune.lora_rank=64", "optim.lr=1e-3"])]
-    + [("memory", [*SGD, f"memory.value_lr={lr}"]) for lr in ("10", "30", "100", "300", "1000")]
-    + [("memory", [*ADAMW, f"memory.value_lr={lr}"]) for lr in ("1e-3", "1e-2")]
-    + [("sparse", [*SGD, f"finetune.top_t={t}", f"memory.value_lr={lr}"])
-       for t in (500, 2000, 8000) for lr in ("100", "300", "1000")]
-    + [("sparse", [*SGD, f"finetune.top_t={t}", f"memory.value_lr={lr}"]) for t, lr in ((4000, "1000"), (8000, "3000"))]
-    + [("sparse", [*ADAMW, f"finetune.top_t={t}", "memory.value_lr=1e-2"]) for t in (2000, 8000)]
-)
+
+@dataclass(frozen=True)
+class Plan:
+    """configs/studies/continual.yaml: the study's sweep, rounds and goals."""
+
+    learned: float  # facts-B exact match a setting must reach to count as having learned them
+    round_steps: int
+    round_modes: tuple[str, ...]
+    report_order: tuple[str, ...]
+    goals: dict[str, tuple[str, str]]
+    sweep: tuple[tuple[str, tuple[str, ...]], ...]  # (mode, the entry's other overrides)
+
+
+def load_plan(path: Path = PLAN_FILE) -> Plan:
+    """The study plan at `path`, each mode checked against memlm.finetune.modes."""
+    from memlm.finetune.modes import MODES
+
+    raw = yaml.safe_load(path.read_text())
+
+    def mode(value: object, key: str) -> str:
+        if value not in MODES:
+            raise ConfigError(f"{path}: {key}", value, f"not a fine-tune mode; valid: {', '.join(MODES)}")
+        return str(value)
+
+    sweep = []
+    for i, entry in enumerate(raw["sweep"]):
+        named = [o.split("=", 1)[1] for o in entry if o.startswith("finetune=")]
+        if len(named) != 1:
+            raise ConfigError(f"{path}: sweep[{i}]", entry,
+                              f"names {len(named)} modes; each entry needs one finetune=<mode>")
+        sweep.append((mode(named[0], f"sweep[{i}]"), tuple(o for o in entry if not o.startswith("finetune="))))
+    goals = {k: (mode(a, f"goals.{k}"), mode(b, f"goals.{k}")) for k, (a, b) in raw["goals"].items()}
+    return Plan(learned=float(raw["learned"]), round_steps=int(raw["round_steps"]),
+                round_modes=tuple(mode(m, "round_modes") for m in raw["round_modes"]),
+                report_order=tuple(mode(m, "report_order") for m in raw["report_order"]),
+                goals=goals, sweep=tuple(sweep))
+
+
+PLAN = load_plan()
 
 
 @dataclass
@@ -79,7 +110,7 @@ class Run:
 
 
 def _label(overrides: list[str]) -> str:
-    keep = [o.split("=", 1) for o in overrides if o not in SGD]
+    keep = [o.split("=", 1) for o in overrides if o != SGD]
     return "_".join(f"{k.rsplit('.', 1)[-1]}{v}" for k, v in keep if not k.startswith(("seed", "init_from", "dump")))
 
 
@@ -95,7 +126,7 @@ def final_checkpoint(run: Run) -> Path:
 
 def sweep_runs(seed: int, base: Run) -> list[Run]:
     runs = []
-    for mode, overrides in SWEEP:
+    for mode, overrides in PLAN.sweep:
         name = f"s{seed}_{mode}_{_label(overrides)}"
         runs.append(Run(name, ["experiment=continual_finetune", f"finetune={mode}", *overrides, f"seed={seed}",
                                f"init_from={final_checkpoint(base)}", f"dump_dir={RUNS / name}"]))
@@ -113,7 +144,7 @@ def best_setting(runs: list[Run], mode: str) -> Run | None:
     done = [r for r in runs if r.name.split("_")[1] == mode and (r.record / "summary.json").exists()]
     if not done:
         return None
-    learned = [r for r in done if facts_b_exact_match(r)[0] >= LEARNED]
+    learned = [r for r in done if facts_b_exact_match(r)[0] >= PLAN.learned]
     if learned:
         return max(learned, key=lambda r: facts_b_exact_match(r)[1])
     return max(done, key=lambda r: facts_b_exact_match(r)[0])
@@ -141,12 +172,12 @@ def round_runs(seed: int, base: Run, best: Run, rounds: int) -> list[Run]:
     for r in range(1, rounds + 1):
         name = f"s{seed}_rounds_{mode}_{label}_r{r}"
         run = Run(name, ["experiment=continual_finetune", f"finetune={mode}", *settings, f"seed={seed}",
-                         f"steps={ROUND_STEPS}", f"data.sources.0.path={DATA}/facts_b{r}/train.jsonl",
+                         f"steps={PLAN.round_steps}", f"data.sources.0.path={DATA}/facts_b{r}/train.jsonl",
                          "checkpoint.at_end=true", *background,
                          f"eval.tasks=[{evals},\"bits:facts_a\",\"ppl:bio_heldout\",\"qa:bio_qa\"]",
                          f"init_from={init}", f"dump_dir={RUNS / name}"])
         runs.append(run)
-        init = run.dump / "checkpoints" / f"step_{ROUND_STEPS:08d}"
+        init = run.dump / "checkpoints" / f"step_{PLAN.round_steps:08d}"
     return runs
 
 
@@ -194,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--stage seeds: no seed 0 base model ({base_run(0).record} is missing): "
                              "run seed 0's sweep first")
         seed0 = sweep_runs(0, base_run(0))
-        for mode in ROUND_MODES:
+        for mode in PLAN.round_modes:
             best = best_setting(seed0, mode)
             if best is None:
                 raise SystemExit(f"--stage seeds: seed 0's sweep has no finished {mode} run to repeat")
@@ -208,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                 execute(run)
     if args.stage in ("rounds", "all"):
         rounds = json.loads((DATA / "manifest.json").read_text())["rounds"]
-        for mode in ROUND_MODES:
+        for mode in PLAN.round_modes:
             best = best_setting(sweep, mode)
             if best is None:
                 print(f"[study] rounds of {mode}: no finished sweep run of that mode, skipped", flush=True)

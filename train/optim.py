@@ -16,6 +16,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from memlm.config.run import Config, OptimConfig
 from memlm.finetune.modes import mode_of
+from memlm.memory.config import PRODUCT_KEY_KINDS
 from memlm.memory.tables import sparse_tables
 
 
@@ -59,7 +60,7 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
 
         return SparseRowSGD(groups, lr=cfg.memory.value_lr, weight_decay=cfg.memory.value_weight_decay)
     sparse = (cfg.memory.sparse_updates or mode_of(cfg).row_gradients) and cfg.memory.kind != "none"
-    low_precision_values = cfg.memory.value_dtype != "fp32" and cfg.memory.kind in ("memory", "memplus")
+    low_precision_values = cfg.memory.value_dtype != "fp32" and cfg.memory.kind in PRODUCT_KEY_KINDS
     if sparse or low_precision_values:
         from memlm.memory.sparse_adamw import SparseRowAdamW
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -44,7 +45,7 @@ def test_runs_chain_from_the_base_and_a_recorded_run_is_skipped(tmp_path, monkey
     base_ckpt = str(study.RUNS / "base_s0" / "checkpoints" / "step_00000300")
     sweep = [c for c in calls[1:] if "steps" not in c]
     assert len(sweep) == 7 + 13 and all(c["init_from"] == base_ckpt for c in sweep)  # the base was not rerun
-    rounds = [c for c in calls if c.get("steps") == str(study.ROUND_STEPS)]
+    rounds = [c for c in calls if c.get("steps") == str(study.PLAN.round_steps)]
     # each mode's best: the smallest value lr of those that learned (the fake loses lr bits of facts A)
     assert [(c["finetune"], c["finetune.optimizer"], c.get("memory.value_lr"), c["data.sources.0.path"].split("/")[-2])
             for c in rounds] == [
@@ -89,3 +90,23 @@ def test_a_second_seed_repeats_seed_0s_best_settings_from_its_own_base(tmp_path,
     ckpt = str(study.RUNS / "base_s1" / "checkpoints" / "step_00000300")
     assert all(c["seed"] == "1" and c["init_from"] == ckpt for c in repeated)
     assert repeated[2]["finetune.top_t"] == "2000" and repeated[2]["finetune.optimizer"] == "adamw"
+
+
+def test_the_plan_names_the_recorded_runs_so_they_are_reused():
+    """configs/studies/continual.yaml gives every seed-0 sweep record its run name back: none is rerun."""
+    names = {r.name for r in study.sweep_runs(0, study.base_run(0))}
+    recorded = {p.name for p in (Path(__file__).resolve().parents[2] / study.RECORDS).iterdir()
+                if p.name.startswith("s0_") and "_rounds_" not in p.name}
+    assert names == recorded
+
+
+@pytest.mark.parametrize("entry,message", [
+    ("[finetune=partial, optim.lr=1e-3]", r"sweep\[0\]='partial': not a fine-tune mode; valid: full, memory"),
+    ("[optim.lr=1e-3]", r"sweep\[0\]=\['optim.lr=1e-3'\]: names 0 modes; each entry needs one finetune=<mode>"),
+])
+def test_a_bad_plan_entry_names_itself_and_what_is_valid(tmp_path, entry, message):
+    text = study.PLAN_FILE.read_text()
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(text[:text.index("sweep:")] + f"sweep:\n  - {entry}\n")
+    with pytest.raises(study.ConfigError, match=message):
+        study.load_plan(plan)
