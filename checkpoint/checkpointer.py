@@ -379,10 +379,11 @@ class Checkpointer:
 
     @staticmethod
     def load_weights(path: Path, model, with_checksum: bool = True,
-                     fresh: Callable[[str], bool] | None = None) -> dict[str, Any]:
+                     fresh: Callable[[str], bool] | None = None, meta: dict[str, Any] | None = None) -> dict[str, Any]:
         """The model weights only (init_from, or loading a run's model). `fresh(key)`: tensors
-        left as initialized (a fine-tune mode's own, e.g. lora's adapters: memlm.finetune.modes)."""
-        meta = verify(Path(path), with_checksum)
+        left as initialized (a fine-tune mode's own, e.g. lora's adapters: memlm.finetune.modes).
+        `meta`: its meta.json, when the caller read it already (init_from: the preflight)."""
+        meta = verify(Path(path), with_checksum, meta=meta)
         whole = get_model_state_dict(model)
         model_state = {k: v for k, v in whole.items() if fresh is None or not fresh(k)}
         check_shapes(Path(path), model_state)

@@ -151,13 +151,15 @@ def read_meta(directory: Path) -> dict[str, Any]:
     return meta
 
 
-def verify(directory: Path, with_checksum: bool = True, rank: int = 0, world: int = 1) -> dict[str, Any]:
+def verify(directory: Path, with_checksum: bool = True, rank: int = 0, world: int = 1,
+           meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Check a checkpoint against its manifest; return its meta. Raises
     CheckpointError naming the first missing, truncated or corrupted file.
     With rank/world: only this rank's share of the files is read (sizes are
-    checked for all: they cost no read); the caller agrees on the outcome."""
+    checked for all: they cost no read); the caller agrees on the outcome.
+    `meta`: the folder's meta.json as read_meta returned it, when the caller read it already."""
     directory = Path(directory)
-    meta = read_meta(directory)
+    meta = read_meta(directory) if meta is None else meta
     present = [directory / n for n in meta["manifest"] if (directory / n).is_file()]
     hashed = {p.name for p in share(present, rank, world)}
     for name, expected in meta["manifest"].items():

@@ -39,6 +39,7 @@ checkpoint load; the optimizer and schedule start fresh, as with any init_from.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -63,7 +64,7 @@ from memlm.hf.pretrained import (
     weight_files,
 )
 from memlm.hf.remote import MEMORY_INFERENCE, memory_settings
-from memlm.hf.source import model_source, strip_prefix
+from memlm.hf.source import ModelSource, strip_prefix
 from memlm.memory.config import MemoryConfig
 from memlm.model.args import ModelArgs
 from memlm.model.lora import is_lora_key
@@ -238,8 +239,7 @@ def load_safetensors(init_from: str, model: torch.nn.Module, args: ModelArgs, la
 
 
 def import_hf(cfg: Any, model: torch.nn.Module, tokenizer: Any, log: Callable[[str], None]) -> dict[str, list[str]]:
-    """init_from=hf:<dir>: check, load, and log what was kept, new and dropped."""
-    check_hf_source(cfg)  # again: a Config built without compose() is checked too
+    """init_from=hf:<dir> (checked by check_import_source): load, and log what was kept, new and dropped."""
     directory = strip_prefix(cfg.init_from)
     log(f"[hf-import] {check_hf_tokenizer(cfg.init_from, tokenizer)}")
     summary = load_safetensors(cfg.init_from, model, cfg.model)
@@ -325,9 +325,10 @@ def check_export_source(cfg: Any) -> tuple[ModelArgs, MemoryConfig, dict[str, An
     return args, memory, meta
 
 
-def import_export(cfg: Any, model: torch.nn.Module, tokenizer: Any, log: Callable[[str], None]) -> dict[str, list[str]]:
-    """init_from=<export>: check, then load every tensor (exact: none new, none dropped) and log it."""
-    _, _, meta = check_export_source(cfg)  # again: a Config built without compose() is checked too
+def import_export(cfg: Any, meta: dict[str, Any], model: torch.nn.Module, tokenizer: Any,
+                  log: Callable[[str], None]) -> dict[str, list[str]]:
+    """init_from=<export> (checked by check_import_source; `meta`: its memlm_config.json): load every
+    tensor (exact: none new, none dropped) and log it."""
     log(f"[init] {check_hf_tokenizer(cfg.init_from, tokenizer)}")
     summary = load_safetensors(cfg.init_from, model, cfg.model, meta.get("weights_layout", "memlm"), exact=True)
     log(f"[init] initialized from the export {strip_prefix(cfg.init_from)} (step {meta.get('step')}): "
@@ -335,18 +336,23 @@ def import_export(cfg: Any, model: torch.nn.Module, tokenizer: Any, log: Callabl
     return summary
 
 
-def check_import_source(cfg: Any) -> None:
-    """What the preflight checks of an `init_from` export or Llama before a run starts: a Llama's or
-    an export's architecture against the run's (a memlm checkpoint is checked when it is loaded)."""
-    kind = model_source(cfg.init_from).kind
-    if kind == "hf":
-        check_hf_source(cfg)
-    elif kind == "export":
-        check_export_source(cfg)
+def check_import_source(cfg: Any, source: ModelSource) -> ModelSource:
+    """What the preflight checks of an `init_from` export or Llama (`source`, as model_source named it)
+    before a run starts: its architecture against the run's. Returns `source` with what was read
+    (`checked`), which import_init loads from without reading it again."""
+    if source.kind == "hf":
+        return dataclasses.replace(source, checked=check_hf_source(cfg))
+    if source.kind == "export":
+        return dataclasses.replace(source, checked=check_export_source(cfg))
+    raise ValueError(f"check_import_source: {source.name} is a memlm checkpoint, not an export or a Llama")
 
 
-def import_init(cfg: Any, model: torch.nn.Module, tokenizer: Any, log: Callable[[str], None]) -> dict[str, list[str]]:
-    """The Trainer's load of an `init_from` that is not a memlm checkpoint: a Llama or an export."""
-    if model_source(cfg.init_from).kind == "export":
-        return import_export(cfg, model, tokenizer, log)
+def import_init(cfg: Any, source: ModelSource, model: torch.nn.Module, tokenizer: Any,
+                log: Callable[[str], None]) -> dict[str, list[str]]:
+    """The load of an `init_from` that is not a memlm checkpoint: a Llama or an export, as
+    check_import_source returned it."""
+    if source.checked is None:
+        raise ValueError(f"import_init: {source.name} was not checked (check_import_source)")
+    if source.kind == "export":
+        return import_export(cfg, source.checked[2], model, tokenizer, log)
     return import_hf(cfg, model, tokenizer, log)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from memlm.checkpoint.folder import LATEST, latest_checkpoint
 from memlm.config.run import HF_PREFIX
@@ -36,6 +37,10 @@ class ModelSource:
     kind: str  # one of KINDS
     directory: Path  # the checkpoint folder (resolved), the export folder or the Llama folder
     name: str  # as the user wrote it
+    # What the run's preflight read and checked there, so the load does not read it again
+    # (memlm.train.preflight.check_init_from): a checkpoint's meta.json, an export's
+    # (ModelArgs, MemoryConfig, memlm_config.json), a Llama's ModelArgs. None: not read yet.
+    checked: Any = None
 
 
 def strip_prefix(name: str) -> Path:

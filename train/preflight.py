@@ -13,6 +13,8 @@ it touches the run folder.
 
 from __future__ import annotations
 
+import dataclasses
+
 from memlm.checkpoint.folder import CheckpointError, read_meta
 from memlm.config.run import Config
 from memlm.data.corpus import check_inputs
@@ -48,15 +50,13 @@ def check_init_from(cfg: Config) -> ModelSource | None:
     if source is None:
         return None
     if source.kind != "checkpoint":
-        check_import_source(cfg)
-        return source
+        return check_import_source(cfg, source)
     try:
-        read_meta(source.directory)
+        return dataclasses.replace(source, checked=read_meta(source.directory))
     except CheckpointError as err:
         raise ConfigError("init_from", cfg.init_from, f"a memlm checkpoint (<dump_dir>, its checkpoints/latest "
                           f"or checkpoints/step_N), a memlm export (python -m memlm.hf.export) or hf:<Llama dir>; "
                           f"{err}") from None
-    return source
 
 
 def check_run_inputs(cfg: Config) -> None:

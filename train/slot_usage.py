@@ -40,7 +40,7 @@ from memlm.errors import ConfigError, entry_point
 from memlm.finetune.background import FILE, collect, describe, memory_layers, save_usage
 from memlm.hf.importer import check_import_source, import_init
 from memlm.hf.load import data_config, load_model
-from memlm.hf.source import model_source
+from memlm.hf.source import ModelSource, model_source
 from memlm.memory.schedule import apply_knn_schedule
 from memlm.model import Transformer
 from memlm.train.data_source import build_train_loader
@@ -48,14 +48,15 @@ from memlm.train.data_source import build_train_loader
 ONE_PROCESS = argparse.Namespace(rank=0, world_size=1)
 
 
-def start_model(cfg: Config, tokenizer, log=lambda line: None) -> Transformer:
+def start_model(cfg: Config, source: ModelSource, tokenizer, log=lambda line: None) -> Transformer:
     """The weights a one-process run of `cfg` starts from when `cfg.init_from` is an export or a
-    Llama (the trainer's order: seeded init, value tables from the seed, then the import)."""
+    Llama (`source`, as check_import_source returned it; the trainer's order: seeded init, value
+    tables from the seed, then the import)."""
     seed_everything(cfg.seed)
     model = Transformer(cfg.model, cfg.memory)
     model.init_weights()
     init_value_tables(model, cfg.seed)
-    import_init(cfg, model, tokenizer, log)
+    import_init(cfg, source, model, tokenizer, log)
     return model
 
 
@@ -88,9 +89,9 @@ def _started_model(name: str, overrides: list[str], out: str):
                               f"overrides): {name} records no training data")
         cfg.data = data
         cfg.validate()
-    check_import_source(cfg)  # the architecture the overrides describe is the one at `name`
+    source = check_import_source(cfg, source)  # the architecture the overrides describe is the one at `name`
     loader = build_train_loader(cfg, ONE_PROCESS, "train")
-    model = start_model(cfg, getattr(loader, "tokenizer", None), lambda line: print(line, flush=True))
+    model = start_model(cfg, source, getattr(loader, "tokenizer", None), lambda line: print(line, flush=True))
     return model, cfg, loader, 0, Path(out)
 
 

@@ -144,10 +144,11 @@ class Trainer:
                       f"init_from={cfg.init_from}", flush=True)
             source = self.init_source
             if source.kind != "checkpoint":
-                import_init(cfg, self.model, getattr(self.train_loader, "tokenizer", None), self._print_main)
+                import_init(cfg, source, self.model, getattr(self.train_loader, "tokenizer", None),
+                            self._print_main)
             else:
                 self.checkpointer.load_weights(source.directory, self.model, cfg.checkpoint.verify == "checksum",
-                                               fresh=mode_of(cfg).fresh_on_init)
+                                               fresh=mode_of(cfg).fresh_on_init, meta=source.checked)
                 if self.env.is_main:
                     print(f"[train] initialized weights from {source.directory}", flush=True)
             return None

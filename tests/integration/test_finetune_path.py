@@ -7,6 +7,7 @@ other command accepts (its dump_dir, its checkpoints/latest)."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,7 +59,8 @@ def test_a_llama_retrofitted_then_sparse_finetuned_then_exported(llama, tmp_path
     check_init_from(cfg)
     trainer = Trainer(cfg)
     # the model slot_usage counted is the one the fine-tune starts from, tensor for tensor
-    started = slot_usage.start_model(cfg, getattr(trainer.train_loader, "tokenizer", None)).state_dict()
+    tokenizer = getattr(trainer.train_loader, "tokenizer", None)
+    started = slot_usage.start_model(cfg, trainer.init_source, tokenizer).state_dict()
     assert all(torch.equal(v, started[k]) for k, v in trainer.model.state_dict().items())
     first = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     trainer.fit()
@@ -90,3 +92,16 @@ def test_init_from_a_run_folder_or_its_latest_starts_from_its_newest_checkpoint(
         assert all(torch.equal(v, theirs[k]) for k, v in ours.items())
     finally:
         trainer.close()
+
+
+def test_a_run_reads_its_init_from_checkpoints_meta_once(tmp_path, monkeypatch):
+    """The preflight reads and checks init_from's meta.json; the load verifies the files against that read."""
+    base = tmp_path / "base"
+    Trainer(compose([*TINY, "steps=2", f"dump_dir={base}"])).fit()
+    meta = base / "checkpoints" / "step_00000002" / "meta.json"
+    reads = []
+    read_text = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **kw: (reads.append(self), read_text(self, *a, **kw))[1])
+    cfg = compose([*TINY, "finetune=memory", f"init_from={base}", "steps=1", f"dump_dir={tmp_path / 'ft'}"])
+    Trainer(cfg).close()
+    assert reads.count(meta) == 1
