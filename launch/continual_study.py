@@ -1,6 +1,7 @@
 """The continual-learning study, run by run: base model, fine-tuning sweep, rounds.
 
-    OMP_NUM_THREADS=1 python -m memlm.launch.continual_study [--stage base|sweep|rounds|all] [--seed 0]
+    OMP_NUM_THREADS=1 python -m memlm.launch.continual_study [--stage base|sweep|rounds|seeds|all] [--seed 0]
+        [--n-keys 256]
 
 Each run is a plain `python -m memlm.train experiment=continual_* ...`
 (configs/experiment/continual_base.yaml, continual_finetune.yaml), one after
@@ -10,6 +11,10 @@ the command) is copied to `docs/runs/continual/<name>`, and a run whose
 record exists is skipped: a study stopped halfway keeps every finished run
 and resumes where it stopped. `python -m memlm.studies.continual_report`
 turns the records into the tables and plot of docs/results.md.
+
+`--n-keys N` runs the same study at another table size (N**2 slots): every
+run of it carries `memory.n_keys=N` and is named `kN_...`, beside the
+study's own size (the experiment's 128: 16K slots), whose names have no prefix.
 
 What runs is the plan in configs/studies/continual.yaml (`load_plan`): the
 sweep's settings, the modes that go on to the rounds, the learning threshold
@@ -60,7 +65,10 @@ class Plan:
     round_steps: int
     round_modes: tuple[str, ...]
     report_order: tuple[str, ...]
-    goals: dict[str, tuple[str, str]]
+    reference: str  # goal (a): its facts-A loss over the best of the other modes' ...
+    ratio_at_least: float  # ... is at least this
+    less: tuple[str, str]  # goal (b): the first mode loses less than the second
+    rounds_kept: float  # goal (c): the share of its bits each earlier round keeps after every later one
     sweep: tuple[tuple[str, tuple[str, ...]], ...]  # (mode, the entry's other overrides)
 
 
@@ -82,20 +90,46 @@ def load_plan(path: Path = PLAN_FILE) -> Plan:
             raise ConfigError(f"{path}: sweep[{i}]", entry,
                               f"names {len(named)} modes; each entry needs one finetune=<mode>")
         sweep.append((mode(named[0], f"sweep[{i}]"), tuple(o for o in entry if not o.startswith("finetune="))))
-    goals = {k: (mode(a, f"goals.{k}"), mode(b, f"goals.{k}")) for k, (a, b) in raw["goals"].items()}
+    goals = raw["goals"]
     return Plan(learned=float(raw["learned"]), round_steps=int(raw["round_steps"]),
                 round_modes=tuple(mode(m, "round_modes") for m in raw["round_modes"]),
                 report_order=tuple(mode(m, "report_order") for m in raw["report_order"]),
-                goals=goals, sweep=tuple(sweep))
+                reference=mode(goals["reference"], "goals.reference"),
+                ratio_at_least=float(goals["ratio_at_least"]),
+                less=(mode(goals["less"][0], "goals.less"), mode(goals["less"][1], "goals.less")),
+                rounds_kept=float(goals["rounds_kept"]), sweep=tuple(sweep))
 
 
 PLAN = load_plan()
+
+
+@dataclass(frozen=True)
+class Series:
+    """The runs from one base model: its seed and its table size (memory.n_keys; None: the
+    experiment's own, whose runs keep the study's first, unprefixed names)."""
+
+    seed: int
+    n_keys: int | None = None
+
+    @property
+    def prefix(self) -> str:
+        return f"k{self.n_keys}_" if self.n_keys else ""
+
+    @property
+    def table(self) -> list[str]:
+        """The override every run of the series carries: a fine-tune's model is its base's."""
+        return [f"memory.n_keys={self.n_keys}"] if self.n_keys else []
+
+    def at_seed(self, seed: int) -> Series:
+        return Series(seed, self.n_keys)
 
 
 @dataclass
 class Run:
     name: str
     overrides: list[str]
+    mode: str = ""  # a fine-tune's mode; "" for a base model
+    setting: tuple[str, ...] = ()  # a sweep run's overrides besides its mode, seed and paths
 
     @property
     def dump(self) -> Path:
@@ -109,14 +143,14 @@ class Run:
         return "python -m memlm.train " + " ".join(shlex.quote(o) for o in self.overrides)
 
 
-def _label(overrides: list[str]) -> str:
+def _label(overrides: list[str] | tuple[str, ...]) -> str:
     keep = [o.split("=", 1) for o in overrides if o != SGD]
     return "_".join(f"{k.rsplit('.', 1)[-1]}{v}" for k, v in keep if not k.startswith(("seed", "init_from", "dump")))
 
 
-def base_run(seed: int) -> Run:
-    name = f"base_s{seed}"
-    return Run(name, ["experiment=continual_base", f"seed={seed}", f"dump_dir={RUNS / name}"])
+def base_run(series: Series) -> Run:
+    name = f"{series.prefix}base_s{series.seed}"
+    return Run(name, ["experiment=continual_base", *series.table, f"seed={series.seed}", f"dump_dir={RUNS / name}"])
 
 
 def final_checkpoint(run: Run) -> Path:
@@ -124,13 +158,15 @@ def final_checkpoint(run: Run) -> Path:
     return run.dump / "checkpoints" / f"step_{steps:08d}"
 
 
-def sweep_runs(seed: int, base: Run) -> list[Run]:
-    runs = []
-    for mode, overrides in PLAN.sweep:
-        name = f"s{seed}_{mode}_{_label(overrides)}"
-        runs.append(Run(name, ["experiment=continual_finetune", f"finetune={mode}", *overrides, f"seed={seed}",
-                               f"init_from={final_checkpoint(base)}", f"dump_dir={RUNS / name}"]))
-    return runs
+def sweep_run(series: Series, base: Run, mode: str, setting: tuple[str, ...]) -> Run:
+    name = f"{series.prefix}s{series.seed}_{mode}_{_label(setting)}"
+    return Run(name, ["experiment=continual_finetune", *series.table, f"finetune={mode}", *setting,
+                      f"seed={series.seed}", f"init_from={final_checkpoint(base)}", f"dump_dir={RUNS / name}"],
+               mode, setting)
+
+
+def sweep_runs(series: Series, base: Run) -> list[Run]:
+    return [sweep_run(series, base, mode, setting) for mode, setting in PLAN.sweep]
 
 
 def facts_b_exact_match(run: Run) -> tuple[float, float]:
@@ -141,7 +177,7 @@ def facts_b_exact_match(run: Run) -> tuple[float, float]:
 
 def best_setting(runs: list[Run], mode: str) -> Run | None:
     """The mode's run that kept the most facts-A bits among those that learned facts B (else the best learner)."""
-    done = [r for r in runs if r.name.split("_")[1] == mode and (r.record / "summary.json").exists()]
+    done = [r for r in runs if r.mode == mode and (r.record / "summary.json").exists()]
     if not done:
         return None
     learned = [r for r in done if facts_b_exact_match(r)[0] >= PLAN.learned]
@@ -150,16 +186,9 @@ def best_setting(runs: list[Run], mode: str) -> Run | None:
     return max(done, key=lambda r: facts_b_exact_match(r)[0])
 
 
-def reseeded(run: Run, seed: int, base: Run) -> Run:
-    """`run` (a sweep run of seed 0) at another seed, from that seed's base model."""
-    name = f"s{seed}_" + run.name.split("_", 1)[1]
-    keep = [o for o in run.overrides if not o.startswith(("seed=", "init_from=", "dump_dir="))]
-    return Run(name, [*keep, f"seed={seed}", f"init_from={final_checkpoint(base)}", f"dump_dir={RUNS / name}"])
-
-
-def round_runs(seed: int, base: Run, best: Run, rounds: int) -> list[Run]:
-    mode = best.name.split("_")[1]
-    settings = [o for o in best.overrides if o.startswith(("finetune.", "memory.", "optim."))]
+def round_runs(series: Series, base: Run, best: Run, rounds: int) -> list[Run]:
+    mode = best.mode
+    settings = [o for o in best.setting if o.startswith(("finetune.", "memory.", "optim."))]
     label = _label(settings)  # in the name: a later sweep that picks another best setting does not reuse these
     from memlm.finetune.background import FILE
     from memlm.finetune.modes import MODES
@@ -170,15 +199,28 @@ def round_runs(seed: int, base: Run, best: Run, rounds: int) -> list[Run]:
     evals = ",".join(f'"bits:facts_b{r + 1}"' for r in range(rounds))
     runs, init = [], final_checkpoint(base)
     for r in range(1, rounds + 1):
-        name = f"s{seed}_rounds_{mode}_{label}_r{r}"
-        run = Run(name, ["experiment=continual_finetune", f"finetune={mode}", *settings, f"seed={seed}",
-                         f"steps={PLAN.round_steps}", f"data.sources.0.path={DATA}/facts_b{r}/train.jsonl",
+        name = f"{series.prefix}s{series.seed}_rounds_{mode}_{label}_r{r}"
+        run = Run(name, ["experiment=continual_finetune", *series.table, f"finetune={mode}", *settings,
+                         f"seed={series.seed}", f"steps={PLAN.round_steps}",
+                         f"data.sources.0.path={DATA}/facts_b{r}/train.jsonl",
                          "checkpoint.at_end=true", *background,
                          f"eval.tasks=[{evals},\"bits:facts_a\",\"ppl:bio_heldout\",\"qa:bio_qa\"]",
-                         f"init_from={init}", f"dump_dir={RUNS / name}"])
+                         f"init_from={init}", f"dump_dir={RUNS / name}"], mode, tuple(settings))
         runs.append(run)
         init = run.dump / "checkpoints" / f"step_{PLAN.round_steps:08d}"
     return runs
+
+
+def table_size(n_keys: int | None) -> int | None:
+    """--n-keys as a Series holds it: None for the experiment's own size (the study's first names)."""
+    if n_keys is None:
+        return None
+    from memlm.config.run import compose
+
+    own = compose(["experiment=continual_base"]).memory.n_keys
+    if n_keys < 2:
+        raise ConfigError("--n-keys", n_keys, f"an integer >= 2 (memory.n_keys; the study's own is {own})")
+    return None if n_keys == own else n_keys
 
 
 def execute(run: Run) -> None:
@@ -210,32 +252,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", choices=("base", "sweep", "rounds", "seeds", "all"), default="all")
     parser.add_argument("--seed", type=int, default=0, help="the base model's and the fine-tunes' seed")
     parser.add_argument("--modes", default="", help="comma-separated modes to run in the sweep (default: all)")
+    parser.add_argument("--n-keys", type=int, default=None,
+                        help="the table size: memory.n_keys (n_keys**2 slots; default: the experiment's, 128); "
+                             "runs at another size are named k<n_keys>_...")
     args = parser.parse_args(argv)
     RUNS.mkdir(parents=True, exist_ok=True)
     if not (DATA / "manifest.json").exists():
         from memlm.data.continual import write_study
 
         write_study(str(DATA))
-    base = base_run(args.seed)
+    series = Series(args.seed, table_size(args.n_keys))
+    base = base_run(series)
     execute(base)
     if args.stage == "seeds":
         if args.seed == 0:
             raise SystemExit("--stage seeds repeats seed 0's best settings at another seed: pass --seed 1 (or more)")
-        if not (base_run(0).record / "summary.json").exists():
-            raise SystemExit(f"--stage seeds: no seed 0 base model ({base_run(0).record} is missing): "
+        first = series.at_seed(0)
+        if not (base_run(first).record / "summary.json").exists():
+            raise SystemExit(f"--stage seeds: no seed 0 base model ({base_run(first).record} is missing): "
                              "run seed 0's sweep first")
-        seed0 = sweep_runs(0, base_run(0))
+        seed0 = sweep_runs(first, base_run(first))
         for mode in PLAN.round_modes:
             best = best_setting(seed0, mode)
             if best is None:
                 raise SystemExit(f"--stage seeds: seed 0's sweep has no finished {mode} run to repeat")
-            execute(reseeded(best, args.seed, base))
+            execute(sweep_run(series, base, best.mode, best.setting))
         return 0
-    sweep = sweep_runs(args.seed, base)
+    sweep = sweep_runs(series, base)
     if args.stage in ("sweep", "all"):
         modes = set(args.modes.split(",")) if args.modes else None
         for run in sweep:
-            if modes is None or run.name.split("_")[1] in modes:
+            if modes is None or run.mode in modes:
                 execute(run)
     if args.stage in ("rounds", "all"):
         rounds = json.loads((DATA / "manifest.json").read_text())["rounds"]
@@ -244,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             if best is None:
                 print(f"[study] rounds of {mode}: no finished sweep run of that mode, skipped", flush=True)
                 continue
-            for run in round_runs(args.seed, base, best, rounds):
+            for run in round_runs(series, base, best, rounds):
                 execute(run)
     return 0
 

@@ -60,6 +60,26 @@ def test_runs_chain_from_the_base_and_a_recorded_run_is_skipped(tmp_path, monkey
     assert study.main(["--stage", "all", "--modes", "memory,sparse"]) == 0 and len(calls) == n  # all recorded
 
 
+def test_a_second_table_size_runs_under_its_own_names_with_its_size(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / study.DATA).mkdir(parents=True)
+    (tmp_path / study.DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    calls = []
+    monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
+    assert study.main(["--stage", "all", "--modes", "sparse", "--n-keys", "256"]) == 0
+    names = [c["dump_dir"].rsplit("/", 1)[1] for c in calls]
+    assert names[0] == "k256_base_s0" and names[1] == "k256_s0_sparse_top_t500_value_lr100"
+    assert names[-1] == "k256_s0_rounds_sparse_optimizeradamw_top_t2000_value_lr1e-2_r2"
+    assert all(c["memory.n_keys"] == "256" for c in calls)
+    base_ckpt = str(study.RUNS / "k256_base_s0" / "checkpoints" / "step_00000300")
+    assert all(c["init_from"] == base_ckpt for c in calls[1:-1])  # the sweep and round 1 start from its base
+    # the study's own size keeps its names: nothing above is reused for it, nor it for them
+    assert study.main(["--stage", "base", "--n-keys", "128"]) == 0
+    assert calls[-1]["dump_dir"].endswith("/base_s0") and "memory.n_keys" not in calls[-1]
+    assert study.main(["--n-keys", "1"]) == 2
+    assert "--n-keys=1: an integer >= 2 (memory.n_keys; the study's own is 128)" in capsys.readouterr().err
+
+
 def test_a_failed_run_stops_the_study_naming_its_log(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / study.DATA).mkdir(parents=True)
@@ -94,7 +114,7 @@ def test_a_second_seed_repeats_seed_0s_best_settings_from_its_own_base(tmp_path,
 
 def test_the_plan_names_the_recorded_runs_so_they_are_reused():
     """configs/studies/continual.yaml gives every seed-0 sweep record its run name back: none is rerun."""
-    names = {r.name for r in study.sweep_runs(0, study.base_run(0))}
+    names = {r.name for r in study.sweep_runs(study.Series(0), study.base_run(study.Series(0)))}
     recorded = {p.name for p in (Path(__file__).resolve().parents[2] / study.RECORDS).iterdir()
                 if p.name.startswith("s0_") and "_rounds_" not in p.name}
     assert names == recorded

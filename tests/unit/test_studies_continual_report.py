@@ -48,7 +48,7 @@ def _study(root):
 def test_rows_take_mode_and_setting_from_the_saved_config_and_forgetting_from_the_base(tmp_path):
     _study(tmp_path)
     bases, sweep, rounds = report.load_study(tmp_path)
-    assert list(bases) == [0] and rounds == []
+    assert list(bases) == [(16384, 0)] and rounds == []  # (table slots, seed)
     by_name = {r["name"]: r for r in sweep}
     assert by_name["s0_sparse_a"]["setting"] == "top_t 2,000, sgd lr 300"
     assert by_name["s0_memory_lr100"]["setting"] == "sgd lr 100"
@@ -65,9 +65,31 @@ def test_the_front_and_goals_follow_from_the_rows(tmp_path):
     text = "\n".join(report.findings(sweep))
     assert "full forgets 95.0% of facts A (AdamW lr 0.001), sparse 1.0% (top_t 2,000, sgd lr 300): a ratio of 95.0x" \
         in text
-    assert "Goal (b): sparse forgets less than memory (values only, every row): 1.0% against 5.0% (sgd lr 100), " \
-        "4.0 points apart." in text
+    assert "Goal (b) at 16,384 slots: sparse forgets less than memory (values only, every row): 1.0% against " \
+        "5.0% (sgd lr 100), 4.0 points apart." in text
     assert "`lora`" not in text  # no lora runs: nothing said about it
+
+
+def test_each_table_size_gets_its_own_base_goals_and_row_of_the_size_table(tmp_path):
+    _study(tmp_path)
+    big = ["memory.n_keys=256"]
+    _record(tmp_path, "k256_base_s0", big, 1000.0)
+    _record(tmp_path, "k256_s0_full_lr1e-3", [*big, "finetune=full", "optim.lr=1e-3"], 600.0, b=(0.99,))  # 40%
+    _record(tmp_path, "k256_s0_memory_lr100", [*big, *MEMORY, "memory.value_lr=100"], 990.0, b=(0.97,))  # 1%
+    _record(tmp_path, "k256_s1_memory_lr100", [*big, *MEMORY, "memory.value_lr=100"], 970.0, b=(0.97,), seed=1)
+    _record(tmp_path, "k256_base_s1", big, 1000.0, seed=1)
+    bases, sweep, _ = report.load_study(tmp_path)
+    assert sorted(bases) == [(16384, 0), (65536, 0), (65536, 1)]
+    assert {r["name"]: r["forgetting"] for r in sweep}["k256_s0_memory_lr100"] == pytest.approx(0.01)
+    text = "\n".join(report.findings(sweep))
+    assert "Goal (a) at 65,536 slots, facts B EM >= 95.0%: full forgets 40.0% of facts A (AdamW lr 0.001), " \
+        "memory 1.0% (sgd lr 100): a ratio of 40.0x (goal: at least 20x)." in text
+    table = report.size_table(sweep)
+    assert "| 16,384 | 95.0% | - | 5.0% | 1.0% | 95.0x |" in table
+    # memory's best at 64K (chosen on seed 0) ran at two seeds: their mean, each seed beside it
+    assert "| 65,536 | 40.0% | - | 2.0% (1.0%, 3.0%) | - | 20.0x |" in table
+    report.plot(sweep, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
 
 
 def test_rounds_report_each_earlier_round_kept_relative_to_when_it_was_taught(tmp_path):
