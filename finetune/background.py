@@ -2,7 +2,8 @@
 reference that sparse fine-tuning ranks a batch's reads against
 (finetune=sparse; memlm.finetune.selection; memory/slot_selection.py).
 
-    counts, tokens = collect(model, batches, n_batches, device)   # {"layer4": (n_slots,) int64}
+    counts, tokens, read = collect(model, batches, n_batches, device)  # {"layer4": (n_slots,) int64}
+    read["layer4"]                                                # share of that table each batch read
     save_usage(path, counts, tokens, source)                      # slot_usage.safetensors
     background = load_usage(path, {"layer4": n_slots})            # checked against the model
     recorder = UsageRecorder(model, steps, last_steps, ...)       # a pretraining run's own background
@@ -153,17 +154,42 @@ class UsageRecorder:
 
 
 @torch.no_grad()
-def collect(model: torch.nn.Module, batches, n_batches: int, device: torch.device) -> tuple[dict, int]:
+def value_tables(layers: dict[str, ProductKeyMemory]) -> dict[str, list[str]]:
+    """Each value table by its label -> the names of the layers that read it: a pool that
+    several layers share (Memory+) is one table, "layer1+layer3"."""
+    tables: dict[int, list[str]] = {}
+    for name, layer in layers.items():
+        tables.setdefault(id(layer.values.weight), []).append(name)
+    return {"+".join(names): names for names in tables.values()}
+
+
+def collect(model: torch.nn.Module, batches, n_batches: int,
+            device: torch.device) -> tuple[dict[str, torch.Tensor], int, dict[str, list[float]]]:
     """Read counts of every memory layer over `n_batches` of `batches`
-    ((inputs, targets[, doc_ids]) tuples), and the tokens read."""
+    ((inputs, targets[, doc_ids]) tuples), the tokens read, and per value table
+    (value_tables) the share of its slots each batch read: the rows a fine-tuning
+    step on such a batch can change (finetune=sparse keeps top_t of them)."""
     model.train()  # the memory layers count reads in training mode, at the training knn
     reset_usage(model)
+    layers = memory_layers(model)
+    tables = value_tables(layers)
+    reads, batch_read = StepReads(layers), {label: [] for label in tables}
     tokens = 0
     for _ in range(n_batches):
         inputs, _, *doc = next(batches)
         doc_ids = doc[0].to(device) if doc else None
+        reads.start()
         model(inputs.to(device), doc_ids=doc_ids)
+        for label, names in tables.items():
+            read = sum(reads.since(n) for n in names)
+            batch_read[label].append(float((read > 0).sum()) / read.numel())
         tokens += inputs.numel()
     counts = layer_counts(model)
     reset_usage(model)
-    return counts, tokens
+    return counts, tokens, batch_read
+
+
+def describe_batch_reads(batch_read: dict[str, list[float]], n_slots: dict[str, int], batch: str) -> list[str]:
+    """One line per value table: the share of its slots one batch reads (mean, min-max)."""
+    return [f"{label}: one batch ({batch}) reads {sum(s) / len(s):.1%} of its {n_slots[label]:,} slots "
+            f"(mean of {len(s)} batches, {min(s):.1%}-{max(s):.1%})" for label, s in batch_read.items() if s]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memlm.finetune.background import StepReads, load_usage, memory_layers
+from memlm.finetune.background import StepReads, load_usage, memory_layers, value_tables
 from memlm.memory.slot_selection import restrict_table_grad_, slot_scores, top_slots
 
 
@@ -30,12 +30,9 @@ class SlotSelection:
         self.layers = memory_layers(model)
         background = load_usage(path, {name: layer.usage.n_slots for name, layer in self.layers.items()})
         # One entry per table: a pool shared by several layers (Memory+) is ranked on their summed reads.
-        tables: dict[int, tuple[torch.Tensor, list[str]]] = {}
-        for name, layer in self.layers.items():
-            tables.setdefault(id(layer.values.weight), (layer.values.weight, []))[1].append(name)
         device = next(iter(self.layers.values())).usage.counts.device
-        self.tables = [(weight, names, sum(background[n] for n in names).to(device))
-                       for weight, names in tables.values()]
+        self.tables = [(self.layers[names[0]].values.weight, names, sum(background[n] for n in names).to(device))
+                       for names in value_tables(self.layers).values()]
         self._reads = StepReads(self.layers)
 
     def start_step(self) -> None:

@@ -37,7 +37,15 @@ from memlm.config.run import Config, compose
 from memlm.distributed.env import seed_everything
 from memlm.distributed.memory_hooks import init_value_tables
 from memlm.errors import ConfigError, entry_point
-from memlm.finetune.background import FILE, collect, describe, memory_layers, save_usage
+from memlm.finetune.background import (
+    FILE,
+    collect,
+    describe,
+    describe_batch_reads,
+    memory_layers,
+    save_usage,
+    value_tables,
+)
 from memlm.hf.importer import check_import_source, import_init
 from memlm.hf.load import data_config, load_model
 from memlm.hf.source import ModelSource, model_source
@@ -109,11 +117,14 @@ def background(name: str, batches: int, out: str = "", overrides: list[str] | No
                           f"{cfg.memory.kind}; for a Llama or a dense export, the overrides of the retrofit: "
                           "memory=memplus memory.layers=[...])")
     apply_knn_schedule(model, cfg.memory, step)
-    counts, tokens = collect(model, loader, batches, torch.device("cpu"))
+    counts, tokens, batch_read = collect(model, loader, batches, torch.device("cpu"))
     path = Path(out) if out else default
     save_usage(path, counts, tokens, name)
     print(f"[slot-usage] {tokens:,} tokens of {cfg.data.kind} data through {name} -> {path}")
     for line in describe(counts):
+        print(f"[slot-usage] {line}")
+    slots = {label: counts[names[0]].numel() for label, names in value_tables(memory_layers(model)).items()}
+    for line in describe_batch_reads(batch_read, slots, f"{cfg.data.micro_batch} x {cfg.data.seq_len} tokens"):
         print(f"[slot-usage] {line}")
     return path
 
