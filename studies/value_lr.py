@@ -63,10 +63,30 @@ def settings(rows: list[dict], entities: int, runs_at: RunsAt) -> dict[str, list
     return out
 
 
-def best(found: list[tuple[float | None, list[dict]]]) -> tuple[float | None, list[dict]]:
-    """The setting with the most bits among those with two or more seeds (among all where none has)."""
+def best(found: list[tuple]) -> tuple:
+    """The setting with the most bits among those with two or more seeds (among all where none has);
+    each setting is (its label or value lr, its runs)."""
     seeded = [item for item in found if len(item[1]) >= 2]
     return max(seeded or found, key=lambda item: mean_bits(item[1]))
+
+
+def with_levers(variant: str, points: list[tuple[float | None, list[dict]]], levers: list[dict]) -> list[tuple]:
+    """A variant's settings for the order: each value lr, and each lever setting (a value lr with
+    a lever, its runs at every seed), labelled."""
+    found = [(f"value lr {_lr(lr)}", runs) for lr, runs in points]
+    groups: dict[tuple, list[dict]] = {}
+    for r in levers:
+        if r["variant"] == variant:
+            groups.setdefault((r["value_lr"], r["lever"]), []).append(r)
+    return found + [(f"value lr {_lr(lr)}, `{lever}`", runs) for (lr, lever), runs in groups.items()]
+
+
+def spread_said(runs: list[dict]) -> str:
+    """The seeds behind a mean: their number and spread (max - min)."""
+    if len(runs) == 1:
+        return "1 seed"
+    bits = [r["stored_bits"] for r in runs]
+    return f"{len(runs)} seeds, spread {max(bits) - min(bits):,.0f}"
 
 
 def _lr(lr: float | None) -> str:
@@ -96,17 +116,19 @@ def section(rows: list[dict], entities: int, runs_at: RunsAt) -> list[str]:
             line += "; one-seed settings above it, unsettled until a second seed: " + ", ".join(
                 f"{_lr(x)} ({mean_bits(r):,.0f})" for x, r in above)
         out.append(line + ".")
-    tops = sorted(((v, *best(points)) for v, points in found.items()), key=lambda t: -mean_bits(t[2]))
-    out.append(f"- Order at each variant's best setting at N = {entities:,}: "
-               + " > ".join(f"{v} ({mean_bits(runs):,.0f}, value lr {_lr(lr)}, {len(runs)} seed(s))"
-                            for v, lr, runs in tops)
+    lever_runs = [r for r in rows if r.get("lever") and r["entities"] == entities]
+    tops = sorted(((v, *best(with_levers(v, points, lever_runs))) for v, points in found.items()),
+                  key=lambda t: -mean_bits(t[2]))
+    out.append(f"- Order at each variant's best setting at N = {entities:,}, levers included (mean bits; seeds "
+               "and their spread; setting): "
+               + " > ".join(f"{v} ({mean_bits(runs):,.0f}; {spread_said(runs)}; {label})" for v, label, runs in tops)
                + f"; the paper's order on NQ: {PAPER_ORDER}.")
     if "Memory+" in found and "Dense" in found:
         dense = mean_bits(best(found["Dense"])[1])
-        lr, runs = best(found["Memory+"])
+        label, runs = best(with_levers("Memory+", found["Memory+"], lever_runs))
         ratio = mean_bits(runs) / max(dense, 1e-9)
         seeds = "two-seed means" if len(runs) >= 2 else "one seed only: not yet a two-seed mean"
-        out.append(f"- Memory+ at its best setting (value lr {_lr(lr)}) stores {ratio:.2f}x Dense's bits "
+        out.append(f"- Memory+ at its best setting ({label}) stores {ratio:.2f}x Dense's bits "
                    f"({seeds}; goal at least {GOAL_VS_DENSE:g}x): "
                    f"{'met' if ratio >= GOAL_VS_DENSE and len(runs) >= 2 else 'NOT met'}.")
     out += lever_lines(rows, entities, runs_at)

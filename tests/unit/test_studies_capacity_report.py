@@ -174,8 +174,9 @@ def test_value_lr_sweep_names_each_variants_best_setting_and_the_order(tmp_path)
     assert ("Memory+'s best value lr at N = 40: 0.03, 500 (mean of 2 seeds: 600, 400) bits (2 seeds); one-seed "
             "settings above it, unsettled until a second seed: 0.1 (700).") in text
     assert "Memory's best value lr at N = 40: 0.01, 550 bits (1 seed)." in text
-    assert ("Order at each variant's best setting at N = 40: Memory (550, value lr 0.01, 1 seed(s)) > "
-            "Memory+ (500, value lr 0.03, 2 seed(s)) > Dense (100, value lr -, 1 seed(s))") in text
+    assert ("Order at each variant's best setting at N = 40, levers included (mean bits; seeds and their spread; "
+            "setting): Memory (550; 1 seed; value lr 0.01) > Memory+ (500; 2 seeds, spread 200; value lr 0.03) > "
+            "Dense (100; 1 seed; value lr -)") in text
     assert ("Memory+ at its best setting (value lr 0.03) stores 5.00x Dense's bits (two-seed means; "
             "goal at least 5x): met.") in text
     assert "- `m40_3e-2`: `python -m memlm.train memory.value_lr=3e-2`" in text
@@ -226,3 +227,25 @@ def test_a_lever_at_two_seeds_gets_its_mean_and_the_default_rule():
     (line,) = lever_means([run(0, 550.0, lever), run(1, 750.0, lever)], 40, runs_at, dense)[1:]
     assert line.endswith("each seed above the mean without it: no.")  # 550 < 600: the mean alone does not do
     assert lever_means([run(0, 650.0, lever)], 40, runs_at, dense) == []  # one seed: no mean
+
+
+def test_a_lever_setting_at_two_seeds_takes_its_variants_place_in_the_order(tmp_path):
+    small = ["memory.n_keys=16", "memory.knn=8", "memory.eval_knn=8"]
+    _run(tmp_path, "d40", "capacity_dense", 40, 100.0)
+    _run(tmp_path, "d40_s1", "capacity_dense", 40, 140.0, extra=["seed=1"])
+    _run(tmp_path, "m40", "capacity_memplus", 40, 200.0, extra=small)  # the study's value lr: a second setting
+    _run(tmp_path, "m40_1e-1", "capacity_memplus", 40, 500.0, extra=[*small, "memory.value_lr=1e-1"])
+    _run(tmp_path, "m40_1e-1_s1", "capacity_memplus", 40, 300.0, extra=[*small, "memory.value_lr=1e-1", "seed=1"])
+    _run(tmp_path, "p40", "capacity_memory", 40, 550.0, extra=small)
+    _run(tmp_path, "p40_s1", "capacity_memory", 40, 450.0, extra=[*small, "seed=1"])
+    wd = [*small, "memory.value_lr=1e-1", "memory.value_weight_decay=0.1"]
+    _run(tmp_path, "m40_wd", "capacity_memplus", 40, 700.0, extra=wd)
+    _run(tmp_path, "m40_wd_s1", "capacity_memplus", 40, 650.0, extra=[*wd, "seed=1"])
+    _run(tmp_path, "m40_bf16", "capacity_memplus", 40, 900.0, extra=[*small, "memory.value_lr=1e-1",
+                                                                    "memory.value_dtype=bf16"])  # one seed: not ranked
+    text = report.render(report.load_runs([tmp_path]))
+    assert ("levers included (mean bits; seeds and their spread; setting): Memory+ (675; 2 seeds, spread 50; value lr "
+            "0.1, `memory.value_weight_decay=0.1`) > Memory (500; 2 seeds, spread 100; value lr 0.01) > Dense (120; "
+            "2 seeds, spread 40; value lr -)") in text
+    assert ("Memory+ at its best setting (value lr 0.1, `memory.value_weight_decay=0.1`) stores 5.62x Dense's bits "
+            "(two-seed means; goal at least 5x): met.") in text
