@@ -4,7 +4,7 @@
 
 One Memory+ model (train_step.py's shape: dim 256, 6 layers, 3 Memory+
 layers sharing a 16K-slot table), initialized from the same checkpoint,
-trained by finetune=full, memory, sparse (top_t 1,000, KL) and lora (rank 8);
+trained by every fine-tuning mode (full, memory, sparse at top_t 1,000 with KL, lora at rank 8);
 the modes' steps run in turn on the same batches (medians of interleaved
 steps, in this process) and each is reported as a ratio to the full step.
 Figures go to docs/benchmarks.md.
@@ -25,17 +25,25 @@ from report import machine_line, write_section  # noqa: E402
 from train_step import MEMPLUS, MODEL, batches  # noqa: E402
 
 from memlm.config.run import compose  # noqa: E402
+from memlm.finetune.modes import MODES  # noqa: E402
 from memlm.train.trainer import Trainer  # noqa: E402
 
 TITLE = "## Fine-tuning step (bench/finetune_step.py)"
 COMMON = [*MODEL, *MEMPLUS, "logging.wandb.mode=disabled", "val_batches=0", "optim.warmup=0"]
-VARIANTS = {  # label: the overrides it times; the first is the baseline of the ratios
-    "full": ["finetune=full"],
-    "memory": ["finetune=memory"],
-    "sparse (top_t 1,000)": ["finetune=sparse", "finetune.top_t=1000"],
-    "sparse, SGD": ["finetune=sparse", "finetune.top_t=1000", "finetune.optimizer=sgd", "memory.value_lr=10"],
-    "lora (rank 8)": ["finetune=lora"],
-}
+def variants() -> dict[str, list[str]]:
+    """label -> overrides: every fine-tune mode (memlm.finetune.modes.MODES, the first is the baseline of
+    the ratios), top_t 1,000 for a mode that reads one, which is then timed with SGD on the values too."""
+    out = {}
+    for name, mode in MODES.items():
+        if "top_t" not in mode.reads:
+            out[name] = [f"finetune={name}"]
+            continue
+        out[f"{name} (top_t 1,000)"] = [f"finetune={name}", "finetune.top_t=1000"]
+        out[f"{name}, SGD"] = [*out[f"{name} (top_t 1,000)"], "finetune.optimizer=sgd", "memory.value_lr=10"]
+    return out
+
+
+VARIANTS = variants()
 BASELINE = next(iter(VARIANTS))
 WARMUP, REPEATS = 2, 7
 
