@@ -36,6 +36,7 @@ Stages:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -100,7 +101,11 @@ def load_plan(path: Path = PLAN_FILE) -> Plan:
                 rounds_kept=float(goals["rounds_kept"]), sweep=tuple(sweep))
 
 
-PLAN = load_plan()
+@functools.cache
+def plan() -> Plan:
+    """The plan of configs/studies/continual.yaml, read when a command first needs it (inside its
+    entry point: a bad edit of the file is one line naming the entry, not an import traceback)."""
+    return load_plan()
 
 
 @dataclass(frozen=True)
@@ -166,7 +171,7 @@ def sweep_run(series: Series, base: Run, mode: str, setting: tuple[str, ...]) ->
 
 
 def sweep_runs(series: Series, base: Run) -> list[Run]:
-    return [sweep_run(series, base, mode, setting) for mode, setting in PLAN.sweep]
+    return [sweep_run(series, base, mode, setting) for mode, setting in plan().sweep]
 
 
 def facts_b_exact_match(run: Run) -> tuple[float, float]:
@@ -180,7 +185,7 @@ def best_setting(runs: list[Run], mode: str) -> Run | None:
     done = [r for r in runs if r.mode == mode and (r.record / "summary.json").exists()]
     if not done:
         return None
-    learned = [r for r in done if facts_b_exact_match(r)[0] >= PLAN.learned]
+    learned = [r for r in done if facts_b_exact_match(r)[0] >= plan().learned]
     if learned:
         return max(learned, key=lambda r: facts_b_exact_match(r)[1])
     return max(done, key=lambda r: facts_b_exact_match(r)[0])
@@ -201,13 +206,13 @@ def round_runs(series: Series, base: Run, best: Run, rounds: int) -> list[Run]:
     for r in range(1, rounds + 1):
         name = f"{series.prefix}s{series.seed}_rounds_{mode}_{label}_r{r}"
         run = Run(name, ["experiment=continual_finetune", *series.table, f"finetune={mode}", *settings,
-                         f"seed={series.seed}", f"steps={PLAN.round_steps}",
+                         f"seed={series.seed}", f"steps={plan().round_steps}",
                          f"data.sources.0.path={DATA}/facts_b{r}/train.jsonl",
                          "checkpoint.at_end=true", *background,
                          f"eval.tasks=[{evals},\"bits:facts_a\",\"ppl:bio_heldout\",\"qa:bio_qa\"]",
                          f"init_from={init}", f"dump_dir={RUNS / name}"], mode, tuple(settings))
         runs.append(run)
-        init = run.dump / "checkpoints" / f"step_{PLAN.round_steps:08d}"
+        init = run.dump / "checkpoints" / f"step_{plan().round_steps:08d}"
     return runs
 
 
@@ -272,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--stage seeds: no seed 0 base model ({base_run(first).record} is missing): "
                              "run seed 0's sweep first")
         seed0 = sweep_runs(first, base_run(first))
-        for mode in PLAN.round_modes:
+        for mode in plan().round_modes:
             best = best_setting(seed0, mode)
             if best is None:
                 raise SystemExit(f"--stage seeds: seed 0's sweep has no finished {mode} run to repeat")
@@ -286,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                 execute(run)
     if args.stage in ("rounds", "all"):
         rounds = json.loads((DATA / "manifest.json").read_text())["rounds"]
-        for mode in PLAN.round_modes:
+        for mode in plan().round_modes:
             best = best_setting(sweep, mode)
             if best is None:
                 print(f"[study] rounds of {mode}: no finished sweep run of that mode, skipped", flush=True)

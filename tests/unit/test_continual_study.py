@@ -45,7 +45,7 @@ def test_runs_chain_from_the_base_and_a_recorded_run_is_skipped(tmp_path, monkey
     base_ckpt = str(study.RUNS / "base_s0" / "checkpoints" / "step_00000300")
     sweep = [c for c in calls[1:] if "steps" not in c]
     assert len(sweep) == 7 + 13 and all(c["init_from"] == base_ckpt for c in sweep)  # the base was not rerun
-    rounds = [c for c in calls if c.get("steps") == str(study.PLAN.round_steps)]
+    rounds = [c for c in calls if c.get("steps") == str(study.plan().round_steps)]
     # each mode's best: the smallest value lr of those that learned (the fake loses lr bits of facts A)
     assert [(c["finetune"], c["finetune.optimizer"], c.get("memory.value_lr"), c["data.sources.0.path"].split("/")[-2])
             for c in rounds] == [
