@@ -126,8 +126,10 @@ def test_zero_clip_still_means_no_clipping():
 
 def test_memplus_value_weight_decay_default_and_the_studies_that_pin_theirs():
     """#40's rule: the official value weight decay beat the same setting without it at both seeds
-    (docs/results.md, "Levers"), so it is memory=memplus's default; the studies' experiments keep
-    the setting their records ran with."""
+    (docs/results.md, "Levers"), on Memory+ and on plain Memory, so it is memory=memplus's and
+    memory=pk's default; the studies' experiments keep the setting their records ran with."""
     assert compose(["memory=memplus", "memory.layers=[1]"]).memory.value_weight_decay == 0.1
-    for experiment in ("capacity_memplus", "ablation_memplus", "continual_base", "continual_finetune"):
+    assert compose(["memory=pk", "memory.layers=[1]"]).memory.value_weight_decay == 0.1
+    for experiment in ("capacity_memplus", "ablation_memplus", "continual_base", "continual_finetune",
+                       "capacity_memory", "ablation_memory"):
         assert compose([f"experiment={experiment}"]).memory.value_weight_decay == 0.0, experiment
