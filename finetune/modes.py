@@ -183,7 +183,8 @@ class Sparse(Memory):
         return SlotSelection(model, cfg, self.background_path(cfg, init), distributed)
 
     def describe(self, cfg: Config) -> str:
-        return f"top_t {cfg.finetune.top_t:,}, {super().describe(cfg)}"
+        ranking = "" if cfg.finetune.ranking == FinetuneConfig().ranking else f" by {cfg.finetune.ranking}"
+        return f"top_t {cfg.finetune.top_t:,}{ranking}, {super().describe(cfg)}"
 
 
 class Lora(Mode):

@@ -47,13 +47,13 @@ def load_record(record: Path) -> dict:
     cfg = from_yaml((record / "config.yaml").read_text())
     res = _last_eval(record)
     mode = cfg.finetune.mode
-    setting = mode_of(cfg).describe(cfg)
+    setting = mode_of(cfg).describe(cfg) + _batch(cfg)
     command = (record / "command.txt").read_text().strip() if (record / "command.txt").exists() else ""
     rounds = {int(k.removeprefix("bits:facts_b")): v for k, v in res.items()
               if k.startswith("bits:facts_b") and k != "bits:facts_b"}
     b = res.get("bits:facts_b", {})  # the base and the rounds have none
     order = (cfg.finetune.optimizer, cfg.finetune.top_t if "top_t" in mode_of(cfg).reads else 0,
-             cfg.finetune.lora_rank, mode_of(cfg).lr(cfg))
+             cfg.finetune.lora_rank, -cfg.data.micro_batch, cfg.finetune.ranking, mode_of(cfg).lr(cfg))
     return {"name": record.name, "seed": cfg.seed, "slots": cfg.memory.n_keys ** 2, "mode": mode,
             "setting": setting, "command": command,
             "order": order,
@@ -61,6 +61,14 @@ def load_record(record: Path) -> dict:
             "a_bits": res["bits:facts_a"]["stored_bits"], "a_corpus": res["bits:facts_a"]["corpus_bits"],
             "ppl": res["ppl:bio_heldout"]["token_ppl"], "qa_em": res["qa:bio_qa"]["exact_match"],
             "rounds": rounds}
+
+
+def _batch(cfg) -> str:
+    """A fine-tune's batch where it is not the study's (continual_finetune's): part of its setting."""
+    from memlm.config.run import compose
+
+    study = compose(["experiment=continual_finetune"]).data.micro_batch
+    return "" if cfg.data.micro_batch == study else f", batch {cfg.data.micro_batch} x {cfg.steps:,} steps"
 
 
 def load_study(root: Path) -> tuple[dict[tuple[int, int], dict], list[dict], list[dict]]:
