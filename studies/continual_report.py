@@ -20,6 +20,7 @@ END in the --out file; the rest of the file is left as written.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -63,12 +64,17 @@ def load_record(record: Path) -> dict:
             "rounds": rounds}
 
 
-def _batch(cfg) -> str:
-    """A fine-tune's batch where it is not the study's (continual_finetune's): part of its setting."""
+@functools.cache
+def _study_batch() -> int:
     from memlm.config.run import compose
 
-    study = compose(["experiment=continual_finetune"]).data.micro_batch
-    return "" if cfg.data.micro_batch == study else f", batch {cfg.data.micro_batch} x {cfg.steps:,} steps"
+    return compose(["experiment=continual_finetune"]).data.micro_batch
+
+
+def _batch(cfg) -> str:
+    """A fine-tune's batch where it is not the study's (continual_finetune's): part of its setting."""
+    mb = cfg.data.micro_batch
+    return "" if mb == _study_batch() else f", batch {mb} x {cfg.steps:,} steps"
 
 
 def load_study(root: Path) -> tuple[dict[tuple[int, int], dict], list[dict], list[dict]]:
