@@ -135,6 +135,7 @@ class Run:
     overrides: list[str]
     mode: str = ""  # a fine-tune's mode; "" for a base model
     setting: tuple[str, ...] = ()  # a sweep run's overrides besides its mode, seed and paths
+    start: Run | None = None  # the run whose final checkpoint this one starts from (init_from)
 
     @property
     def dump(self) -> Path:
@@ -159,7 +160,11 @@ def base_run(series: Series) -> Run:
 
 
 def final_checkpoint(run: Run) -> Path:
-    steps = json.loads((run.record / "summary.json").read_text())["steps"]
+    """Where `run`'s last checkpoint lies: its recorded step count, or the configured one before it ran."""
+    if (run.record / "summary.json").exists():
+        steps = json.loads((run.record / "summary.json").read_text())["steps"]
+    else:  # a round not run yet: its command names its steps
+        steps = int(dict(o.split("=", 1) for o in run.overrides)["steps"])
     return run.dump / "checkpoints" / f"step_{steps:08d}"
 
 
@@ -167,7 +172,7 @@ def sweep_run(series: Series, base: Run, mode: str, setting: tuple[str, ...]) ->
     name = f"{series.prefix}s{series.seed}_{mode}_{_label(setting)}"
     return Run(name, ["experiment=continual_finetune", *series.table, f"finetune={mode}", *setting,
                       f"seed={series.seed}", f"init_from={final_checkpoint(base)}", f"dump_dir={RUNS / name}"],
-               mode, setting)
+               mode, setting, base)
 
 
 def sweep_runs(series: Series, base: Run) -> list[Run]:
@@ -202,7 +207,7 @@ def round_runs(series: Series, base: Run, best: Run, rounds: int) -> list[Run]:
     reads = "background" in MODES[mode].reads
     background = [f"finetune.background={final_checkpoint(base) / FILE}"] if reads else []
     evals = ",".join(f'"bits:facts_b{r + 1}"' for r in range(rounds))
-    runs, init = [], final_checkpoint(base)
+    runs, start = [], base
     for r in range(1, rounds + 1):
         name = f"{series.prefix}s{series.seed}_rounds_{mode}_{label}_r{r}"
         run = Run(name, ["experiment=continual_finetune", *series.table, f"finetune={mode}", *settings,
@@ -210,9 +215,10 @@ def round_runs(series: Series, base: Run, best: Run, rounds: int) -> list[Run]:
                          f"data.sources.0.path={DATA}/facts_b{r}/train.jsonl",
                          "checkpoint.at_end=true", *background,
                          f"eval.tasks=[{evals},\"bits:facts_a\",\"ppl:bio_heldout\",\"qa:bio_qa\"]",
-                         f"init_from={init}", f"dump_dir={RUNS / name}"], mode, tuple(settings))
+                         f"init_from={final_checkpoint(start)}", f"dump_dir={RUNS / name}"],
+                  mode, tuple(settings), start)
         runs.append(run)
-        init = run.dump / "checkpoints" / f"step_{plan().round_steps:08d}"
+        start = run
     return runs
 
 
@@ -229,10 +235,40 @@ def table_size(n_keys: int | None) -> int | None:
 
 
 def execute(run: Run) -> None:
-    """Train `run` unless its record exists; then copy the record."""
+    """Train `run` unless its record exists; then copy the record. The run it starts from is trained
+    again first where this machine lacks its checkpoint (a fresh clone holds records, not checkpoints)."""
     if (run.record / "summary.json").exists():
         print(f"[study] {run.name}: recorded, skipped", flush=True)
         return
+    if run.start is not None and not final_checkpoint(run.start).exists():
+        retrain(run.start)
+    train(run)
+    run.record.mkdir(parents=True, exist_ok=True)
+    for name in ("config.yaml", "metrics.jsonl", "summary.json"):
+        shutil.copy2(run.dump / name, run.record / name)
+    shutil.copytree(run.dump / "evals", run.record / "evals", dirs_exist_ok=True)
+    (run.record / "command.txt").write_text(f"OMP_NUM_THREADS=1 {run.command()}\n")
+    print(f"[study] {run.name}: done -> {run.record}", flush=True)
+
+
+def retrain(run: Run) -> None:
+    """Train a recorded run again for its checkpoint; its evaluations must equal the record's (the
+    runs are deterministic on CPU), else the runs started from it would not continue the record."""
+    if run.start is not None and not final_checkpoint(run.start).exists():
+        retrain(run.start)
+    print(f"[study] {run.name}: recorded, but its checkpoint {final_checkpoint(run)} is not on this machine: "
+          "training it again", flush=True)
+    train(run)
+    recorded = json.loads((run.record / "summary.json").read_text())["evals"]
+    again = json.loads((run.dump / "summary.json").read_text())["evals"]
+    if again != recorded:
+        raise SystemExit(f"[study] {run.name} trained again does not reproduce its record {run.record}: "
+                         f"evals {again} against {recorded}; its checkpoint is left in {run.dump}")
+    print(f"[study] {run.name}: trained again, its evaluations equal the record's", flush=True)
+
+
+def train(run: Run) -> None:
+    """`python -m memlm.train` with the run's overrides, its output in runs/continual/<name>.log."""
     if run.dump.exists():  # an unfinished attempt: start it over (runs are minutes long)
         shutil.rmtree(run.dump)
     print(f"[study] {run.name}: {run.command()}", flush=True)
@@ -242,12 +278,6 @@ def execute(run: Run) -> None:
                             stderr=subprocess.STDOUT, env=env).returncode
     if rc != 0:
         raise SystemExit(f"[study] {run.name} failed (exit {rc}); its log: {RUNS / f'{run.name}.log'}")
-    run.record.mkdir(parents=True, exist_ok=True)
-    for name in ("config.yaml", "metrics.jsonl", "summary.json"):
-        shutil.copy2(run.dump / name, run.record / name)
-    shutil.copytree(run.dump / "evals", run.record / "evals", dirs_exist_ok=True)
-    (run.record / "command.txt").write_text(f"OMP_NUM_THREADS=1 {run.command()}\n")
-    print(f"[study] {run.name}: done -> {run.record}", flush=True)
 
 
 @entry_point

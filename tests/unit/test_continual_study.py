@@ -11,8 +11,8 @@ import pytest
 from memlm.launch import continual_study as study
 
 
-def _fake_train(calls, fail=()):
-    """A subprocess.run stand-in: writes what a finished run leaves in its dump_dir."""
+def _fake_train(calls, fail=(), evals=None):
+    """A subprocess.run stand-in: writes what a finished run leaves in its dump_dir (`evals`: a base's)."""
     def run(cmd, **kw):
         overrides = dict(o.split("=", 1) for o in cmd[3:])
         calls.append(overrides)
@@ -24,8 +24,11 @@ def _fake_train(calls, fail=()):
         steps = int(overrides.get("steps", 300))
         em = {"full": 0.99, "memory": 0.97, "sparse": 0.96, "lora": 0.5}.get(overrides.get("finetune"), 0.0)
         lr = float(overrides.get("memory.value_lr", overrides.get("optim.lr", 1.0)))
-        evals = {"bits:facts_a": {"stored_bits": 1000.0 - lr}, "bits:facts_b": {"exact_match": em}}
-        (dump / "summary.json").write_text(json.dumps({"steps": steps, "evals": evals}))
+        scores = {"bits:facts_a": {"stored_bits": 1000.0 - lr}, "bits:facts_b": {"exact_match": em}}
+        if evals is not None and "finetune" not in overrides:
+            scores = evals
+        (dump / "summary.json").write_text(json.dumps({"steps": steps, "evals": scores}))
+        (dump / "checkpoints" / f"step_{steps:08d}").mkdir(parents=True)
         for f in ("config.yaml", "metrics.jsonl"):
             (dump / f).write_text("")
         (dump / "evals" / f"{steps}.json").write_text("{}")
@@ -79,6 +82,28 @@ def test_a_second_table_size_runs_under_its_own_names_with_its_size(tmp_path, mo
     assert calls[-1]["dump_dir"].endswith("/base_s0") and "memory.n_keys" not in calls[-1]
     assert study.main(["--n-keys", "1"]) == 2
     assert "--n-keys=1: an integer >= 2 (memory.n_keys; the study's own is 128)" in capsys.readouterr().err
+
+
+def test_a_recorded_base_without_its_checkpoint_is_trained_again_and_must_equal_its_record(tmp_path, monkeypatch):
+    """A fresh clone has the records, not the runs/ checkpoints the next fine-tunes start from."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / study.DATA).mkdir(parents=True)
+    (tmp_path / study.DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    calls = []
+    monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, evals={"bits:facts_a": {"stored_bits": 7.0}}))
+    assert study.main(["--stage", "base"]) == 0
+    record = (study.RECORDS / "base_s0" / "summary.json").read_text()
+    study.shutil.rmtree(study.RUNS / "base_s0")
+    assert study.main(["--stage", "base"]) == 0 and len(calls) == 1  # nothing starts from it: not retrained
+    assert study.main(["--stage", "sweep", "--modes", "full"]) == 0
+    names = [c["dump_dir"].rsplit("/", 1)[1] for c in calls]
+    assert names[1] == "base_s0" and names[2].startswith("s0_full_") and names.count("base_s0") == 2
+    assert (study.RECORDS / "base_s0" / "summary.json").read_text() == record
+    # a base that comes out different would not continue its record: the study stops, naming both
+    study.shutil.rmtree(study.RUNS / "base_s0")
+    monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, evals={"bits:facts_a": {"stored_bits": 8.0}}))
+    with pytest.raises(SystemExit, match=r"base_s0 trained again does not reproduce its record .*8\.0.*7\.0"):
+        study.main(["--stage", "sweep", "--modes", "lora"])
 
 
 def test_a_failed_run_stops_the_study_naming_its_log(tmp_path, monkeypatch):
