@@ -28,7 +28,9 @@ Stages:
 - `rounds`: facts B in rounds (facts_b1 ... facts_b5), each round starting
   from the previous round's final weights, for the best setting of each of
   the plan's round modes in the sweep (the least facts-A loss among the runs
-  that learned at least the plan's `learned` share of facts B).
+  that learned at least the plan's `learned` share of facts B). A setting
+  with its own batch and steps keeps its batch, and its steps scale with
+  the plan's `round_steps`.
 - `seeds`: with `--seed S` (S > 0), a second base model and the best
   setting of each round mode found in seed 0's sweep, at seed S.
 """
@@ -198,8 +200,11 @@ def best_setting(runs: list[Run], mode: str) -> Run | None:
 
 def round_runs(series: Series, base: Run, best: Run, rounds: int) -> list[Run]:
     mode = best.mode
-    settings = [o for o in best.setting if o.startswith(("finetune.", "memory.", "optim."))]
+    settings = [o for o in best.setting if o.startswith(("finetune.", "memory.", "optim.", "data.micro_batch="))]
     label = _label(settings)  # in the name: a later sweep that picks another best setting does not reuse these
+    # A setting with its own steps (a smaller batch, more steps) keeps its share per round.
+    swept = dict(o.split("=", 1) for o in best.setting)
+    steps = plan().round_steps * int(swept["steps"]) // finetune_steps() if "steps" in swept else plan().round_steps
     from memlm.finetune.background import FILE
     from memlm.finetune.modes import MODES
 
@@ -211,7 +216,7 @@ def round_runs(series: Series, base: Run, best: Run, rounds: int) -> list[Run]:
     for r in range(1, rounds + 1):
         name = f"{series.prefix}s{series.seed}_rounds_{mode}_{label}_r{r}"
         run = Run(name, ["experiment=continual_finetune", *series.table, f"finetune={mode}", *settings,
-                         f"seed={series.seed}", f"steps={plan().round_steps}",
+                         f"seed={series.seed}", f"steps={steps}",
                          f"data.sources.0.path={DATA}/facts_b{r}/train.jsonl",
                          "checkpoint.at_end=true", *background,
                          f"eval.tasks=[{evals},\"bits:facts_a\",\"ppl:bio_heldout\",\"qa:bio_qa\"]",
@@ -220,6 +225,14 @@ def round_runs(series: Series, base: Run, best: Run, rounds: int) -> list[Run]:
         runs.append(run)
         start = run
     return runs
+
+
+def finetune_steps() -> int:
+    """The sweep's steps per fine-tune (configs/experiment/continual_finetune.yaml), of which a round
+    takes the plan's `round_steps`."""
+    from memlm.config.run import compose
+
+    return compose(["experiment=continual_finetune"]).steps
 
 
 def table_size(n_keys: int | None) -> int | None:

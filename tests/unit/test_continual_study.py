@@ -166,3 +166,22 @@ def test_every_plan_entry_composes():
 
     for mode, setting in study.plan().sweep:
         compose(["experiment=continual_finetune", f"finetune={mode}", *setting])
+
+
+def test_rounds_of_a_small_batch_setting_keep_its_batch_and_its_share_of_steps(tmp_path, monkeypatch):
+    """A sweep entry at 8 rows x 1,200 steps goes on to rounds at 8 rows x 240 steps (1,200 x 60 / 300):
+    each round sees its facts as often as the setting's sweep run saw all of them, per fact."""
+    monkeypatch.chdir(tmp_path)
+    series = study.Series(0, 512)
+    base = study.base_run(series)
+    base.record.mkdir(parents=True)
+    (base.record / "summary.json").write_text(json.dumps({"steps": 3000}))
+    setting = ("finetune.optimizer=sgd", "finetune.top_t=8000", "memory.value_lr=1000", "data.micro_batch=8",
+               "steps=1200")
+    best = study.sweep_run(series, base, "sparse", setting)
+    rounds = study.round_runs(series, base, best, 2)
+    first, second = (dict(o.split("=", 1) for o in r.overrides) for r in rounds)
+    assert [r.name for r in rounds] == [f"k512_s0_rounds_sparse_top_t8000_value_lr1000_micro_batch8_r{i}" for i in (1, 2)]
+    assert first["data.micro_batch"] == "8" and first["steps"] == "240" and first["memory.n_keys"] == "512"
+    assert second["init_from"] == str(study.RUNS / rounds[0].name / "checkpoints" / "step_00000240")
+    assert rounds[1].start is rounds[0] and rounds[0].start is base
