@@ -181,7 +181,8 @@ def test_rounds_of_a_small_batch_setting_keep_its_batch_and_its_share_of_steps(t
     best = study.sweep_run(series, base, "sparse", setting)
     rounds = study.round_runs(series, base, best, 2)
     first, second = (dict(o.split("=", 1) for o in r.overrides) for r in rounds)
-    assert [r.name for r in rounds] == [f"k512_s0_rounds_sparse_top_t8000_value_lr1000_micro_batch8_r{i}" for i in (1, 2)]
+    name = "k512_s0_rounds_sparse_top_t8000_value_lr1000_micro_batch8_r{}"
+    assert [r.name for r in rounds] == [name.format(i) for i in (1, 2)]
     assert first["data.micro_batch"] == "8" and first["steps"] == "240" and first["memory.n_keys"] == "512"
     assert second["init_from"] == str(study.RUNS / rounds[0].name / "checkpoints" / "step_00000240")
     assert rounds[1].start is rounds[0] and rounds[0].start is base
