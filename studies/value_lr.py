@@ -141,6 +141,22 @@ def section(rows: list[dict], entities: int, runs_at: RunsAt) -> list[str]:
     return out
 
 
+def set_against(variant: str, lr: float | None, lever: str, seeds: set[int], levers: list[dict], entities: int,
+                runs_at: RunsAt) -> tuple[str, list[dict]]:
+    """What a lever setting is set against at `seeds`: (the levers it keeps, their runs, one per seed
+    where run). One lever: the sweep setting's own runs. Several: the same value lr with one lever
+    fewer, the first such setting run at all of `seeds` (else the first of them), trying first to
+    leave out the lever last in LEVER_DEFAULTS (the decay, studied first, is kept longest)."""
+    mine = lever.split()
+    found: list[tuple[str, list[dict]]] = []
+    for drop in reversed(mine):
+        kept = " ".join(x for x in mine if x != drop)
+        pool = runs_at(variant, entities, lr) if not kept else [
+            b for b in levers if (b["variant"], b["value_lr"], b["lever"]) == (variant, lr, kept)]
+        found.append((kept, [b for b in pool if b["seed"] in seeds]))
+    return next((f for f in found if len(f[1]) == len(seeds)), found[0])
+
+
 def lever_lines(rows: list[dict], entities: int, runs_at: RunsAt) -> list[str]:
     """The lever runs at N, each against the same seed's run at the same value lr
     without the lever, and against Dense's mean over seeds."""
@@ -149,12 +165,12 @@ def lever_lines(rows: list[dict], entities: int, runs_at: RunsAt) -> list[str]:
         return []
     dense = runs_at("Dense", entities, None)
     out = ["", f"Levers at N = {entities:,} (one change to a sweep setting, each against the same seed's run "
-           "without it):", "",
+           "without it: the setting's own run, or for a second lever the run with the first):", "",
            "| variant | value lr | lever | seed | bits stored | EM % | same seed without it | change | x Dense | run |",
            "|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in levers:
-        base = [b for b in runs_at(r["variant"], entities, r["value_lr"]) if b["seed"] == r["seed"]]
-        without = f"{base[0]['stored_bits']:,.0f}" if base else "not run"
+        kept, base = set_against(r["variant"], r["value_lr"], r["lever"], {r["seed"]}, levers, entities, runs_at)
+        without = f"{base[0]['stored_bits']:,.0f}" + (f" (`{kept}`)" if kept else "") if base else "not run"
         change = f"{r['stored_bits'] / base[0]['stored_bits'] - 1:+.1%}" if base else "-"
         vs_dense = f"{r['stored_bits'] / mean_bits(dense):.2f}x" if dense else "-"
         out.append(f"| {r['variant']} | {_lr(r['value_lr'])} | `{r['lever']}` | {r['seed']} "
@@ -180,15 +196,16 @@ def lever_means(levers: list[dict], entities: int, runs_at: RunsAt, dense: list[
     out = []
     for (variant, lr, lever), runs in groups.items():
         seeds = {r["seed"] for r in runs}
-        base = [b for b in runs_at(variant, entities, lr) if b["seed"] in seeds]
+        kept, base = set_against(variant, lr, lever, seeds, levers, entities, runs_at)
         if len(runs) < 2 or len(base) != len(runs):
             continue
         with_, without = mean_bits(runs), mean_bits(base)
         spread = max(r["stored_bits"] for r in runs) - min(r["stored_bits"] for r in runs)
         rule = all(r["stored_bits"] > without for r in runs) and with_ > without
         vs_dense = f", {with_ / mean_bits(dense):.2f}x Dense" if dense else ""
+        against = f"`{kept}` alone" if kept else "without it"
         out.append(f"- {variant}, value lr {_lr(lr)}, `{lever}` over seeds {', '.join(map(str, sorted(seeds)))}: "
-                   f"mean {with_:,.0f} bits (spread {spread:,.0f}) against {without:,.0f} without it "
+                   f"mean {with_:,.0f} bits (spread {spread:,.0f}) against {without:,.0f} {against} "
                    f"({with_ / without - 1:+.1%}{vs_dense}); each seed above the mean without it: "
                    f"{'yes' if rule else 'no'}.")
     return ["", *out] if out else []

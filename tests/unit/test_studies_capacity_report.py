@@ -229,6 +229,24 @@ def test_a_lever_at_two_seeds_gets_its_mean_and_the_default_rule():
     assert lever_means([run(0, 650.0, lever)], 40, runs_at, dense) == []  # one seed: no mean
 
 
+def test_a_second_lever_is_set_against_the_same_seeds_with_the_first_alone():
+    from memlm.studies.value_lr import lever_lines
+
+    def run(seed, bits, lever=""):
+        return {"variant": "Memory+", "value_lr": 0.1, "lever": lever, "seed": seed, "stored_bits": bits,
+                "entities": 40, "exact_match": 0.5, "run": f"r{seed}_{len(lever)}", "steps": 1}
+
+    decay, both = "memory.value_weight_decay=0.1", "memory.value_weight_decay=0.1 memory.w_bias=True"
+    rows = [run(0, 700.0), run(1, 500.0), run(0, 900.0, decay), run(1, 1100.0, decay), run(0, 1050.0, both),
+            run(1, 1060.0, both)]
+    runs_at = lambda variant, entities, lr: [r for r in rows if not r["lever"] and r["variant"] == variant]  # noqa: E731
+    text = "\n".join(lever_lines(rows, 40, runs_at))  # no Dense runs: no x Dense
+    assert f"| `{both}` | 0 | 1,050 | 50.0 | 900 (`{decay}`) | +16.7% |" in text  # not against 700
+    assert f"| `{decay}` | 1 | 1,100 | 50.0 | 500 | +120.0% |" in text
+    assert (f"`{both}` over seeds 0, 1: mean 1,055 bits (spread 10) against 1,000 `{decay}` alone (+5.5%); "
+            "each seed above the mean without it: yes.") in text
+
+
 def test_a_lever_setting_at_two_seeds_takes_its_variants_place_in_the_order(tmp_path):
     small = ["memory.n_keys=16", "memory.knn=8", "memory.eval_knn=8"]
     _run(tmp_path, "d40", "capacity_dense", 40, 100.0)
