@@ -23,8 +23,8 @@ and the report's goals.
 Stages:
 - `base`: the corpora (memlm.data.continual) and the base model, pretrained
   on biographies + facts A, with its background slot usage.
-- `sweep`: facts B taught by every entry of the plan's sweep, from the base's
-  final checkpoint.
+- `sweep`: facts B taught by every entry of the plan's sweep (and of its
+  `sweep_at` for this --n-keys), from the base's final checkpoint.
 - `rounds`: facts B in rounds (facts_b1 ... facts_b5), each round starting
   from the previous round's final weights, for the best setting of each of
   the plan's round modes in the sweep (the least facts-A loss among the runs
@@ -73,6 +73,7 @@ class Plan:
     less: tuple[str, str]  # goal (b): the first mode loses less than the second
     rounds_kept: float  # goal (c): the share of its bits each earlier round keeps after every later one
     sweep: tuple[tuple[str, tuple[str, ...]], ...]  # (mode, the entry's other overrides)
+    sweep_at: dict[int, tuple[tuple[str, tuple[str, ...]], ...]]  # n_keys -> entries run at that size only
 
 
 def load_plan(path: Path = PLAN_FILE) -> Plan:
@@ -86,13 +87,16 @@ def load_plan(path: Path = PLAN_FILE) -> Plan:
             raise ConfigError(f"{path}: {key}", value, f"not a fine-tune mode; valid: {', '.join(MODES)}")
         return str(value)
 
-    sweep = []
-    for i, entry in enumerate(raw["sweep"]):
-        named = [o.split("=", 1)[1] for o in entry if o.startswith("finetune=")]
-        if len(named) != 1:
-            raise ConfigError(f"{path}: sweep[{i}]", entry,
-                              f"names {len(named)} modes; each entry needs one finetune=<mode>")
-        sweep.append((mode(named[0], f"sweep[{i}]"), tuple(o for o in entry if not o.startswith("finetune="))))
+    def entries(raw_entries: list, key: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        out = []
+        for i, entry in enumerate(raw_entries):
+            named = [o.split("=", 1)[1] for o in entry if o.startswith("finetune=")]
+            if len(named) != 1:
+                raise ConfigError(f"{path}: {key}[{i}]", entry,
+                                  f"names {len(named)} modes; each entry needs one finetune=<mode>")
+            out.append((mode(named[0], f"{key}[{i}]"), tuple(o for o in entry if not o.startswith("finetune="))))
+        return tuple(out)
+
     goals = raw["goals"]
     return Plan(learned=float(raw["learned"]), round_steps=int(raw["round_steps"]),
                 round_modes=tuple(mode(m, "round_modes") for m in raw["round_modes"]),
@@ -100,7 +104,8 @@ def load_plan(path: Path = PLAN_FILE) -> Plan:
                 reference=mode(goals["reference"], "goals.reference"),
                 ratio_at_least=float(goals["ratio_at_least"]),
                 less=(mode(goals["less"][0], "goals.less"), mode(goals["less"][1], "goals.less")),
-                rounds_kept=float(goals["rounds_kept"]), sweep=tuple(sweep))
+                rounds_kept=float(goals["rounds_kept"]), sweep=entries(raw["sweep"], "sweep"),
+                sweep_at={int(n): entries(e, f"sweep_at.{n}") for n, e in (raw.get("sweep_at") or {}).items()})
 
 
 @functools.cache
@@ -178,7 +183,8 @@ def sweep_run(series: Series, base: Run, mode: str, setting: tuple[str, ...]) ->
 
 
 def sweep_runs(series: Series, base: Run) -> list[Run]:
-    return [sweep_run(series, base, mode, setting) for mode, setting in plan().sweep]
+    entries = [*plan().sweep, *plan().sweep_at.get(series.n_keys, ())]
+    return [sweep_run(series, base, mode, setting) for mode, setting in entries]
 
 
 def facts_b_exact_match(run: Run) -> tuple[float, float]:

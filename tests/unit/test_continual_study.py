@@ -166,6 +166,9 @@ def test_every_plan_entry_composes():
 
     for mode, setting in study.plan().sweep:
         compose(["experiment=continual_finetune", f"finetune={mode}", *setting])
+    for n_keys, entries in study.plan().sweep_at.items():  # a size's own entries, at that size
+        for mode, setting in entries:
+            compose(["experiment=continual_finetune", f"memory.n_keys={n_keys}", f"finetune={mode}", *setting])
 
 
 def test_rounds_of_a_small_batch_setting_keep_its_batch_and_its_share_of_steps(tmp_path, monkeypatch):
@@ -186,3 +189,16 @@ def test_rounds_of_a_small_batch_setting_keep_its_batch_and_its_share_of_steps(t
     assert first["data.micro_batch"] == "8" and first["steps"] == "240" and first["memory.n_keys"] == "512"
     assert second["init_from"] == str(study.RUNS / rounds[0].name / "checkpoints" / "step_00000240")
     assert rounds[1].start is rounds[0] and rounds[0].start is base
+
+
+def test_a_table_sizes_own_entries_run_at_that_size_only(tmp_path):
+    """sweep_at.512 holds top_t values above the 16K table's slots: 256K runs them, the other sizes do not."""
+    at = {n: {r.name for r in study.sweep_runs(study.Series(0, n), study.base_run(study.Series(0, n)))}
+          for n in (256, 512)}
+    assert "k512_s0_sparse_top_t32000_value_lr1000" in at[512]
+    assert not any("top_t32000" in name for name in at[256])
+    assert len(at[512]) == len(at[256]) + len(study.plan().sweep_at[512])
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(study.PLAN_FILE.read_text() + "  1024:\n    - [memory.value_lr=1]\n")
+    with pytest.raises(study.ConfigError, match=r"sweep_at.1024\[0\]=\['memory.value_lr=1'\]: names 0 modes"):
+        study.load_plan(plan)
