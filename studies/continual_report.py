@@ -192,6 +192,35 @@ def by_table_size(sweep: list[dict]) -> dict[int, dict[str, dict]]:
     return out
 
 
+def size_goals(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[str]:
+    """Goals (d) and (e) per table size, on the best setting of the modes other than the plan's
+    reference (the one goal (a) compares), over the seeds it ran: facts A lost at most the plan's
+    share where the plan names the size; held-out perplexity and QA exact match within the plan's
+    share of each seed's base."""
+    out = []
+    for slots, modes in by_table_size(sweep).items():
+        rest = {m: row for m, row in modes.items() if m != plan().reference}
+        if not rest:
+            continue
+        mode, best = min(rest.items(), key=lambda kv: kv[1]["lost"])
+        seeds = ("seeds " if len(best["seeds"]) > 1 else "seed ") + ", ".join(map(str, best["seeds"]))
+        at = f"{slots:,} slots, `{mode}` {best['setting']} ({seeds})"
+        if slots in plan().lost_at_most:
+            limit = plan().lost_at_most[slots]
+            out.append(f"- Goal (d) at {at}: loses {_pct(best['lost'])} of facts A (mean), at most "
+                       f"{_pct(limit)}: {'met' if best['lost'] <= limit else 'not met'}.")
+        runs = [r for r in sweep if (r["slots"], r["mode"], r["setting"]) == (slots, mode, best["setting"])]
+        ppl = [r["ppl"] / bases[slots, r["seed"]]["ppl"] - 1 for r in runs]
+        qa = [r["qa_em"] / bases[slots, r["seed"]]["qa_em"] - 1 for r in runs]
+        points = [100 * (r["qa_em"] - bases[slots, r["seed"]]["qa_em"]) for r in runs]
+        worst = max(abs(x) for x in ppl + qa)
+        out.append(f"- Goal (e) at {at}: held-out perplexity " + ", ".join(f"{x:+.1%}" for x in ppl)
+                   + " and QA exact match " + ", ".join(f"{x:+.1%} ({p:+.1f} points)" for x, p in zip(qa, points))
+                   + " against the base's, "
+                   f"within {_pct(plan().heldout_within)}: {'met' if worst <= plan().heldout_within else 'not met'}.")
+    return ["", *out] if out else []
+
+
 def size_table(sweep: list[dict]) -> list[str]:
     """Facts A lost at equal learning per table size and mode, and the forgetting ratio of the plan's
     goal (a) mode over the best of the other modes."""
@@ -254,6 +283,7 @@ def rounds_table(rounds: list[dict]) -> list[str]:
 def render(bases: dict[tuple[int, int], dict], sweep: list[dict], rounds: list[dict]) -> str:
     commands = [f"- `{r['name']}`: `{r['command']}`" for r in [*bases.values(), *sweep, *rounds] if r["command"]]
     return "\n".join([BEGIN, *sweep_table(bases, sweep), "", *findings(sweep), *size_table(sweep),
+                      *size_goals(bases, sweep),
                       *rounds_table(rounds), "",
                       "<details><summary>The command of every run</summary>", "", *commands, "", "</details>", END])
 
