@@ -57,7 +57,7 @@ def load_record(record: Path) -> dict:
              cfg.finetune.lora_rank, -cfg.data.micro_batch, cfg.finetune.ranking, mode_of(cfg).lr(cfg))
     return {"name": record.name, "seed": cfg.seed, "slots": cfg.memory.n_keys ** 2, "mode": mode,
             "setting": setting, "command": command,
-            "order": order,
+            "order": order, "batch": (cfg.data.micro_batch, cfg.steps),
             "b_em": b.get("exact_match"), "b_bits": b.get("stored_bits"), "b_corpus": b.get("corpus_bits"),
             "a_bits": res["bits:facts_a"]["stored_bits"], "a_corpus": res["bits:facts_a"]["corpus_bits"],
             "ppl": res["ppl:bio_heldout"]["token_ppl"], "qa_em": res["qa:bio_qa"]["exact_match"],
@@ -165,12 +165,30 @@ def _findings_at(sweep: list[dict], slots: int) -> list[str]:
         out.append(f"- Goal (b) at {at}: {first} forgets {verdict} than {second} (values only, every row): "
                    f"{_pct(best[first]['forgetting'])} against {_pct(best[second]['forgetting'])} "
                    f"({best[second]['setting']}), {100 * abs(gap):.1f} points apart.")
+    out += _same_batch(sweep, at, said=(best[first], best[second]))
     pairs = [(m, [r for r in sweep if r["mode"] == m and r["setting"] == best[m]["setting"]])
              for m in (second, first) if best[m]]
     for mode, runs in pairs:
         if len({r["seed"] for r in runs}) > 1:
             out.append(f"- `{mode}` {runs[0]['setting']} ({at}) over seeds " + ", ".join(
                 f"{r['seed']}: EM {_pct(r['b_em'])}, A lost {_pct(r['forgetting'])}" for r in runs) + ".")
+    return out
+
+
+def _same_batch(sweep: list[dict], at: str, said: tuple) -> list[str]:
+    """Goal (b) within each batch shape (rows x steps) where both modes have a seed-0 setting that learned
+    (but the pair goal (b) already compared, `said`): the selection's claim is about which rows a batch
+    changes, so a batch that reads less of the table is where it can differ from updating every row."""
+    first, second = plan().less
+    out = []
+    for batch in sorted({r["batch"] for r in sweep}, reverse=True):
+        rows = [r for r in sweep if r["seed"] == 0 and r["batch"] == batch]
+        a, b = best_learned(rows, first), best_learned(rows, second)
+        if a and b and (a, b) != said:
+            verdict = "less" if a["forgetting"] < b["forgetting"] else "not less"
+            out.append(f"- Goal (b) at {at}, the same batch of {batch[0]} rows x {batch[1]:,} steps: {first} "
+                       f"forgets {verdict} than {second}: {_pct(a['forgetting'])} ({a['setting']}, EM "
+                       f"{_pct(a['b_em'])}) against {_pct(b['forgetting'])} ({b['setting']}, EM {_pct(b['b_em'])}).")
     return out
 
 

@@ -116,6 +116,26 @@ def test_size_goals_judge_the_best_of_the_rest_over_its_seeds(tmp_path):
     assert "held-out perplexity +1.0%, +5.0% " in e and e.endswith("within 2.0%: not met.")
 
 
+def test_goal_b_is_also_judged_within_each_batch_shape(tmp_path):
+    """Values-only at the study's batch loses least overall; at 8 rows x 1,200 steps, the batch that reads
+    less of the table, the selection loses less than every row: a line of its own."""
+    small = ["data.micro_batch=8", "steps=1200"]
+    _record(tmp_path, "base_s0", [], 1000.0)
+    _record(tmp_path, "s0_memory", [*MEMORY, "memory.value_lr=300"], 990.0, b=(0.96,))  # lost 1%
+    _record(tmp_path, "s0_memory_mb8", [*MEMORY, "memory.value_lr=1000", *small], 970.0, b=(1.0,))  # 3%
+    _record(tmp_path, "s0_sparse_mb8", [*SPARSE, "finetune.top_t=8000", "memory.value_lr=1000", *small], 980.0,
+            b=(0.99,))  # 2%
+    _record(tmp_path, "s0_sparse", [*SPARSE, "finetune.top_t=8000", "memory.value_lr=300"], 999.0, b=(0.5,))
+    _, sweep, _ = report.load_study(tmp_path)
+    text = "\n".join(report.findings(sweep))
+    assert "Goal (b) at 16,384 slots: sparse forgets not less than memory (values only, every row): 2.0% against " \
+        "1.0% (sgd lr 300)" in text
+    assert "- Goal (b) at 16,384 slots, the same batch of 8 rows x 1,200 steps: sparse forgets less than memory: " \
+        "2.0% (top_t 8,000, sgd lr 1000, batch 8 x 1,200 steps, EM 99.0%) against 3.0% (sgd lr 1000, batch 8 x " \
+        "1,200 steps, EM 100.0%)." in text
+    assert "batch of 32 rows" not in text  # sparse learned nothing at 32 rows: no pair there
+
+
 def test_rounds_report_each_earlier_round_kept_relative_to_when_it_was_taught(tmp_path):
     _record(tmp_path, "base_s0", [], 800.0)
     mem = [*MEMORY, "memory.value_lr=100"]
