@@ -214,7 +214,7 @@ def round_runs(series: Series, base: Run, best: Run, rounds: int) -> list[Run]:
     label = _label(settings)  # in the name: a later sweep that picks another best setting does not reuse these
     # A setting with its own steps (a smaller batch, more steps) keeps its share per round.
     swept = dict(o.split("=", 1) for o in best.setting)
-    steps = plan().round_steps * int(swept["steps"]) // finetune_steps() if "steps" in swept else plan().round_steps
+    steps = plan().round_steps * int(swept.get("steps", finetune_config().steps)) // finetune_config().steps
     from memlm.finetune.background import FILE
     from memlm.finetune.modes import MODES
 
@@ -237,12 +237,14 @@ def round_runs(series: Series, base: Run, best: Run, rounds: int) -> list[Run]:
     return runs
 
 
-def finetune_steps() -> int:
-    """The sweep's steps per fine-tune (configs/experiment/continual_finetune.yaml), of which a round
-    takes the plan's `round_steps`."""
+@functools.cache
+def finetune_config():
+    """The study's fine-tune as configured (configs/experiment/continual_finetune.yaml): its steps, of
+    which a round takes the plan's `round_steps`, and its batch, which a run's setting names where it
+    differs."""
     from memlm.config.run import compose
 
-    return compose(["experiment=continual_finetune"]).steps
+    return compose(["experiment=continual_finetune"])
 
 
 def table_size(n_keys: int | None) -> int | None:
@@ -263,8 +265,7 @@ def execute(run: Run) -> None:
     if (run.record / "summary.json").exists():
         print(f"[study] {run.name}: recorded, skipped", flush=True)
         return
-    if run.start is not None and not final_checkpoint(run.start).exists():
-        retrain(run.start)
+    ensure_start(run)
     train(run)
     run.record.mkdir(parents=True, exist_ok=True)
     for name in ("config.yaml", "metrics.jsonl", "summary.json"):
@@ -274,11 +275,16 @@ def execute(run: Run) -> None:
     print(f"[study] {run.name}: done -> {run.record}", flush=True)
 
 
+def ensure_start(run: Run) -> None:
+    """The checkpoint `run` starts from, trained again where this machine lacks it."""
+    if run.start is not None and not final_checkpoint(run.start).exists():
+        retrain(run.start)
+
+
 def retrain(run: Run) -> None:
     """Train a recorded run again for its checkpoint; its evaluations must equal the record's (the
     runs are deterministic on CPU), else the runs started from it would not continue the record."""
-    if run.start is not None and not final_checkpoint(run.start).exists():
-        retrain(run.start)
+    ensure_start(run)
     print(f"[study] {run.name}: recorded, but its checkpoint {final_checkpoint(run)} is not on this machine: "
           "training it again", flush=True)
     train(run)
