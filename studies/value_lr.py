@@ -43,6 +43,11 @@ def mean_bits(runs: list[dict]) -> float:
     return sum(r["stored_bits"] for r in runs) / len(runs)
 
 
+def _spread(runs: list[dict]) -> float:
+    """Bits stored by the best seed minus the worst."""
+    return max(r["stored_bits"] for r in runs) - min(r["stored_bits"] for r in runs)
+
+
 def said(runs: list[dict]) -> str:
     """Bits of one run, or the mean of several seeds with each seed's value."""
     if len(runs) == 1:
@@ -85,8 +90,7 @@ def spread_said(runs: list[dict]) -> str:
     """The seeds behind a mean: their number and spread (max - min)."""
     if len(runs) == 1:
         return "1 seed"
-    bits = [r["stored_bits"] for r in runs]
-    return f"{len(runs)} seeds, spread {max(bits) - min(bits):,.0f}"
+    return f"{len(runs)} seeds, spread {_spread(runs):,.0f}"
 
 
 def _lr(lr: float | None) -> str:
@@ -177,8 +181,8 @@ def lever_lines(rows: list[dict], entities: int, runs_at: RunsAt) -> list[str]:
                    f"| {r['stored_bits']:,.0f} | {100 * r['exact_match']:.1f} | {without} | {change} | {vs_dense} "
                    f"| {r['run']} |")
     out += lever_means(levers, entities, runs_at, dense)
-    spreads = [max(x["stored_bits"] for x in runs) - min(x["stored_bits"] for x in runs)
-               for points in settings(rows, entities, runs_at).values() for _, runs in points if len(runs) >= 2]
+    spreads = [_spread(runs) for points in settings(rows, entities, runs_at).values() for _, runs in points
+               if len(runs) >= 2]
     if spreads:
         out += ["", f"A lever's change is settled only over seeds, and it becomes a default when its mean beats "
                 f"the same seeds' mean without it and each of its seeds beats that mean (two seeds of one setting "
@@ -194,21 +198,30 @@ def lever_means(levers: list[dict], entities: int, runs_at: RunsAt, dense: list[
     for r in levers:
         groups.setdefault((r["variant"], r["value_lr"], r["lever"]), []).append(r)
     out = []
-    for (variant, lr, lever), runs in groups.items():
-        seeds = {r["seed"] for r in runs}
-        kept, base = set_against(variant, lr, lever, seeds, levers, entities, runs_at)
+    for (variant, lr, lever), every in groups.items():
+        kept, base = set_against(variant, lr, lever, {r["seed"] for r in every}, levers, entities, runs_at)
+        # The rule compares paired seeds only: a seed run with the lever alone (a third seed of
+        # the setting the order turns on) has nothing to be set against.
+        paired = {b["seed"] for b in base}
+        runs = [r for r in every if r["seed"] in paired]
         if len(runs) < 2 or len(base) != len(runs):
             continue
         with_, without = mean_bits(runs), mean_bits(base)
-        spread = max(r["stored_bits"] for r in runs) - min(r["stored_bits"] for r in runs)
         rule = all(r["stored_bits"] > without for r in runs) and with_ > without
         vs_dense = f", {with_ / mean_bits(dense):.2f}x Dense" if dense else ""
         against = f"`{kept}` alone" if kept else "without it"
-        out.append(f"- {variant}, value lr {_lr(lr)}, `{lever}` over seeds {', '.join(map(str, sorted(seeds)))}: "
-                   f"mean {with_:,.0f} bits (spread {spread:,.0f}) against {without:,.0f} {against} "
-                   f"({with_ / without - 1:+.1%}{vs_dense}); each seed above the mean without it: "
-                   f"{'yes' if rule else 'no'}.")
+        line = (f"- {variant}, value lr {_lr(lr)}, `{lever}` over seeds {', '.join(map(str, sorted(paired)))}: "
+                f"mean {with_:,.0f} bits (spread {_spread(runs):,.0f}) against {without:,.0f} {against} "
+                f"({with_ / without - 1:+.1%}{vs_dense}); each seed above the mean without it: "
+                f"{'yes' if rule else 'no'}")
+        if len(every) > len(runs):
+            unpaired = sorted(r["seed"] for r in every if r["seed"] not in paired)
+            line += (f". With seed{'s' if len(unpaired) > 1 else ''} {', '.join(map(str, unpaired))} (not run "
+                     f"without it) the setting's mean over {len(every)} seeds is {mean_bits(every):,.0f} "
+                     f"(spread {_spread(every):,.0f})")
+        out.append(line + ".")
     return ["", *out] if out else []
+
 
 
 def panel(axes, rows: list[dict], entities: int, runs_at: RunsAt) -> None:

@@ -229,6 +229,23 @@ def test_a_lever_at_two_seeds_gets_its_mean_and_the_default_rule():
     assert lever_means([run(0, 650.0, lever)], 40, runs_at, dense) == []  # one seed: no mean
 
 
+def test_a_third_seed_run_with_the_lever_alone_leaves_the_rule_to_the_paired_seeds():
+    from memlm.studies.value_lr import lever_means
+
+    def run(seed, bits, lever=""):
+        return {"variant": "Memory+", "value_lr": 0.1, "lever": lever, "seed": seed, "stored_bits": bits,
+                "entities": 40}
+
+    base = [run(0, 700.0), run(1, 500.0)]  # seed 2 was run with the lever only
+    runs_at = lambda variant, entities, lr: base  # noqa: E731
+    lever = "memory.value_weight_decay=0.1"
+    (line,) = lever_means([run(0, 650.0, lever), run(1, 750.0, lever), run(2, 560.0, lever)], 40, runs_at,
+                          [{"stored_bits": 100.0}])[1:]
+    assert line == (f"- Memory+, value lr 0.1, `{lever}` over seeds 0, 1: mean 700 bits (spread 100) against 600 "
+                    "without it (+16.7%, 7.00x Dense); each seed above the mean without it: yes. With seed 2 "
+                    "(not run without it) the setting's mean over 3 seeds is 653 (spread 190).")
+
+
 def test_a_second_lever_is_set_against_the_same_seeds_with_the_first_alone():
     from memlm.studies.value_lr import lever_lines
 
