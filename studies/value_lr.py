@@ -30,13 +30,21 @@ RunsAt = Callable[[str, int, float | None], list[dict]]
 LEVER_DEFAULTS = {"value_weight_decay": 0.0, "value_dtype": "fp32", "w_bias": False}
 ORDER = ["Dense", "MoE", "PEER", "Memory", "Memory+"]
 PAPER_ORDER = "Memory+ > PEER > Memory > MoE > Dense"
-GOAL_VS_DENSE = 5.0  # issue #32: Memory+ at its best stores at least 5x Dense's bits (two-seed means)
+GOAL_VS_DENSE = 5.0  # issues #32, #40: Memory+ at its default levers stores at least 5x Dense's bits (two-seed means)
 
 
 def lever_of(memory_cfg) -> str:
     """The levers a run's memory config sets ("" for none), as overrides."""
     return " ".join(f"memory.{key}={getattr(memory_cfg, key)}" for key, study in LEVER_DEFAULTS.items()
                     if getattr(memory_cfg, key) != study)
+
+
+def default_levers(kind: str = "memplus") -> str:
+    """The levers `memory=<kind>` sets today (configs/memory/<kind>.yaml), as lever_of writes them:
+    the setting the goal is judged at, whatever the records' defaults were when they ran."""
+    from memlm.config.run import compose
+
+    return lever_of(compose([f"memory={kind}", "memory.layers=[0]"]).memory)
 
 
 def mean_bits(runs: list[dict]) -> float:
@@ -86,6 +94,24 @@ def with_levers(variant: str, points: list[tuple[float | None, list[dict]]], lev
     return found + [(f"value lr {_lr(lr)}, `{lever}`", runs) for (lr, lever), runs in groups.items()]
 
 
+def goal_line(memplus: list[tuple], dense: list[dict]) -> str:
+    """Memory+ against Dense at `memory=memplus`'s default levers, at the value lr where they store most.
+    `memplus`: Memory+'s settings as with_levers lists them."""
+    levers = default_levers()
+    at_defaults = [item for item in memplus if item[1][0]["lever"] == levers]
+    said_levers = f"`{levers}`" if levers else "none"
+    if not at_defaults:
+        return (f"- Memory+ at `memory=memplus`'s default levers ({said_levers}): not run yet, so the goal (at least "
+                f"{GOAL_VS_DENSE:g}x Dense's bits) is NOT met.")
+    _, runs = best(at_defaults)
+    ratio = mean_bits(runs) / max(mean_bits(dense), 1e-9)
+    seeds = "two-seed means" if len(runs) >= 2 else "one seed only: not yet a two-seed mean"
+    return (f"- Memory+ at `memory=memplus`'s default levers ({said_levers}) and its best value lr there "
+            f"({_lr(runs[0]['value_lr'])}) "
+            f"stores {ratio:.2f}x Dense's bits ({seeds}; goal at least {GOAL_VS_DENSE:g}x): "
+            f"{'met' if ratio >= GOAL_VS_DENSE and len(runs) >= 2 else 'NOT met'}.")
+
+
 def spread_said(runs: list[dict]) -> str:
     """The seeds behind a mean: their number and spread (max - min)."""
     if len(runs) == 1:
@@ -128,13 +154,7 @@ def section(rows: list[dict], entities: int, runs_at: RunsAt) -> list[str]:
                + " > ".join(f"{v} ({mean_bits(runs):,.0f}; {spread_said(runs)}; {label})" for v, label, runs in tops)
                + f"; the paper's order on NQ: {PAPER_ORDER}.")
     if "Memory+" in found and "Dense" in found:
-        dense = mean_bits(best(found["Dense"])[1])
-        label, runs = best(with_levers("Memory+", found["Memory+"], lever_runs))
-        ratio = mean_bits(runs) / max(dense, 1e-9)
-        seeds = "two-seed means" if len(runs) >= 2 else "one seed only: not yet a two-seed mean"
-        out.append(f"- Memory+ at its best setting ({label}) stores {ratio:.2f}x Dense's bits "
-                   f"({seeds}; goal at least {GOAL_VS_DENSE:g}x): "
-                   f"{'met' if ratio >= GOAL_VS_DENSE and len(runs) >= 2 else 'NOT met'}.")
+        out.append(goal_line(with_levers("Memory+", found["Memory+"], lever_runs), best(found["Dense"])[1]))
     out += lever_lines(rows, entities, runs_at)
     levers = [r for r in rows if r.get("lever") and r["entities"] == entities]
     commands = [f"- `{r['run']}`: `{r['command']}`" for points in swept.values() for _, runs in points
