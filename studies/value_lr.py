@@ -105,7 +105,8 @@ def goal_line(memplus: list[tuple], dense: list[dict]) -> str:
                 f"{GOAL_VS_DENSE:g}x Dense's bits) is NOT met.")
     _, runs = best(at_defaults)
     ratio = mean_bits(runs) / max(mean_bits(dense), 1e-9)
-    seeds = "two-seed means" if len(runs) >= 2 else "one seed only: not yet a two-seed mean"
+    seeds = (f"means over {len(runs)} and {len(dense)} seeds" if len(runs) >= 2
+             else "one seed only: not yet a two-seed mean")
     return (f"- Memory+ at `memory=memplus`'s default levers ({said_levers}) and its best value lr there "
             f"({_lr(runs[0]['value_lr'])}) "
             f"stores {ratio:.2f}x Dense's bits ({seeds}; goal at least {GOAL_VS_DENSE:g}x): "
@@ -241,7 +242,6 @@ def lever_means(levers: list[dict], entities: int, runs_at: RunsAt, dense: list[
                      f"(spread {_spread(every):,.0f})")
         out.append(line + ".")
     return ["", *out] if out else []
-
 
 
 def panel(axes, rows: list[dict], entities: int, runs_at: RunsAt) -> None:

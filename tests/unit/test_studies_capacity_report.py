@@ -284,7 +284,7 @@ def test_a_lever_setting_at_two_seeds_takes_its_variants_place_in_the_order(tmp_
             "0.1, `memory.value_weight_decay=0.1`) > Memory (500; 2 seeds, spread 100; value lr 0.01) > Dense (120; "
             "2 seeds, spread 40; value lr -)") in text
     assert ("Memory+ at `memory=memplus`'s default levers (`memory.value_weight_decay=0.1`) and its best value lr "
-            "there (0.1) stores 5.62x Dense's bits (two-seed means; goal at least 5x): met.") in text
+            "there (0.1) stores 5.62x Dense's bits (means over 2 and 2 seeds; goal at least 5x): met.") in text
 
 
 def test_the_goal_is_judged_at_memplus_default_levers_not_at_a_better_setting_off_them():
@@ -299,6 +299,6 @@ def test_the_goal_is_judged_at_memplus_default_levers_not_at_a_better_setting_of
     # The biases store more, but memory=memplus leaves them off; one seed at lr 1 is no mean.
     assert goal_line(settings, runs("", 100.0)) == (
         f"- Memory+ at `memory=memplus`'s default levers (`{decay}`) and its best value lr there (0.1) stores 5.00x "
-        "Dense's bits (two-seed means; goal at least 5x): met.")
+        "Dense's bits (means over 2 and 1 seeds; goal at least 5x): met.")
     assert goal_line(settings[:2], runs("", 100.0)).endswith("not run yet, so the goal (at least 5x Dense's bits) "
                                                              "is NOT met.")
