@@ -7,6 +7,6 @@
 - `run_lock.py`: one run per dump_dir.
 - `finite.py`: refusing to save or load non-finite weights.
 
-Imports: config, files, errors (and torch.distributed.checkpoint). Loading a
+Imports: config, files, ranks, errors (and torch.distributed.checkpoint). Loading a
 model for use (a checkpoint or an export) is memlm.hf.load.
 """

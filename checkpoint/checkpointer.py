@@ -66,6 +66,7 @@ from memlm.checkpoint.folder import (
 from memlm.checkpoint.rng import rng_state, set_rng_state
 from memlm.config.run import CheckpointConfig
 from memlm.files import atomic_write_text
+from memlm.ranks import group_barrier, group_rank, group_size
 
 __all__ = ["CheckpointError", "Checkpointer", "check_shapes", "complete_checkpoints", "verify"]
 
@@ -108,31 +109,18 @@ def _gather_to_main(part: dict[str, Any]) -> dict[str, Any]:
     """Rank 0: the union of every rank's `part`; other ranks: their own."""
     if not dist.is_initialized():
         return part
-    parts: list[Any] = [None] * _world() if _rank() == 0 else None
+    parts: list[Any] = [None] * group_size() if group_rank() == 0 else None
     dist.gather_object(part, parts, dst=0)
-    return {k: v for p in parts for k, v in p.items()} if _rank() == 0 else part
+    return {k: v for p in parts for k, v in p.items()} if group_rank() == 0 else part
 
 
 def _agreed_error(error: str | None) -> str | None:
     """The first rank's error (by rank), known to every rank, or None when all passed."""
     if not dist.is_initialized():
         return error
-    errors: list[Any] = [None] * _world()
+    errors: list[Any] = [None] * group_size()
     dist.all_gather_object(errors, error)
     return next((e for e in errors if e), None)
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def check_shapes(directory: Path, model_state: dict[str, Any]) -> None:
@@ -213,25 +201,25 @@ class Checkpointer:
         start = time.perf_counter()
         final = self.path(step)
         tmp = self.root / f"{TMP}{final.name}"
-        if _rank() == 0:
+        if group_rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             # Saves never overlap, so any temporary directory left is from a
             # save that was interrupted: it is incomplete by construction.
             for stale in self.root.glob(f"{TMP}*"):
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
-        _barrier()
+        group_barrier()
         osd = get_optimizer_state_dict(model, optimizer)
         tensors = {"model": get_model_state_dict(model), "optim": {"state": osd["state"]}}
         loader_state = state.loader.state_dict() if hasattr(state.loader, "state_dict") else None
-        atomic_write_text(tmp / f"rank{_rank()}.json", json.dumps({"loader": loader_state, "rng": rng_state()}))
-        meta = {"step": step, "world_size": _world(), **state.counters, "scheduler": state.scheduler.state_dict(),
+        atomic_write_text(tmp / f"rank{group_rank()}.json", json.dumps({"loader": loader_state, "rng": rng_state()}))
+        meta = {"step": step, "world_size": group_size(), **state.counters, "scheduler": state.scheduler.state_dict(),
                 "param_groups": osd["param_groups"], "config": state.config_yaml}
         if self.cfg.async_save:
             future = _dcp(dcp.async_save, tensors, checkpoint_id=str(tmp))
             self._pending = (future, tmp, final, meta, start)
             self.saved_step = step
-            if _rank() == 0:
+            if group_rank() == 0:
                 print(f"[checkpoint] staged step {step} for a background write (training blocked "
                       f"{time.perf_counter() - start:.2f}s)", flush=True)
             return final
@@ -256,9 +244,9 @@ class Checkpointer:
         """Every rank has written into tmp: add the manifest, rename, point `latest` at it.
         Each rank hashes its share of the files (about 1/world of the bytes), so
         no rank reads the whole checkpoint while the others wait in a collective."""
-        _barrier()
-        entries = _gather_to_main(manifest(tmp, self.cfg.verify == "checksum", _rank(), _world()))
-        if _rank() == 0:
+        group_barrier()
+        entries = _gather_to_main(manifest(tmp, self.cfg.verify == "checksum", group_rank(), group_size()))
+        if group_rank() == 0:
             meta = seal_meta({**meta, "manifest": dict(sorted(entries.items()))})
             atomic_write_text(tmp / "meta.json", json.dumps(meta))
             if final.exists():  # re-saving a step (e.g. after a resume): keep the old one until replaced
@@ -279,7 +267,7 @@ class Checkpointer:
             print(f"[checkpoint] {verb} {final} ({size / 2**20:.1f} MiB, "
                   f"{'since staging' if self.cfg.async_save else 'training blocked'} "
                   f"{time.perf_counter() - start:.2f}s)", flush=True)
-        _barrier()
+        group_barrier()
 
     def _prune(self, newest: Path) -> None:
         """Keep `newest` (just published: it passed every check at save) and
@@ -297,25 +285,25 @@ class Checkpointer:
     def recover(self) -> None:
         """Before resolving: finish or undo a re-save a kill interrupted, drop
         interrupted saves, and make `latest` name a complete checkpoint."""
-        _barrier()
-        if _rank() == 0:
+        group_barrier()
+        if group_rank() == 0:
             for line in recover(self.root, self.cfg.verify == "checksum"):
                 print(f"[checkpoint] recovered {self.root}: {line}", flush=True)
-        _barrier()
+        group_barrier()
 
     def start_lineage(self, step: int) -> None:
         """The run continues from `step` (0: a fresh start): checkpoints of
         later steps belong to a history it abandoned (a rollback, or newer
         checkpoints that all failed their checks). They are moved aside, never
         resumed or pruned, and `latest` names a checkpoint of this lineage."""
-        _barrier()
-        if _rank() == 0 and self.root.is_dir():
+        group_barrier()
+        if group_rank() == 0 and self.root.is_dir():
             dest, names = abandon_later(self.root, step)
             if dest is not None:
                 print(f"[checkpoint] this run continues from step {step}: moved the {len(names)} later "
                       f"checkpoint(s) of an abandoned history ({', '.join(names)}) to {dest}; "
                       "they will not be resumed", flush=True)
-        _barrier()
+        group_barrier()
 
     # ---------------------------------------------------------------- load
     def resolve(self, resume: str) -> Path | None:
@@ -328,14 +316,14 @@ class Checkpointer:
             if (error := self._verify_share(path)) is not None:
                 raise CheckpointError(error)
             return path
-        if _rank() == 0:
+        if group_rank() == 0:
             for path in misnamed_dirs(self.root):
                 print(f"[checkpoint] warning: skipping {path}: not a checkpoint name ({PREFIX}<step>)", flush=True)
         for path in checkpoint_dirs(self.root):
             error = self._verify_share(path)
             if error is None:
                 return path
-            if _rank() == 0:
+            if group_rank() == 0:
                 print(f"[checkpoint] warning: skipping {path}: {error}", flush=True)
         return None
 
@@ -343,7 +331,7 @@ class Checkpointer:
         """Every rank checks its share of the files' checksums (checkpoint_dir.share),
         in parallel; all ranks learn the first failure (or None)."""
         try:
-            verify(path, self.cfg.verify == "checksum", _rank(), _world())
+            verify(path, self.cfg.verify == "checksum", group_rank(), group_size())
             error = None
         except CheckpointError as err:
             error = str(err)
@@ -362,8 +350,8 @@ class Checkpointer:
         set_optimizer_state_dict(model, optimizer, {"state": state["optim"]["state"],
                                                     "param_groups": meta["param_groups"]})
         scheduler.load_state_dict(meta["scheduler"])
-        rank_file = path / f"rank{_rank()}.json"
-        if meta["world_size"] == _world() and rank_file.is_file():
+        rank_file = path / f"rank{group_rank()}.json"
+        if meta["world_size"] == group_size() and rank_file.is_file():
             per_rank = json.loads(rank_file.read_text())
             if loader is not None and per_rank["loader"] is not None and hasattr(loader, "load_state_dict"):
                 loader.load_state_dict(per_rank["loader"])
@@ -371,8 +359,8 @@ class Checkpointer:
         elif loader is not None and hasattr(loader, "reshard_state_dict"):
             states = [json.loads((path / f"rank{r}.json").read_text())["loader"] for r in range(meta["world_size"])]
             loader.reshard_state_dict(states)
-        elif _rank() == 0:
-            print(f"[checkpoint] world size changed ({meta['world_size']} -> {_world()}): model and optimizer "
+        elif group_rank() == 0:
+            print(f"[checkpoint] world size changed ({meta['world_size']} -> {group_size()}): model and optimizer "
                   "were resharded; the data stream restarts from its beginning", flush=True)
         self.saved_step = meta["step"]
         return meta

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from memlm.ranks import collective_device, group_size, many_ranks
+
 MAX_NAMED = 10
 
 
@@ -80,14 +82,12 @@ def check_finite_state(model: nn.Module, optimizer: torch.optim.Optimizer | None
     """check_finite over the model and optimizer state on every rank of the
     default process group: all ranks raise, or none."""
     counts = nonfinite_counts(model_and_optimizer_tensors(model, optimizer))
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        backend_cuda = dist.get_backend() == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if backend_cuda else torch.device("cpu")
-        flag = torch.tensor([len(counts)], dtype=torch.int64, device=device)
+    if many_ranks():
+        flag = torch.tensor([len(counts)], dtype=torch.int64, device=collective_device())
         dist.all_reduce(flag)
         if int(flag.item()) == 0:
             return
-        everyone: list[dict[str, int] | None] = [None] * dist.get_world_size()
+        everyone: list[dict[str, int] | None] = [None] * group_size()
         dist.all_gather_object(everyone, counts)
         counts = {}
         for part in everyone:

@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from memlm.ranks import many_ranks
+
 
 class Lockstep:
     def __init__(self, device: torch.device | None = None):
@@ -40,7 +42,7 @@ class Lockstep:
         a DTensor parameter such as a memory-parallel table), else none. FSDP2
         is asked by module: between forwards its root's parameters are plain tensors."""
         params = list(model.parameters())
-        sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and (
+        sharded = many_ranks() and (
             any(isinstance(m, FSDPModule) for m in model.modules()) or any(isinstance(p, DTensor) for p in params))
         return cls(params[0].device) if sharded else cls()
 

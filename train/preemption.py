@@ -54,11 +54,11 @@ class PreemptionHandler:
         import torch
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        from memlm.ranks import collective_device, many_ranks
+
+        if not many_ranks():
             return self.requested
-        on_gpu = dist.get_backend() == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32, device=device)
+        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32, device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -92,7 +92,7 @@ def install_preemption_handler(callback: Callable[[], object] | None = None,
 
 
 def _print_main(message: str) -> None:
-    import torch.distributed as dist
+    from memlm.ranks import group_rank
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+    if group_rank() == 0:
         print(message, flush=True)

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Bottom to top. A folder may import its own layer's folders only where listed in SIDEWAYS.
 LAYERS = [
-    {"errors", "files", "configs"},  # configs: the YAML presets (a package only to ship them)
+    {"errors", "files", "ranks", "configs"},  # configs: the YAML presets (a package only to ship them)
     {"memory.fast"},  # the memory read's kernels and custom ops: a folder of its own below the layers
     {"memory"},
     {"model", "data"},
