@@ -4,8 +4,14 @@ Product-key search spends most of its CPU time in top-k over short rows
 (the n_keys sub-key scores of every token, head and half, then ~knn*ln(knn)
 candidate sums): torch.topk takes ~2 us per 128-element row. The C kernel
 sorts many rows at once through one sorting network, one row per SIMD lane,
-faster at those shapes (bench/topk.py; figures in docs/benchmarks.md). Same results as torch.topk
-(sorted descending; NaN ranks highest; among equal values any may be kept).
+faster at those shapes (bench/topk.py; figures in docs/benchmarks.md).
+
+The results are torch.topk's, indices included, ties included: which of
+equal values torch.topk keeps, and in which order, follows its std::nth_element
+and std::sort (not the lower index first), so the kernel flags every row
+whose top k touches a tie (two equal values among the k, or the k-th equal
+to one left out; -0.0 equals 0.0 and NaN equals NaN, as in torch.topk), and
+those rows, rare among float scores, are answered by torch.topk itself.
 
 The kernel is compiled on first use with the system C compiler (`$CC`, else
 `cc`) for this CPU (-march=native) into a cache keyed by the source, the
@@ -103,8 +109,8 @@ def _library():
         return None
     fn = lib.memlm_topk_rows
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    fn.restype = ctypes.c_int
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = ctypes.c_int64
     return fn
 
 
@@ -127,9 +133,22 @@ def _row_offsets(x: torch.Tensor) -> torch.Tensor:
     return offsets.reshape(-1).contiguous()
 
 
+def _redo_with_torch(x: torch.Tensor, offsets: torch.Tensor, tied: torch.Tensor, k: int,
+                     values: torch.Tensor, indices: torch.Tensor) -> None:
+    """Overwrite rows `tied` (bool, (rows,)) of values / indices (rows, k) with
+    torch.topk of those rows of x, read through their offsets (no copy of x)."""
+    rows = tied.nonzero().squeeze(1)  # (t,)
+    n = x.shape[-1]
+    storage = x.detach().as_strided((int(offsets.max()) + n,), (1,))  # x's elements from its first
+    picked = storage[offsets[rows].unsqueeze(1) + torch.arange(n)]  # (t, n)
+    ref_values, ref_indices = picked.topk(k, dim=-1)
+    values[rows], indices[rows] = ref_values, ref_indices
+
+
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk(x, k, dim=-1) (sorted, largest first), through the C kernel
-    when it applies. Values keep autograd (gathered from x) when x needs it."""
+    """torch.topk(x, k, dim=-1) (sorted, largest first): the same values and
+    indices, through the C kernel when it applies (rows whose top k touches a
+    tie through torch.topk). Values keep autograd (gathered from x) when x needs it."""
     fn = _library() if _supported(x, k) else None
     if fn is None:
         return x.topk(k, dim=-1)
@@ -138,10 +157,13 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows = offsets.numel()
     values = torch.empty(rows, k, dtype=x.dtype)
     indices = torch.empty(rows, k, dtype=torch.long)
-    code = fn(x.data_ptr(), offsets.data_ptr(), rows, n, k, values.data_ptr(), indices.data_ptr(),
-              torch.get_num_threads())
-    if code:
+    tied = torch.empty(rows, dtype=torch.bool)
+    n_tied = fn(x.data_ptr(), offsets.data_ptr(), rows, n, k, values.data_ptr(), indices.data_ptr(),
+                tied.data_ptr(), torch.get_num_threads())
+    if n_tied < 0:
         raise RuntimeError(f"memlm_topk_rows rejected n={n}, k={k}")  # _supported should have caught it
+    if n_tied:
+        _redo_with_torch(x, offsets, tied, k, values, indices)
     values, indices = values.view(*lead, k), indices.view(*lead, k)
     if torch.is_grad_enabled() and x.requires_grad:
         values = x.gather(-1, indices)

@@ -11,7 +11,17 @@
  *      (max of one list against the other reversed), merged in log2(k) steps.
  * Values are compared as int32 keys that order every float: NaN above +inf
  * (as torch.topk ranks NaN), and padding below -inf, so a padded slot never
- * wins over a real element. Ties: any of the equal elements may be kept.
+ * wins over a real element.
+ *
+ * Ties: keys are equal exactly where torch.topk's comparison finds two
+ * elements equivalent (equal floats, -0.0 and +0.0 included, or two NaNs).
+ * Which of equal elements torch.topk keeps, and in which order, is the
+ * order its std::nth_element and std::sort leave them in (not the lower
+ * index first), so a row whose top k touches a tie is not answered here: it
+ * is flagged, and the caller hands it to torch.topk. A row is flagged when
+ * two of its k best keys are equal, or the best key left out (the largest
+ * key any merge discards) equals the k-th; otherwise its top k is unique
+ * and sorted, and so equal to torch.topk's.
  *
  * Rows are split over OpenMP threads: built with -fopenmp next to torch, the
  * kernel shares torch's OpenMP runtime (libgomp.so.1 is loaded once), so
@@ -65,10 +75,12 @@ static void bitonic_merge_desc(slot_t *s, int k) {
         }
 }
 
-/* Order-preserving int32 key of a float; every NaN maps to the top. */
+/* Order-preserving int32 key of a float; every NaN maps to the top, and
+ * -0.0 to +0.0's key (torch.topk finds them equal). */
 static inline int32_t float_key(float v) {
     union { float f; int32_t i; } u = {v};
     if (v != v) return INT32_MAX;
+    if (v == 0.0f) return 0;
     return u.i >= 0 ? u.i : u.i ^ INT32_MAX;
 }
 
@@ -86,21 +98,27 @@ static void load_chunk(slot_t *s, const float *x, const int64_t *offsets, int64_
 
 /* rows rows of n floats; row r starts at x + offsets[r] (unit column stride).
  * Writes the k largest of each row, descending, to values[r * k ...] and
- * their column indices to indices[r * k ...], on up to `threads` threads.
- * Needs k a power of two, 1 <= k <= MAX_K, k <= n < 2^31. Returns 0, or -1
- * for unsupported sizes. */
-int memlm_topk_rows(const float *x, const int64_t *offsets, int64_t rows, int64_t n, int k,
-                    float *values, int64_t *indices, int threads) {
+ * their column indices to indices[r * k ...], on up to `threads` threads,
+ * and tied[r] = 1 for a row whose top k touches a tie (see the top of this
+ * file; its values and indices are then unspecified), else 0.
+ * Needs k a power of two, 1 <= k <= MAX_K, k <= n < 2^31. Returns the
+ * number of tied rows, or -1 for unsupported sizes. */
+int64_t memlm_topk_rows(const float *x, const int64_t *offsets, int64_t rows, int64_t n, int k,
+                        float *values, int64_t *indices, uint8_t *tied, int threads) {
     if (k < 1 || k > MAX_K || (k & (k - 1)) || n < k || n > INT32_MAX) return -1;
     int chunks = (int)((n + k - 1) / k);
     int64_t batches = (rows + LANES - 1) / LANES;
+    int64_t n_tied = 0;
     (void)threads;
     /* A thread per at least 32 batches: below that, waking threads costs more. */
-#pragma omp parallel for schedule(static) num_threads(threads) if (batches >= 64 && threads > 1)
+#pragma omp parallel for schedule(static) num_threads(threads) if (batches >= 64 && threads > 1) \
+    reduction(+ : n_tied)
     for (int64_t batch = 0; batch < batches; batch++) {
         slot_t best[MAX_K], next[MAX_K];
         int64_t r0 = batch * LANES;
         int lanes = rows - r0 < LANES ? (int)(rows - r0) : LANES;
+        vi left_out; /* per lane: the largest key discarded so far */
+        for (int l = 0; l < LANES; l++) left_out[l] = INT32_MIN;
         load_chunk(best, x, offsets, r0, lanes, n, 0, k);
         bitonic_sort_desc(best, k);
         for (int c = 1; c < chunks; c++) {
@@ -109,13 +127,20 @@ int memlm_topk_rows(const float *x, const int64_t *offsets, int64_t rows, int64_
             for (int t = 0; t < k; t++) { /* best k of both: a bitonic sequence */
                 slot_t *a = &best[t], *b = &next[k - 1 - t];
                 vi take = a->key < b->key;
+                vi lost = (a->key & take) | (b->key & ~take);
+                vi higher = lost > left_out;
+                left_out = (lost & higher) | (left_out & ~higher);
                 a->key = (b->key & take) | (a->key & ~take);
                 a->idx = (b->idx & take) | (a->idx & ~take);
             }
             bitonic_merge_desc(best, k);
         }
+        vi tie = left_out == best[k - 1].key;
+        for (int t = 0; t + 1 < k; t++) tie |= best[t].key == best[t + 1].key;
         for (int l = 0; l < lanes; l++) {
             const float *row = x + offsets[r0 + l];
+            tied[r0 + l] = tie[l] != 0;
+            n_tied += tie[l] != 0;
             for (int t = 0; t < k; t++) {
                 int32_t col = best[t].idx[l];
                 values[(r0 + l) * k + t] = row[col]; /* the element itself: NaN stays NaN */
@@ -123,5 +148,5 @@ int memlm_topk_rows(const float *x, const int64_t *offsets, int64_t rows, int64_
             }
         }
     }
-    return 0;
+    return n_tied;
 }

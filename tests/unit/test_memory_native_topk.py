@@ -42,12 +42,76 @@ def test_strided_leading_dims():
     assert torch.equal(values, ref_values) and torch.equal(indices, ref_indices)
 
 
-def test_ties_keep_equal_values():
-    x = torch.randint(0, 5, (40, 128)).float()  # many ties
-    values, indices = native.topk(x, 32)
-    assert torch.equal(values, x.topk(32, dim=-1).values)
-    assert torch.equal(x.gather(-1, indices), values)
-    assert all(len(set(row.tolist())) == 32 for row in indices)  # distinct elements
+def assert_same_as_torch(x, k):
+    """native.topk(x, k) == torch.topk(x, k, dim=-1): indices, and values bit for bit (NaN included)."""
+    values, indices = native.topk(x, k)
+    ref_values, ref_indices = x.topk(k, dim=-1)
+    assert torch.equal(indices, ref_indices)
+    assert torch.equal(values.view(torch.int32), ref_values.view(torch.int32))
+
+
+LEVELS = torch.tensor([2.0, -1.5, 0.0, -0.0, 0.25, float("inf"), float("-inf"), float("nan")])
+
+
+@pytest.mark.parametrize("n,k", [(128, 32), (119, 32), (1024, 32), (2048, 32), (32, 32), (37, 1), (64, 16),
+                                 (50, 16), (300, 64), (128, 128), (9, 8), (4096, 16)])
+@pytest.mark.parametrize("levels", [2, 5, 8])
+def test_ties_pick_what_torch_topk_picks(n, k, levels):
+    # torch.topk keeps equal values in the order its std::nth_element and
+    # std::sort leave them, not the lower index first: every row here ties.
+    gen = torch.Generator().manual_seed(n * 31 + k * 7 + levels)
+    x = LEVELS[torch.randint(0, levels, (45, n), generator=gen)]
+    x[0] = 1.0  # a whole row equal
+    x[1] = -0.0
+    x[2, ::2] = -0.0  # -0.0 and 0.0 are equal to torch.topk
+    x[3] = float("nan")
+    x[4] = torch.randn(n, generator=gen).bfloat16().float()  # bf16-quantized scores: ties
+    x[5] = torch.randn(n, generator=gen).mul(4).round() / 4
+    assert_same_as_torch(x, k)
+
+
+def test_ties_in_the_search_shapes_and_strided_rows():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 2, 6, 128, generator=gen).bfloat16().float().permute(2, 0, 1, 3)  # as the search's view
+    assert_same_as_torch(x, 32)
+    assert_same_as_torch(x[..., :64], 16)
+
+
+def test_only_rows_whose_top_k_ties_leave_the_kernel(monkeypatch):
+    redone = []
+    real = native._redo_with_torch
+
+    def spy(x, offsets, tied, k, values, indices):
+        redone.append(tied.clone())
+        real(x, offsets, tied, k, values, indices)
+
+    monkeypatch.setattr(native, "_redo_with_torch", spy)
+    native.topk(distinct(300, 128, seed=2), 32)
+    assert redone == []  # no ties: the kernel answers every row
+    x = distinct(4, 64, seed=3)
+    order = x.argsort(dim=-1, descending=True)  # (4, 64)
+    x[0, order[0, 40:]] = -5e3  # ties below the top 16 only
+    x[1, order[1, 16]] = x[1, order[1, 15]]  # the 16th equals one left out
+    x[2, order[2, 3]] = x[2, order[2, 2]]  # two equal among the top 16
+    x[3, order[3, 0]], x[3, order[3, 1]] = 0.0, -0.0  # equal to torch.topk
+    x[3, order[3, 2:]] = -1e4 - torch.arange(62.0)
+    assert_same_as_torch(x, 16)
+    assert len(redone) == 1 and redone[0].tolist() == [False, True, True, True]
+
+
+def test_product_key_search_with_ties_equals_the_search_through_torch_topk(monkeypatch):
+    # The same search (block maxima, candidate pairs) with torch.topk in place
+    # of the kernel: equal slots and scores, on bf16-quantized sub-key scores.
+    import memlm.memory.fast.search as search
+
+    gen = torch.Generator().manual_seed(11)
+    for n_keys, knn in [(64, 16), (1024, 32), (128, 32)]:
+        sub = torch.randn(40, 2, 2, n_keys, generator=gen).mul(3).bfloat16().float()
+        scores, slots = search.product_key_topk(sub, knn)
+        monkeypatch.setattr(search, "rows_topk", lambda x, k: x.topk(k, dim=-1))
+        ref_scores, ref_slots = search.product_key_topk(sub, knn)
+        monkeypatch.undo()
+        assert torch.equal(slots, ref_slots) and torch.equal(scores, ref_scores)
 
 
 def test_nan_ranks_highest_and_padding_never_wins():
