@@ -135,8 +135,12 @@ class MemoryConfig:
                 )
         # Explicit layers take precedence: a preset's spread is then ignored.
         if not self.layers and not 0 <= self.spread <= n_layers:
+            # Usually a memory preset's spread on a model shallower than the preset assumes.
             raise ConfigError(f"{prefix}.spread", self.spread,
-                              f"an integer in [0, {n_layers}] (model.n_layers={n_layers})")
+                              f"an integer in [0, {n_layers}] (model.n_layers={n_layers}); it places "
+                              f"{self.spread} memory layers through the depth (a memory preset's default, e.g. "
+                              f"memory=memplus's), more than this model has: name the blocks with "
+                              f"{prefix}.layers=[{n_layers // 2}], or set {prefix}.spread<={n_layers}")
         if not self.resolved_layers(n_layers):
             raise ConfigError(
                 f"{prefix}.layers", list(self.layers),
