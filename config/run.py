@@ -147,7 +147,9 @@ class ProfileConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # steps between checkpoints; 0 -> only at the end
+    # Steps between checkpoints; 0 -> only at the end. Not 0 by default, so that the same
+    # command (or a requeued Slurm job) resumes a killed run from a recent step.
+    every: int = 500
     keep: int = 2  # newest checkpoints kept
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this; 0 -> none
     # Integrity data written with each checkpoint and checked before loading:
