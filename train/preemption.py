@@ -1,7 +1,10 @@
 """Stop a training run cleanly when the cluster is about to take its nodes away.
 
-The Slurm job of memlm.launch.slurm forwards SIGUSR1 (sent before the time
-limit) to every rank. Checkpointing inside the signal handler itself would
+The Slurm job of memlm.launch.slurm forwards its preemption signal (SIGUSR1
+by default, sent `--signal-seconds` before the time limit) to every rank, and
+Slurm sends SIGTERM to every process of a job it ends (time limit, preemption
+with a grace time, scancel); torchrun forwards both. Either one stops the run
+after a checkpoint (PREEMPTION_SIGNALS). Checkpointing inside the signal handler itself would
 interleave the checkpoint's collectives with whatever collective the rank was
 in (a deadlock), and ranks receive the signal at slightly different moments.
 So the handler only sets a flag, and the training loop asks at agreed steps
@@ -26,6 +29,10 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable, Sequence
+
+
+# The signals a training run checkpoints and stops on (the trainer's handler).
+PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
 class PreemptionHandler:
@@ -84,10 +91,16 @@ class PreemptionHandler:
 
 
 def install_preemption_handler(callback: Callable[[], object] | None = None,
-                               signals: Sequence[signal.Signals] = (signal.SIGUSR1,)) -> PreemptionHandler:
-    """Catch `signals` (default SIGUSR1) from now on; returns the handler whose
-    `check()` the training loop calls at agreed steps. Must be called from the
-    main thread (Python delivers signals only there)."""
+                               signals: Sequence[signal.Signals] = PREEMPTION_SIGNALS) -> PreemptionHandler:
+    """Catch `signals` (default SIGUSR1 and SIGTERM) from now on; returns the
+    handler whose `check()` the training loop calls at agreed steps. Must be
+    called from the main thread (Python delivers signals only there).
+
+    While it is installed a SIGTERM no longer ends the process at once: the
+    run stops after the step it is in (at the next agreed step on several
+    ranks). A rank blocked in a collective whose peer is gone only sees it when
+    that collective fails, or is killed after the launcher's grace time
+    (torchrun: TORCH_ELASTIC_SHUTDOWN_TIMEOUT; Slurm: KillWait)."""
     return PreemptionHandler(callback, signals)
 
 

@@ -24,7 +24,7 @@ from memlm.checkpoint.checkpointer import Checkpointer, TrainingState
 from memlm.checkpoint.run_lock import RunLock, lock_run_dir
 from memlm.config.run import Config, to_yaml
 from memlm.distributed import memory_hooks
-from memlm.distributed.clip import clip_group_
+from memlm.distributed.clip import clip_group_, clip_in_step_
 from memlm.distributed.env import build_meshes, current_env, seed_everything, shard_index
 from memlm.distributed.parallelize import (
     apply_activation_checkpointing,
@@ -283,7 +283,9 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         dense, tables = self.params
         gnorm = clip_group_(dense, self.cfg.optim.clip)
-        vnorm = clip_group_(tables, self.cfg.memory.value_grad_clip) if tables else torch.zeros_like(gnorm)
+        # The tables' clip is applied by the optimizer's step, as it reads their gradients.
+        vnorm = clip_in_step_(self.optimizer, tables, self.cfg.memory.value_grad_clip) if tables \
+            else torch.zeros_like(gnorm)
         ok = step_ok(loss_sum, gnorm, vnorm)  # norms are global: every rank gets the same flag
         step_if_finite(self.optimizer, ok)
         self.optimizer.zero_grad(set_to_none=True)
@@ -337,7 +339,7 @@ class Trainer:
                               self.accum * cfg.data.micro_batch * cfg.data.seq_len * env.world_size, env.distributed)
         first_step, metrics, val_loss, evals, preempted = self.step, {}, None, {}, False
         usage_dir = None  # where the last steps' slot usage goes: beside the final checkpoint
-        # SIGUSR1 (Slurm, before the time limit) -> checkpoint after the current step and stop.
+        # SIGUSR1 or SIGTERM (Slurm: before the time limit, preemption) -> checkpoint after the current step and stop.
         preemption = install_preemption_handler(
             lambda: self.save_checkpoint() if self.checkpointer.saved_step != self.step else None)
         try:

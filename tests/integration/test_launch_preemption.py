@@ -1,4 +1,4 @@
-"""memlm.train.preemption: SIGUSR1 sets a flag; check() agrees across ranks,
+"""memlm.train.preemption: SIGUSR1 or SIGTERM sets a flag; check() agrees across ranks,
 runs the checkpoint callback once and tells the loop to stop."""
 
 from __future__ import annotations
@@ -29,6 +29,18 @@ def test_signal_sets_a_flag_and_check_runs_the_callback_once(capsys):
     finally:
         handler.uninstall()
     assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_sigterm_stops_the_run_too():
+    """Slurm ends a job (time limit, preemption with a grace time, scancel) with SIGTERM."""
+    before = signal.getsignal(signal.SIGTERM)
+    handler = install_preemption_handler()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # the process survives: the handler only records it
+        assert handler.received == signal.SIGTERM and handler.check()
+    finally:
+        handler.uninstall()
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 def test_other_signals_can_be_chosen():
