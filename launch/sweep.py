@@ -100,6 +100,18 @@ def safe_dirname(label: str) -> str:
     return name
 
 
+def sweep_root(fixed: Sequence[str]) -> tuple[str, Path]:
+    """(name, dump_dir) of the fixed overrides: the points' names and folders go under them.
+
+    Composed, not validated: the fixed overrides alone need not be a valid run
+    (the base preset's memory.knn=32 above a memory.n_keys=16 that every point's
+    swept memory.knn fits); each point is validated as composed (plan)."""
+    from memlm.config.run import compose_dict
+
+    cfg = compose_dict(list(fixed))  # unknown keys and malformed overrides still fail here
+    return str(cfg.name), Path(str(cfg.dump_dir))
+
+
 def plan(sweep_args: Sequence[str], base: Sequence[str], world_size: int, world_desc: str) -> list[SweepPoint]:
     """Expand and validate every point before anything runs."""
     from memlm.launch.slurm import hydra_value
@@ -119,8 +131,7 @@ def plan(sweep_args: Sequence[str], base: Sequence[str], world_size: int, world_
         raise ConfigError(both[0], "(swept and fixed)", "either swept (before `--`) or fixed (after `--`), not both")
     # Non-swept arguments before `--` (e.g. name=x under `-m`) count as fixed for the root too.
     fixed = [i for i in points[0] if i.split("=", 1)[0] not in set(swept)]
-    base_cfg = compose_for_launch([*base, *fixed], world_size, world_desc)
-    root = Path(base_cfg.dump_dir)
+    base_name, root = sweep_root([*base, *fixed])
     out, seen = [], set()
     for items in points:
         label = point_label(items, swept)
@@ -130,7 +141,7 @@ def plan(sweep_args: Sequence[str], base: Sequence[str], world_size: int, world_
         seen.add(dirname)
         dump_dir = root / dirname
         overrides = [*base, *items, f"dump_dir={hydra_value(str(dump_dir))}",
-                     f"name={hydra_value(f'{base_cfg.name}/{dirname}')}"]
+                     f"name={hydra_value(f'{base_name}/{dirname}')}"]
         out.append(SweepPoint(label, items, overrides, dump_dir))
     for i, point in enumerate(out, 1):
         try:
