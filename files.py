@@ -23,6 +23,21 @@ one renamed in) and only then the old one removed. A process killed while
 writing leaves the old folder whole; between the two renames (a moment) the
 folder is missing and the old one is beside it. What a killed process left
 beside the folder is removed by the next write of the same folder.
+
+What a command may write over (every command that writes files or folders
+checks its target with these before it writes anything; OutputError, one line,
+exit 2: the path is the fix):
+
+    check_output_path(out_dir, {"the checkpoint it exports": checkpoint})  # not an input, no run folder
+    check_output_file(out, "slot-usage file", is_slot_usage)                 # replaces only its own kind
+    manifest = folder_manifest(out_dir)                                      # {name: {"size", "crc32"}}
+    foreign_files(out_dir, manifest), changed_files(out_dir, manifest)       # what it did not write
+
+A memlm run folder (a dump_dir: `checkpoints/` or `run.lock` in it) is never
+an output target, nor a folder holding one. A manifest lists the files a
+command wrote with their size and crc32 (checkpoints keep one in meta.json,
+exports in memlm_manifest.json): a file it does not list, or whose bytes
+differ, is not the command's to replace or delete.
 """
 
 from __future__ import annotations
@@ -32,10 +47,16 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from memlm.errors import USAGE_EXIT, MemlmError
+
+RUN_LOCK = "run.lock"  # dump_dir/run.lock (memlm.checkpoint.run_lock)
+CHECKPOINTS = "checkpoints"  # dump_dir/checkpoints/ (memlm.checkpoint)
 
 
 def _fsync_file(path: Path) -> None:
@@ -161,3 +182,145 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def follow_umask(path: str | os.PathLike) -> None:
+    """Give a file the mode `open()` would have given it (0666 less the umask): for files a tool
+    writes with a private mode (safetensors' save_file writes 0600), so a shared folder stays readable."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    try:  # Linux: read it without changing it
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# ------------------------------------------------------------------ manifests
+def crc32_file(path: Path) -> int:
+    crc = 0
+    with Path(path).open("rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def json_crc32(obj: Any) -> int:
+    """crc32 of `obj` as canonical JSON (sorted keys, no spaces): a manifest's seal on itself."""
+    return zlib.crc32(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
+
+
+def entry_fault(path: Path, entry: dict[str, int], with_checksum: bool = True) -> str | None:
+    """What differs between the file at `path` and its manifest entry ({"size", "crc32"}), as the
+    end of a sentence naming the file ("is missing", ...); None when it matches."""
+    path = Path(path)
+    if not path.is_file():
+        return "is missing"
+    size = path.stat().st_size
+    if size != entry["size"]:
+        return f"has {size} bytes, expected {entry['size']} (truncated?)"
+    if with_checksum and "crc32" in entry and crc32_file(path) != entry["crc32"]:
+        return "is corrupted (crc32 mismatch)"
+    return None
+
+
+def folder_files(folder: Path) -> list[str]:
+    """Every file and link under `folder` (links not followed), as sorted relative POSIX paths."""
+    folder = Path(folder)
+    found = []
+    for root, dirs, files in os.walk(folder):
+        base = Path(root)
+        links = [d for d in dirs if (base / d).is_symlink()]
+        dirs[:] = [d for d in dirs if d not in links]
+        found += [(base / name).relative_to(folder).as_posix() for name in [*files, *links]]
+    return sorted(found)
+
+
+def folder_manifest(folder: Path, exclude: Iterable[str] = ()) -> dict[str, dict[str, int]]:
+    """{relative path: {"size", "crc32"}} of every file under `folder` but those in `exclude`."""
+    folder, skip = Path(folder), set(exclude)
+    return {name: {"size": (folder / name).stat().st_size, "crc32": crc32_file(folder / name)}
+            for name in folder_files(folder) if name not in skip and (folder / name).is_file()}
+
+
+def foreign_files(folder: Path, manifest: dict[str, Any], exclude: Iterable[str] = ()) -> list[str]:
+    """Files under `folder` that its manifest does not list (nor `exclude`): not the writer's."""
+    known = set(manifest) | set(exclude)
+    return [name for name in folder_files(folder) if name not in known]
+
+
+def changed_files(folder: Path, manifest: dict[str, dict[str, int]]) -> list[str]:
+    """Files the manifest lists that are present with other bytes: changed since they were written."""
+    return [name for name, entry in manifest.items()
+            if (Path(folder) / name).is_file() and entry_fault(Path(folder) / name, entry) is not None]
+
+
+def listing(names: list[str], limit: int = 5) -> str:
+    """Up to `limit` names, then how many more: for a one-line message."""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+# ------------------------------------------------------------------ what a command may write over
+class OutputError(MemlmError):
+    """A command's output path is refused before anything is written: writing there would delete
+    or replace what the command did not write (a user's file, a run, its own input)."""
+
+    exit_code = USAGE_EXIT  # the path typed is the fix
+
+
+def is_run_folder(path: Path) -> bool:
+    """A memlm run folder (a dump_dir): a run has started there."""
+    path = Path(path)
+    return (path / CHECKPOINTS).is_dir() or (path / RUN_LOCK).is_file()
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
+
+
+def check_output_path(target: Path, inputs: dict[str, Path] | None = None) -> None:
+    """`target`, where a command will write, is none of its `inputs` ({what it is: path}), holds
+    none of them, lies inside no input folder, and is no memlm run folder nor holds one.
+    OutputError naming the conflict otherwise."""
+    target = Path(target)
+    real = _real(target)
+    for what, path in (inputs or {}).items():
+        other = _real(path)
+        if real == other:
+            raise OutputError(f"{target} is {what} ({path}): choose another output path")
+        if real in other.parents:
+            raise OutputError(f"{target} holds {what} ({path}): choose an output path outside it")
+        if other in real.parents and other.is_dir():
+            raise OutputError(f"{target} lies inside {what} ({path}): choose an output path outside it")
+    if real.is_dir():
+        if is_run_folder(real):
+            raise OutputError(f"{target} is a memlm run folder (it holds {CHECKPOINTS}/ or {RUN_LOCK}), "
+                              "which no command writes over: choose another output path")
+        runs = sorted(p.name for p in real.iterdir() if p.is_dir() and is_run_folder(p))
+        if runs:
+            raise OutputError(f"{target} holds memlm run folders ({listing(runs)}), which no command writes "
+                              "over: choose another output path")
+
+
+def check_output_file(target: Path, kind: str, is_own: Callable[[Path], bool], flag: str = "",
+                      replace: bool = False) -> None:
+    """An existing file at `target` is replaced only when it is a `kind` (`is_own(target)`: what this
+    command writes) and, for a command with a flag for it (`flag`, e.g. "--overwrite"), `replace`
+    is set. A folder is never a file target. OutputError naming the file otherwise."""
+    target = Path(target)
+    if target.is_dir():
+        raise OutputError(f"{target} is a folder: name the {kind} to write")
+    if not target.exists() and not target.is_symlink():
+        return
+    if not is_own(target):
+        raise OutputError(f"{target} exists and is not a {kind}, so it is left alone: choose another path")
+    if flag and not replace:
+        raise OutputError(f"{target} exists (a {kind}): add {flag} to replace it, or choose another path")

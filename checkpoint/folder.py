@@ -24,12 +24,11 @@ import datetime
 import json
 import os
 import shutil
-import zlib
 from pathlib import Path
 from typing import Any
 
 from memlm.errors import MemlmError
-from memlm.files import atomic_write_text
+from memlm.files import atomic_write_text, crc32_file, json_crc32
 
 PREFIX = "step_"
 TMP = ".tmp_"
@@ -75,15 +74,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [p for p in checkpoint_dirs(root) if (p / META).is_file()]
 
 
-# ------------------------------------------------------------------ integrity
-def crc32_file(path: Path) -> int:
-    crc = 0
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
+# ------------------------------------------------------------------ integrity (crc32_file: memlm.files)
 def manifest(directory: Path, with_checksum: bool, rank: int = 0, world: int = 1) -> dict[str, dict[str, int]]:
     """Size (and crc32) of the files of `directory` (not meta.json). With
     rank/world: only this rank's share (`share`), so the ranks of a job hash a
@@ -110,8 +101,7 @@ def share(files: list[Path], rank: int, world: int) -> list[Path]:
 
 
 def _digest(meta: dict[str, Any]) -> int:
-    body = {k: v for k, v in meta.items() if k != DIGEST_KEY}
-    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    return json_crc32({k: v for k, v in meta.items() if k != DIGEST_KEY})
 
 
 def seal_meta(meta: dict[str, Any]) -> dict[str, Any]:

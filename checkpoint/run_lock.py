@@ -24,8 +24,9 @@ import socket
 from pathlib import Path
 
 from memlm.errors import MemlmError
+from memlm.files import RUN_LOCK
 
-LOCK_NAME = "run.lock"
+LOCK_NAME = RUN_LOCK
 
 
 class RunLockedError(MemlmError, RuntimeError):

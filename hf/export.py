@@ -20,9 +20,23 @@ loads them without memlm installed; every export loads with
 A checkpoint holding a NaN or inf tensor is refused before anything is
 written (ExportError naming the tensors; the command exits 1 with one line).
 
-An existing out_dir is replaced only when it is an earlier export of the same
-run (its memlm_config.json names the run's folder) or is empty; any other is
-refused with one line unless --overwrite is given:
+Every export writes `memlm_manifest.json` last: the size and crc32 of each of
+its files, which every memlm load checks (hf/pretrained.py). Files follow the
+umask.
+
+What out_dir may be (checked before anything is read or written; a refusal
+is one line, exit 2, and touches nothing):
+- never the checkpoint, a folder inside it or one holding it (its run folder,
+  `runs/`), nor any memlm run folder or a folder holding one;
+- a new or empty folder: written;
+- an earlier export of the same run (its memlm_config.json names the run):
+  replaced; files you added to it (a model card, `.git/`) are kept, copied
+  into the new export and named; a file the export wrote that you changed
+  since (its crc32 is not the manifest's) is refused, naming it;
+- an export of another run: refused unless --overwrite;
+- with --overwrite, any memlm export that holds nothing but its own files
+  (its manifest's): replaced whole; files you added are refused, naming them;
+- anything else (a folder of yours, an export without a manifest): refused.
 
     python -m memlm.hf.export runs/demo exports/demo --overwrite
 
@@ -36,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -48,12 +63,28 @@ from memlm.checkpoint.checkpointer import Checkpointer, verify
 from memlm.checkpoint.finite import check_finite
 from memlm.config.run import from_yaml
 from memlm.errors import MemlmError, entry_point
-from memlm.files import atomic_output_dir
+from memlm.files import (
+    OutputError,
+    atomic_output_dir,
+    changed_files,
+    check_output_path,
+    follow_umask,
+    foreign_files,
+    listing,
+)
 from memlm.finetune.modes import mode_of
 from memlm.hf.bundle import hf_token_ids, portable_config_json, write_hf_side_files
 from memlm.hf.load import build_run_model, resolve_checkpoint_dir, run_tokenizer_path
 from memlm.hf.mapping import to_hf_config, to_hf_state_dict
-from memlm.hf.pretrained import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, ExportError
+from memlm.hf.pretrained import (
+    CONFIG_NAME,
+    INDEX_NAME,
+    MANIFEST_NAME,
+    WEIGHTS_NAME,
+    ExportError,
+    read_manifest,
+    write_manifest,
+)
 from memlm.hf.remote import write_remote_code
 
 UNITS = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
@@ -86,8 +117,7 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9, ove
     checkpoint = resolve_checkpoint_dir(Path(checkpoint))
     out_dir = Path(out_dir)
     run = str(checkpoint.resolve().parent.parent)  # the run's dump_dir: what the export records it came from
-    if not overwrite:
-        check_replaceable(out_dir, run)
+    keep = claim_out_dir(out_dir, checkpoint, run, overwrite)  # files of the user's to carry into the new export
     meta = verify(checkpoint)
     cfg = from_yaml(meta["config"])
     memory = cfg.memory if cfg.memory.kind != "none" else None
@@ -103,6 +133,10 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9, ove
             state.pop("lm_head.weight")  # safetensors stores a tensor once; HF re-ties it
     with atomic_output_dir(out_dir) as new_dir:  # swapped in at the end: a killed export leaves the old one whole
         write_export(new_dir, cfg, checkpoint, meta, state, max_shard_size, dense, memory, run)
+        write_manifest(new_dir)  # last: what this export wrote, and nothing else
+        carry_over(out_dir, new_dir, keep)
+    if keep:
+        print(f"[export] kept {len(keep)} file(s) of {out_dir} that memlm did not write: {listing(keep)}")
     return out_dir
 
 
@@ -111,12 +145,12 @@ def write_export(out_dir: Path, cfg, checkpoint: Path, meta: dict, state: dict[s
     """Every file of the export, into the empty folder out_dir."""
     shards = shard_state(state, max_shard_size)
     if len(shards) == 1:
-        save_file(shards[0], str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_weights(shards[0], out_dir / WEIGHTS_NAME)
     else:
         weight_map = {}
         for i, shard in enumerate(shards, 1):
             name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+            save_weights(shard, out_dir / name)
             weight_map.update(dict.fromkeys(shard, name))
         total = sum(t.numel() * t.element_size() for t in state.values())
         (out_dir / INDEX_NAME).write_text(
@@ -137,24 +171,64 @@ def write_export(out_dir: Path, cfg, checkpoint: Path, meta: dict, state: dict[s
                      **hf_token_ids(tokenizer)).save_pretrained(str(out_dir))
         portable_config_json(out_dir / "config.json", cfg.model.rope_theta)
     if tokenizer:
-        shutil.copy(tokenizer, out_dir / "tokenizer.model")
+        shutil.copyfile(tokenizer, out_dir / "tokenizer.model")  # the umask's mode, not the source's
     write_hf_side_files(out_dir, tokenizer, cfg.model.max_seq_len)
 
 
-def check_replaceable(out_dir: Path, run: str) -> None:
-    """out_dir may be written: it does not exist, is empty, or is an earlier
-    export of `run` (its memlm_config.json says so). Else ExportError."""
-    if not out_dir.exists() and not out_dir.is_symlink():
-        return
-    if out_dir.is_dir() and not any(out_dir.iterdir()):
-        return
+def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    save_file(state, str(path), metadata={"format": "pt"})
+    follow_umask(path)  # safetensors writes 0600; the rest of the export follows the umask
+
+
+# -------------------------------------------------------------- out_dir
+def claim_out_dir(out_dir: Path, checkpoint: Path, run: str, overwrite: bool) -> list[str]:
+    """Whether the export may be written at out_dir (the rules of the module doc; OutputError
+    naming why not). Returns the files of an earlier export that the user added, to keep."""
+    check_output_path(out_dir, {"the checkpoint it exports": checkpoint})
+    if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
+        raise OutputError(f"{out_dir} is {'a link' if out_dir.is_symlink() else 'a file'}, not a folder: "
+                          "name a new folder for the export")
+    if not out_dir.exists() or not any(out_dir.iterdir()):
+        return []
+    if not (out_dir / CONFIG_NAME).is_file():
+        raise OutputError(f"{out_dir} is not empty and is not a memlm export (no {CONFIG_NAME}), so it is left "
+                          "alone: choose a new or empty folder")
     try:
+        files = read_manifest(out_dir)
         earlier = json.loads((out_dir / CONFIG_NAME).read_text()).get("run")
-    except (OSError, ValueError, AttributeError):
-        earlier = None
+    except (ExportError, OSError, ValueError, AttributeError) as err:
+        raise OutputError(f"{out_dir} is a memlm export memlm cannot tell its own files in ({err}), so it is "
+                          "left alone: move or delete it yourself, or choose another folder") from None
+    added = foreign_files(out_dir, files, exclude=[MANIFEST_NAME])
+    if overwrite:
+        if added:
+            raise OutputError(f"{out_dir} holds files the export did not write ({listing(added)}): --overwrite "
+                              "replaces a whole export, so it is left alone; move those files away first")
+        return []
     if earlier != run:
-        raise ExportError(f"{out_dir} exists and is not an earlier export of {run}: choose another folder, "
-                          "or add --overwrite to replace it")
+        raise OutputError(f"{out_dir} is an export of another run ({earlier}), not of {run}: choose another "
+                          "folder, or add --overwrite to replace it")
+    changed = changed_files(out_dir, files)
+    if changed:
+        raise OutputError(f"{out_dir}: files of the earlier export were changed since it was written "
+                          f"({listing(changed)}), so it is left alone: move them away, or add --overwrite to "
+                          "replace them")
+    return added
+
+
+def carry_over(old: Path, new: Path, names: list[str]) -> None:
+    """Copy the user's files `names` from the earlier export `old` into the new export `new`
+    (links as links); one the new export also wrote is refused (nothing is replaced)."""
+    for name in names:
+        source, target = old / name, new / name
+        if os.path.lexists(target):
+            raise OutputError(f"{source} was not written by the earlier export, and this export writes a file "
+                              "of that name: move it away first")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():
+            os.symlink(os.readlink(source), target)
+        else:
+            shutil.copy2(source, target)
 
 
 # -------------------------------------------------------------- data config
@@ -175,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"))
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace out_dir even when it is not an earlier export of this run (a folder of "
-                             "yours, an export of another run); the old folder goes only once the new export "
-                             "is complete")
+                        help="replace out_dir when it is a memlm export of another run, or one whose files were "
+                             "changed; never a folder holding files the export did not write (refused, naming "
+                             "them). The old folder goes only once the new export is complete")
     args = parser.parse_args(argv)
     try:
         out = export(args.checkpoint, args.out_dir, args.max_shard_size, args.overwrite)

@@ -17,7 +17,7 @@ import torch
 from memlm.checkpoint.checkpointer import Checkpointer, verify
 from memlm.config.run import Config, from_yaml
 from memlm.finetune.modes import mode_of
-from memlm.hf.pretrained import CONFIG_NAME, from_pretrained, read_json
+from memlm.hf.pretrained import CONFIG_NAME, from_pretrained, read_json, verify_export
 from memlm.hf.source import is_export_dir, model_source, resolve_checkpoint_dir
 from memlm.model import Transformer, build_model
 
@@ -94,7 +94,8 @@ DATA_CONFIG_NAME = "memlm_data.json"  # an export's record of the run's data con
 
 def data_config(path: str | Path):
     """The `DataConfig` the model at `path` was trained on, read without loading
-    any weights: a run checkpoint's saved config, or an export's memlm_data.json;
+    any weights: a run checkpoint's saved config, or an export's memlm_data.json
+    (after the export's files are checked against its manifest: ExportError);
     None for an export that records none (exported by an older memlm). For an
     export, its tokenizer.model stands in when the run named no tokenizer file
     (the synthetic corpus trains its own): re-creating the corpus' questions
@@ -110,6 +111,7 @@ def data_config(path: str | Path):
     path = Path(path)
     if not is_export_dir(path):
         return from_yaml(verify(resolve_checkpoint_dir(path), with_checksum=False)["config"]).data
+    verify_export(path)
     file = path / DATA_CONFIG_NAME
     if not file.is_file():
         return None

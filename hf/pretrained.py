@@ -11,12 +11,20 @@ names, so `transformers` loads the same directory); other models get a
 A file of the folder that is missing, not JSON, not safetensors or not the
 export's is an ExportError naming it, wherever the folder is read
 (memlm.evals, memlm.generate, init_from): one line from any command.
+
+Every export holds `memlm_manifest.json`: the size and crc32 of every file
+the export wrote (memlm.files.folder_manifest), sealed with a crc32 of its
+own. Each memlm read of an export checks it first (`verify_export`, once per
+process while the files are unchanged): a missing, truncated or changed file
+is an ExportError naming it. Files the manifest does not list (a model card
+you added) are yours: never read, never checked.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +34,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from memlm.errors import MemlmError
+from memlm.files import entry_fault, folder_manifest, json_crc32
 from memlm.hf.mapping import from_hf_state_dict
 from memlm.memory.config import MemoryConfig
 from memlm.model.args import ModelArgs
@@ -35,6 +44,7 @@ from memlm.model.transformer import Transformer
 CONFIG_NAME = "memlm_config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+MANIFEST_NAME = "memlm_manifest.json"  # {"files": {name: {"size", "crc32"}}, "manifest_crc32": seal}
 
 
 class ExportError(MemlmError, RuntimeError):
@@ -93,7 +103,72 @@ def weight_files(directory: str | Path) -> list[Path]:
     for name in names:
         if not (directory / name).is_file():
             raise ExportError(f"weight file {directory / name} is missing")
+    if (directory / CONFIG_NAME).is_file():  # a memlm export (not a Llama's folder): its bytes are checked
+        verify_export(directory)
     return [directory / name for name in names]
+
+
+# ------------------------------------------------------------------ the manifest
+def write_manifest(directory: str | Path) -> dict[str, dict[str, int]]:
+    """Write the manifest of every file now in `directory` (the export, as written); returns its files."""
+    import memlm
+
+    directory = Path(directory)
+    files = folder_manifest(directory, exclude=[MANIFEST_NAME])
+    body = {"memlm_version": memlm.__version__, "files": files}
+    (directory / MANIFEST_NAME).write_text(json.dumps({**body, "manifest_crc32": json_crc32(body)}, indent=1) + "\n")
+    return files
+
+
+def read_manifest(directory: str | Path) -> dict[str, dict[str, int]]:
+    """The files an export wrote, {name: {"size", "crc32"}}, from its sealed manifest; ExportError
+    naming the manifest when it is missing, malformed or changed."""
+    path = Path(directory) / MANIFEST_NAME
+    if not path.is_file():
+        raise ExportError(f"{path} is missing: the export cannot be checked (written by an older memlm, "
+                          f"or not by python -m memlm.hf.export); {REWRITE}")
+    manifest = read_json(path)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    entries_ok = isinstance(files, dict) and all(
+        isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("crc32"), int)
+        for e in files.values())
+    if not entries_ok:
+        raise ExportError(f"{path} is not an export manifest ({{\"files\": {{name: {{\"size\", \"crc32\"}}}}}}); "
+                          f"{REWRITE}")
+    if manifest.get("manifest_crc32") != json_crc32({k: v for k, v in manifest.items() if k != "manifest_crc32"}):
+        raise ExportError(f"{path} is corrupted or was edited: its manifest_crc32 does not match its content; "
+                          f"{REWRITE}")
+    return files
+
+
+_VERIFIED: dict[Path, tuple] = {}  # export folder -> the stat of its files when last verified
+
+
+def _signature(directory: Path, files: dict[str, Any]) -> tuple:
+    """What a change to the export's files would change: each one's size, mtime and inode."""
+    signature = []
+    for name in [MANIFEST_NAME, *sorted(files)]:
+        try:
+            st = os.stat(directory / name)
+        except OSError:
+            return ()
+        signature.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(signature)
+
+
+def verify_export(directory: str | Path) -> None:
+    """Check every file of an export against its manifest (ExportError naming the first that is
+    missing, truncated or corrupted). Hashed once per process while no file changes."""
+    directory = Path(directory)
+    files = read_manifest(directory)
+    key, signature = directory.resolve(), _signature(directory, files)
+    if signature and _VERIFIED.get(key) == signature:
+        return
+    for name, entry in files.items():
+        fault = entry_fault(directory / name, entry)
+        if fault is not None:
+            raise ExportError(f"export file {directory / name} {fault}; {REWRITE}")
+    _VERIFIED[key] = signature
 
 
 @contextmanager
@@ -121,6 +196,7 @@ def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
 def from_pretrained(directory: str | Path, device: str | torch.device = "cpu") -> Transformer:
     """Build the exported model and load its weights (safetensors only, no pickle)."""
     args, memory, meta = read_config(directory)
+    weight_files(directory)  # every file checked against the manifest before anything is built
     model = build_model(args, memory if memory.kind != "none" else None, device=device)
     state = load_weights(directory)
     if meta.get("weights_layout") == "hf_llama":

@@ -32,7 +32,7 @@ LAYERS = [
 SECTIONS = {"evals.config": "config", "evals.registry": "config"}
 # Sub-packages that are folders of their own (their own layer and share of the code).
 NESTED = {"memory.fast"}
-SIDEWAYS: set[tuple[str, str]] = set()
+SIDEWAYS: set[tuple[str, str]] = {("files", "errors")}  # OutputError: a refused output path
 SKIP = {"tests", "bench", "docs", "configs", ".venv", "runs", "data_cache", ".git", "build", "memlm.egg-info"}
 
 
