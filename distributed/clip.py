@@ -1,6 +1,7 @@
 """Gradient norms and clipping without host syncs: one collective per group.
 
     norm = clip_group_(params, max_norm)   # (,) float32 on the device; grads scaled in place
+    norm = clip_in_step_(optimizer, tables, max_norm)   # the same norm; the optimizer's step scales
 
 The norm comes from `torch.nn.utils.get_total_norm(foreach=True)`: for
 DTensor (FSDP-sharded, or column-sharded value) gradients it is reduced once
@@ -28,6 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from memlm.memory.sparse_adamw import coalesce_table_grad_, table_grad
+from memlm.memory.table_grads import set_clip_coefficient
 
 
 def _local(norm: torch.Tensor) -> torch.Tensor:
@@ -51,6 +53,29 @@ def total_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     if len(norms) == 1:
         return norms[0]
     return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """min(1, max_norm / (norm + 1e-6)): torch.nn.utils.clip_grads_with_norm_'s coefficient, on the device."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+def clip_in_step_(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """The norm of the gradients of `params` (dense, sparse or sharded), like
+    `clip_group_`, but the scaling is left to the optimizer's step: the clip
+    coefficient goes on their param groups (memlm.memory.table_grads), and
+    no pass over the gradients multiplies them here."""
+    with_grad = [p for p in params if table_grad(p) is not None]
+    if not with_grad:
+        device = params[0].device if params else torch.device("cpu")
+        return torch.zeros((), dtype=torch.float32, device=device)
+    if any(table_grad(p).is_sparse for p in with_grad):
+        norm = _sparse_norm(with_grad)[0]
+    else:
+        norm = total_norm([p.grad for p in with_grad])
+    if max_norm > 0:
+        set_clip_coefficient(optimizer, with_grad, clip_coefficient(norm, max_norm))
+    return norm
 
 
 def clip_group_(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -87,6 +112,17 @@ def _as_like(norm: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 def _clip_sparse_(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
     """clip_group_ for a group holding sparse gradients; one collective per
     sharded parameter (the sparse branch only)."""
+    norm, grads = _sparse_norm(params)
+    if max_norm > 0:
+        scale = clip_coefficient(norm, max_norm)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+    return norm
+
+
+def _sparse_norm(params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(norm, the local coalesced row values of each gradient) of a group
+    holding sparse gradients, coalesced in place."""
     from torch.distributed.tensor import Partial, Replicate
 
     grads, squares = [], []
@@ -100,9 +136,4 @@ def _clip_sparse_(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tens
             square = DTensor.from_local(square, p.device_mesh, placements, run_check=False).full_tensor()
         grads.append(local)
         squares.append(square)
-    norm = torch.stack(squares).sum().sqrt()
-    if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(scale.to(g.dtype))
-    return norm
+    return torch.stack(squares).sum().sqrt(), grads

@@ -57,19 +57,39 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from memlm.memory.fast.hugepages import advise_huge_pages
+from memlm.memory.fast.table_step import table_adamw_
+from memlm.memory.table_grads import TABLES, TableGradients
 
 
-class RowOptimizer(torch.optim.Optimizer):
+def _scale_(grad: torch.Tensor, coef: torch.Tensor) -> None:
+    """Multiply a gradient by the clip coefficient in place: a sparse one's
+    coalesced rows (memlm.distributed.clip coalesced it for the norm), a
+    DTensor's local tensor."""
+    if grad.is_sparse:
+        values = grad._values()
+        values.mul_(coef.to(values.device, values.dtype))
+        return
+    local = local_tensor(grad)
+    local.mul_(coef.to(local.device, local.dtype))
+
+
+class RowOptimizer(TableGradients, torch.optim.Optimizer):
     """The frame the table optimizers share (this one, memory/sparse_sgd.py): a
     step reads each parameter's gradient where the table keeps it
-    (`table_grad`), hands it to `_update_param`, and passes the `found_inf`
-    flag on; `zero_grad` also clears the row gradients kept beside DTensors."""
+    (`table_grad`), scales it by the group's clip coefficient
+    (memory/table_grads.py), hands it to `_update_param`, and passes the
+    `found_inf` flag on; `zero_grad` also clears the row gradients kept
+    beside DTensors. A `TABLES` group's dense buffers are zeroed by the step
+    and kept (memory/table_grads.py)."""
 
     # Honours `self.found_inf` (as torch.amp.GradScaler expects of fused optimizers).
     _step_supports_amp_scaling = True
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
+    def __init__(self, params, defaults: dict):
+        super().__init__(params, defaults)
+        self.attach_table_buffers()
+
+    def after_zero_grad(self) -> None:
         for group in self.param_groups:
             for p in group["params"]:
                 clear_local_sparse_grad(p)
@@ -82,14 +102,21 @@ class RowOptimizer(torch.optim.Optimizer):
                 loss = closure()
         found_inf = getattr(self, "found_inf", None)
         for group in self.param_groups:
+            coef = self.take_clip_coefficient(group)
             for param in group["params"]:
                 grad = table_grad(param)
-                if grad is not None:
-                    self._update_param(param, grad, group, found_inf)
+                if grad is None:
+                    continue
+                zeroed = self._update_param(param, grad, group, found_inf, coef)
+                if group.get(TABLES) and not zeroed and param.grad is not None and not param.grad.is_sparse:
+                    param.grad.zero_()  # the buffer, ready for the next step's reads
+        self.mark_tables_zeroed()
         return loss
 
-    def _update_param(self, param: torch.Tensor, grad: torch.Tensor, group: dict,
-                      found_inf: torch.Tensor | None) -> None:
+    def _update_param(self, param: torch.Tensor, grad: torch.Tensor, group: dict, found_inf: torch.Tensor | None,
+                      coef: torch.Tensor | None) -> bool:
+        """Update `param` from `grad` scaled by `coef` (None: 1); return
+        whether the update also zeroed the gradient (a table buffer)."""
         raise NotImplementedError
 
 
@@ -111,7 +138,7 @@ class SparseRowAdamW(RowOptimizer):
             raise ValueError(f"invalid eps={eps} or weight_decay={weight_decay}: expected >= 0")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
-    def _update_param(self, param, grad, group, found_inf) -> None:
+    def _update_param(self, param, grad, group, found_inf, coef) -> bool:
         state = self.state[param]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=local_tensor(param).device)
@@ -122,12 +149,22 @@ class SparseRowAdamW(RowOptimizer):
         # Local tensors of DTensors: the same storage, updated in place.
         p, moments = local_tensor(param), {k: local_tensor(state[k]) for k in ("exp_avg", "exp_avg_sq")}
         local_state = {"step": state["step"], **moments}
-        if grad.is_sparse:
-            self._sparse_update(p, grad, local_state, group, found_inf)
+        zeroed = bool(group.get(TABLES)) and not grad.is_sparse
+        if zeroed:  # a table buffer: clip, AdamW and zeroing in one op (memory/fast/table_step.py)
+            beta1, beta2 = group["betas"]
+            table_adamw_(p, local_tensor(grad), moments["exp_avg"], moments["exp_avg_sq"], state["step"], coef,
+                         found_inf, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"])
         else:
-            self._dense_update(p, local_tensor(grad), local_state, group, found_inf)
+            if coef is not None:
+                _scale_(grad, coef)
+            if grad.is_sparse:
+                self._sparse_update(p, grad, local_state, group, found_inf)
+            else:
+                self._dense_update(p, local_tensor(grad), local_state, group, found_inf)
         # The count moves only for a step taken (1 - found_inf), on the device.
         state["step"].add_(1.0 if found_inf is None else 1.0 - found_inf.to(state["step"].device))
+        return zeroed
 
     def _dense_update(self, p, grad, state, group, found_inf=None) -> None:
         p, grad, m, v = (local_tensor(t) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"]))

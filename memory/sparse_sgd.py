@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
-from memlm.memory.sparse_adamw import RowOptimizer, local_tensor, sparse_rows
+from memlm.memory.sparse_adamw import RowOptimizer, _scale_, local_tensor, sparse_rows
 
 
 class SparseRowSGD(RowOptimizer):
@@ -30,7 +30,9 @@ class SparseRowSGD(RowOptimizer):
             raise ValueError(f"invalid lr={lr} or weight_decay={weight_decay}: expected >= 0")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
 
-    def _update_param(self, param, grad, group, found_inf) -> None:
+    def _update_param(self, param, grad, group, found_inf, coef) -> bool:
+        if coef is not None:
+            _scale_(grad, coef)
         lr, decay = group["lr"], group["weight_decay"]
         p = local_tensor(param)
         if grad.is_sparse:
@@ -46,3 +48,4 @@ class SparseRowSGD(RowOptimizer):
             p.copy_(after)
         else:
             p.index_copy_(0, rows, after)
+        return False

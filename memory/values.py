@@ -80,7 +80,24 @@ class ValuePool(nn.Module):
         with full_precision(indices.device):
             if self.reader is not None:
                 return _read_through(self.reader, self, indices, weights, sparse, kernel)
-            return embedding_bag(self.weight, indices, weights, sparse=sparse, kernel=kernel)
+            return embedding_bag(self.weight, indices, weights, sparse=sparse, kernel=kernel,
+                                 grad_into=None if sparse else self.gradient_buffer())
+
+    def gradient_buffer(self) -> torch.Tensor | None:
+        """The table's gradient buffer, where every read's backward adds its
+        rows, or None (then a read hands autograd its gradient, and autograd
+        sums the reads'). A buffer is the table's own dense `.grad`, held
+        between steps: the optimizers of memlm.memory (`keep_table_gradients`)
+        zero it in place instead of dropping it, so the reads of a step, of all
+        the layers sharing this pool and of every micro-batch, accumulate into
+        one tensor and no dense per-read gradient is ever made."""
+        w = self.weight
+        g = w.grad
+        if g is None or not (torch.is_grad_enabled() and w.requires_grad):
+            return None
+        if g.is_sparse or g.dtype != w.dtype or g.shape != w.shape:
+            return None
+        return g
 
     @property
     def init_std(self) -> float:

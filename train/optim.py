@@ -1,5 +1,8 @@
 """Optimizer, parameter groups and learning-rate schedules (clipping: distributed/clip.py).
 
+The tables' clip is taken in the optimizer's step (memlm.memory.table_grads):
+every optimizer built here applies the value group's clip coefficient.
+
 Groups: weights with decay; norms, biases and other vectors without decay;
 the sparse tables (memlm.memory.tables: value pools and PEER's expert tables)
 with their own fixed base lr, weight decay and gradient-norm clip. The
@@ -17,6 +20,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from memlm.config.run import Config, OptimConfig
 from memlm.finetune.modes import mode_of
 from memlm.memory.config import PRODUCT_KEY_KINDS
+from memlm.memory.table_adamw import TableAdamW
+from memlm.memory.table_grads import TABLES
 from memlm.memory.tables import sparse_tables
 
 
@@ -55,22 +60,27 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
     row-wise optimizers touch those rows alone (memlm.finetune.modes)."""
     o = cfg.optim
     groups = param_groups(model, cfg)
+    sparse = (cfg.memory.sparse_updates or mode_of(cfg).row_gradients) and cfg.memory.kind != "none"
+    for group in groups:
+        if group["name"] == "memory_values":
+            # Dense reads: one gradient buffer per table, accumulated into by
+            # every read and kept between steps (memlm.memory.table_grads).
+            group[TABLES] = not sparse
     if cfg.finetune.optimizer == "sgd":
         from memlm.memory.sparse_sgd import SparseRowSGD
 
         return SparseRowSGD(groups, lr=cfg.memory.value_lr, weight_decay=cfg.memory.value_weight_decay)
-    sparse = (cfg.memory.sparse_updates or mode_of(cfg).row_gradients) and cfg.memory.kind != "none"
     low_precision_values = cfg.memory.value_dtype != "fp32" and cfg.memory.kind in PRODUCT_KEY_KINDS
     if sparse or low_precision_values:
         from memlm.memory.sparse_adamw import SparseRowAdamW
 
         return SparseRowAdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
-    # Fused on every device and for DTensor (sharded) parameters too: it is the
-    # implementation that honours `found_inf`, which skips a non-finite step on
-    # the device (train/step_guard.py), and it is much faster on CPU as well.
-    return torch.optim.AdamW(
-        groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True,
-    )
+    # torch's AdamW, fused on every device and for DTensor (sharded) parameters
+    # too: it is the implementation that honours `found_inf`, which skips a
+    # non-finite step on the device (train/step_guard.py), and it is much
+    # faster on CPU as well. The table group's step folds in its clip and
+    # zeroes its buffer (memlm.memory.table_adamw).
+    return TableAdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
 
 
 def lr_multiplier(step: int, total: int, o: OptimConfig) -> float:

@@ -167,6 +167,7 @@ def embedding_bag(
     weights: torch.Tensor,
     sparse: bool = False,
     kernel: str = "auto",
+    grad_into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weighted sum of value rows per bag.
 
@@ -185,10 +186,23 @@ def embedding_bag(
     Under torch.compile the read is one opaque op, `memlm::embedding_bag`
     (and `memlm::embedding_bag_backward`): no graph break. A sparse read
     runs eagerly (a graph break): its gradient is a sparse tensor of
-    data-dependent size, which compiled graphs do not carry."""
+    data-dependent size, which compiled graphs do not carry.
+
+    `grad_into` (a dense (N, v_dim) buffer of the table's dtype, usually
+    `values.grad`): the backward adds the table's gradient into it, touching
+    only the rows read, and hands autograd no gradient for `values`. Every
+    read of a shared table then accumulates into one buffer: no dense
+    per-read gradient, no autograd sum of them (memlm::embedding_bag_into)."""
     _check_inputs(values, indices, weights)
     if sparse:
+        if grad_into is not None:
+            raise ValueError("grad_into takes a dense gradient; a sparse read's gradient is a COO tensor")
         return _sparse_read(values, indices, weights, kernel)
+    if grad_into is not None:
+        if grad_into.shape != values.shape or grad_into.dtype != values.dtype or grad_into.is_sparse:
+            raise ValueError(f"grad_into must be a dense {tuple(values.shape)} {values.dtype} tensor like the "
+                             f"table, got {tuple(grad_into.shape)} {grad_into.dtype}")
+        return torch.ops.memlm.embedding_bag_into(values, grad_into, indices, weights, kernel)
     return torch.ops.memlm.embedding_bag(values, indices, weights, False, kernel)
 
 
@@ -291,3 +305,74 @@ def _bag_backward(ctx, grad_out):
 
 
 _bag_op.register_autograd(_bag_backward, setup_context=_bag_setup_context)
+
+
+# ------------------------------------------------- reads that accumulate into a buffer
+@torch.library.custom_op("memlm::embedding_bag_into", mutates_args=())
+def _bag_into_op(values: torch.Tensor, grad_into: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                 kernel: str) -> torch.Tensor:
+    # The forward is the plain read; `grad_into` is only kept for the backward.
+    return _bag_op(values, indices, weights, False, kernel)
+
+
+@_bag_into_op.register_fake
+def _(values, grad_into, indices, weights, kernel):
+    return values.new_empty(indices.shape[0], values.shape[1])
+
+
+def _accumulate(grad_out, values, grad_into, indices, weights, kernel, need_weights):
+    """Add the table's gradient of one read into `grad_into` (rows read only);
+    return the weights' gradient or None. The same bags in the same order as
+    `_bag_gradients`, so a buffer that starts at zero ends bit for bit at
+    the sum autograd would form of the reads' dense gradients (fp32 tables)."""
+    kernel = _resolve_for(values, kernel)
+    grad_out = grad_out.contiguous()
+    if kernel == "triton":
+        from memlm.memory.fast.triton_bag import accumulate_gradients
+
+        return accumulate_gradients(values, grad_into, indices.contiguous(), weights.contiguous(), grad_out,
+                                    need_weights)
+    reads = sort_reads(indices, values.shape[0])
+    grad_weights = weight_gradients(values, indices, grad_out, reads).to(weights.dtype) if need_weights else None
+    slots, rows = row_gradients(indices, weights.to(values.dtype), grad_out, reads)
+    grad_into.index_add_(0, slots, rows.to(grad_into.dtype))  # distinct slots: one add per row read
+    return grad_weights
+
+
+@torch.library.custom_op("memlm::embedding_bag_accumulate_", mutates_args=("grad_into",))
+def _bag_accumulate_op(grad_out: torch.Tensor, values: torch.Tensor, grad_into: torch.Tensor,
+                       indices: torch.Tensor, weights: torch.Tensor, kernel: str,
+                       need_weights: bool) -> torch.Tensor:
+    """Adds the table's gradient into `grad_into`; returns the weights'
+    gradient (B, K), or an empty tensor when not asked for."""
+    gw = _accumulate(grad_out, values, grad_into, indices, weights, kernel, need_weights)
+    return weights.new_empty(0) if gw is None else gw.contiguous()
+
+
+@_bag_accumulate_op.register_fake
+def _(grad_out, values, grad_into, indices, weights, kernel, need_weights):
+    return weights.new_empty(weights.shape) if need_weights else weights.new_empty(0)
+
+
+def _bag_into_setup_context(ctx, inputs, output):
+    values, grad_into, indices, weights, kernel = inputs
+    ctx.save_for_backward(values, indices, weights)
+    # Not saved as a tensor for backward: every read's backward writes it, and
+    # the version check of saved tensors would refuse the second one.
+    ctx.grad_into, ctx.kernel = grad_into, kernel
+
+
+def _bag_into_backward(ctx, grad_out):
+    values, indices, weights = ctx.saved_tensors
+    grad_into = ctx.grad_into
+    need_values, _, _, need_weights = ctx.needs_input_grad[:4]
+    gw = None
+    if need_values:
+        gw = torch.ops.memlm.embedding_bag_accumulate_(grad_out, values, grad_into, indices, weights, ctx.kernel,
+                                                        need_weights)
+    elif need_weights:
+        _, gw = torch.ops.memlm.embedding_bag_backward(grad_out, values, indices, weights, ctx.kernel, False, True)
+    return None, None, None, (gw if need_weights else None), None
+
+
+_bag_into_op.register_autograd(_bag_into_backward, setup_context=_bag_into_setup_context)

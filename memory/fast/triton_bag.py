@@ -114,11 +114,15 @@ def _rows_forward_kernel(values, stride_v, indices, weights, out, B, K, V,
 def _segments_kernel(grad_out, values, stride_v, order, seg_start, slots, weights, grad_rows, stride_r, grad_w,
                      S, K, V,
                      BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                     DENSE: tl.constexpr, FUSE_W: tl.constexpr, WIDE: tl.constexpr):
+                     DENSE: tl.constexpr, FUSE_W: tl.constexpr, WIDE: tl.constexpr,
+                     ACCUMULATE: tl.constexpr):
     # Program (p, c) owns segments [p * BLOCK_S, +BLOCK_S) of the sorted reads,
     # columns [c * BLOCK_D, +BLOCK_D); segment s = reads order[seg_start[s]:seg_start[s+1]]
     # (flat ids bag * K + k), all of slot s (DENSE) or slots[s]. It writes row s of
     # grad_rows and, with FUSE_W (one column block covers V), grad_w of those reads.
+    # ACCUMULATE (with DENSE): grad_rows is the table's gradient buffer; a read
+    # slot's row gets its sum added (row + sum, rounded once), an unread slot's
+    # row is not touched.
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)         # (BD,)
     cmask = cols < V
     js0 = tl.arange(0, BLOCK_K)                                       # (BK,)
@@ -149,7 +153,13 @@ def _segments_kernel(grad_out, values, stride_v, order, seg_start, slots, weight
             if FUSE_W:
                 tl.store(grad_w + read, tl.sum(g * vrow[None, :], axis=1).to(grad_w.dtype.element_ty), mask=jmask)
         # Scalar base first: the per-column offsets stay int32.
-        tl.store(grad_rows + seg * stride_r + cols, acc.to(grad_rows.dtype.element_ty), mask=cmask)
+        if ACCUMULATE:
+            if end > start:
+                held = tl.load(grad_rows + seg * stride_r + cols, mask=cmask, other=0.0).to(tl.float32)
+                tl.store(grad_rows + seg * stride_r + cols, (held + acc).to(grad_rows.dtype.element_ty),
+                         mask=cmask)
+        else:
+            tl.store(grad_rows + seg * stride_r + cols, acc.to(grad_rows.dtype.element_ty), mask=cmask)
 
 
 # ------------------------------------------------- "by_slot" and "atomic" (the first kernels)
@@ -346,14 +356,21 @@ def group_by_slot(indices: torch.Tensor, n_slots: int, dense: bool = True):
 
 def segment_gradients(values: torch.Tensor, grad_out: torch.Tensor, order: torch.Tensor, seg_start: torch.Tensor,
                       slots: torch.Tensor | None, weights: torch.Tensor, need_weights: bool,
-                      launch: Launch | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      launch: Launch | None = None,
+                      into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The "segments" walk: (rows (S, V) in the table's dtype, one per segment,
     and the weights' gradient (B, K) when `need_weights` and one column block
-    covers V, else None). `slots` None: segment s is slot s (dense)."""
+    covers V, else None). `slots` None: segment s is slot s (dense).
+    `into` (dense only): the table's gradient buffer (N, V), contiguous rows;
+    each read slot's sum is added to its row there (unread rows untouched),
+    and `into` is returned as the rows."""
     bags, reads = weights.shape
     segments = seg_start.numel() - 1
     v_dim = values.shape[1]
-    rows = torch.empty(segments, v_dim, dtype=values.dtype, device=values.device)
+    if into is not None and (slots is not None or into.shape != values.shape or into.stride(1) != 1):
+        raise ValueError(f"accumulating needs a dense grouping and a (N, V) buffer with unit column stride, "
+                         f"got shape {tuple(into.shape)}, strides {into.stride()}")
+    rows = into if into is not None else torch.empty(segments, v_dim, dtype=values.dtype, device=values.device)
     cfg = launch or segments_launch(v_dim, values.dtype)
     fuse = need_weights and triton.cdiv(v_dim, cfg.block_d) == 1
     grad_w = torch.empty(bags, reads, dtype=weights.dtype, device=values.device) if fuse else None
@@ -365,7 +382,7 @@ def segment_gradients(values: torch.Tensor, grad_out: torch.Tensor, order: torch
                            seg_start if slots is None else slots, weights, rows, rows.stride(0),
                            grad_w if fuse else weights, segments, reads, v_dim,
                            BLOCK_S=cfg.block_b, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d,
-                           DENSE=slots is None, FUSE_W=fuse, WIDE=wide,
+                           DENSE=slots is None, FUSE_W=fuse, WIDE=wide, ACCUMULATE=into is not None,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return rows, grad_w
 
@@ -456,6 +473,20 @@ def gradients(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
             rows = table_grad_rows(grad_out, order, seg_start, weights, reads, values.dtype)
             grad_values = _as_table_gradient(rows, slots, values.shape)
     return grad_values, grad_weights
+
+
+def accumulate_gradients(values: torch.Tensor, into: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                         grad_out: torch.Tensor, need_weights: bool = True) -> torch.Tensor | None:
+    """The table's gradient of one read added into `into` (its (N, V)
+    gradient buffer: every read of a step accumulates there, rows not read
+    are not touched), and the weights' gradient (B, K) if `need_weights`.
+    The "segments" walk over a dense grouping: no sync, no atomics, each
+    row summed in (bag, read) order, so two runs are bitwise equal."""
+    order, seg_start, _ = group_by_slot(indices, values.shape[0], dense=True)
+    _, grad_weights = segment_gradients(values, grad_out, order, seg_start, None, weights, need_weights, into=into)
+    if need_weights and grad_weights is None:  # V wider than one column block
+        grad_weights = weight_grad(values, indices, grad_out, weights.dtype, None, _block_d(values.shape[1]))
+    return grad_weights
 
 
 def table_grad(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor,
