@@ -65,6 +65,7 @@ class Launch(NamedTuple):
     block_d: int  # columns per program (power of two)
     num_warps: int
     num_stages: int
+    maxnreg: int | None = None  # registers per thread (Triton's maxnreg); None: the compiler's choice
 
 
 # Launches measured on a GPU, keyed (pass, BLOCK_D, table element bytes), pass
@@ -323,7 +324,7 @@ def bag_forward(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tens
     grid = (triton.cdiv(bags, cfg.block_b), triton.cdiv(v_dim, cfg.block_d))
     _rows_forward_kernel[grid](values, values.stride(0), indices, weights, out, bags, reads, v_dim,
                                BLOCK_B=cfg.block_b, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, WIDE=wide,
-                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                               num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
     return out
 
 
@@ -383,7 +384,7 @@ def segment_gradients(values: torch.Tensor, grad_out: torch.Tensor, order: torch
                            grad_w if fuse else weights, segments, reads, v_dim,
                            BLOCK_S=cfg.block_b, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d,
                            DENSE=slots is None, FUSE_W=fuse, WIDE=wide, ACCUMULATE=into is not None,
-                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
     return rows, grad_w
 
 
