@@ -28,7 +28,7 @@ What a command may write over (every command that writes files or folders
 checks its target with these before it writes anything; OutputError, one line,
 exit 2: the path is the fix):
 
-    check_output_path(out_dir, {"the checkpoint it exports": checkpoint})  # not an input, no run folder
+    check_output_path(out_dir, {checkpoint: "the checkpoint it exports"})  # not an input, no run folder
     check_output_file(out, "slot-usage file", is_slot_usage)                 # replaces only its own kind
     manifest = folder_manifest(out_dir)                                      # {name: {"size", "crc32"}}
     foreign_files(out_dir, manifest), changed_files(out_dir, manifest)       # what it did not write
@@ -286,13 +286,13 @@ def _real(path: Path) -> Path:
     return Path(os.path.realpath(path))
 
 
-def check_output_path(target: Path, inputs: dict[str, Path] | None = None) -> None:
-    """`target`, where a command will write, is none of its `inputs` ({what it is: path}), holds
+def check_output_path(target: Path, inputs: dict[Path, str] | None = None) -> None:
+    """`target`, where a command will write, is none of its `inputs` ({path: what it is}), holds
     none of them, lies inside no input folder, and is no memlm run folder nor holds one.
     OutputError naming the conflict otherwise."""
     target = Path(target)
     real = _real(target)
-    for what, path in (inputs or {}).items():
+    for path, what in (inputs or {}).items():
         other = _real(path)
         if real == other:
             raise OutputError(f"{target} is {what} ({path}): choose another output path")

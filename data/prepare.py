@@ -10,6 +10,10 @@ units whose shards are complete for the same input and tokenizer are skipped;
 the manifest is rewritten atomically at the end. Documents go to the `val`
 split when their hash falls in the first `--val-fraction` of the hash range,
 so the held-out set does not depend on file order or worker count.
+
+The output folder may hold other files (they are never touched), but it is
+no memlm run folder, and a manifest.json already there must be an earlier
+prepare's; anything else is refused with one line before anything is written.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from memlm.data.encode import encode_unit
 from memlm.data.shards import (
     FORMAT_VERSION,
     MANIFEST,
+    MANIFEST_KEYS,
     SPLITS,
     token_dtype,
     write_json,
@@ -39,6 +44,7 @@ from memlm.data.sources import WorkUnit, expand_paths, plan_units
 from memlm.data.stats import SkipStats
 from memlm.data.tokenizer import Tokenizer
 from memlm.errors import ConfigError, entry_point
+from memlm.files import OutputError, check_output_file, check_output_path
 
 DEFAULT_CHUNK_MB = 64
 
@@ -100,6 +106,8 @@ def prepare(sources: list[SourceConfig], tokenizer_path: str, out_dir: str, work
     for i, (name, src) in enumerate(zip(cfg.source_names(), sources)):
         paths = expand_paths(src.path, f"sources[{i}].path")
         plans[name] = (src, plan_units(name, paths, src.format, src.text_field, chunk_bytes))
+    check_out_dir(out_dir)
+    for name in plans:
         os.makedirs(os.path.join(out_dir, name), exist_ok=True)
     units = [u for _, us in plans.values() for u in us]
     records: dict[tuple[str, int], dict] = {}
@@ -127,6 +135,25 @@ def prepare(sources: list[SourceConfig], tokenizer_path: str, out_dir: str, work
     manifest["_run"] = {"seconds": time.perf_counter() - start, "tokenized_units": len(todo),
                         "reused_units": len(units) - len(todo), "tokens": tokenized}
     return manifest
+
+
+def check_out_dir(out_dir: str) -> None:
+    """out_dir is no run folder, is a folder if it exists, and its manifest.json, if any, is a
+    shard manifest (an earlier prepare's, resumed): the one file of a generic name prepare
+    replaces. Its other files (`<source>/unit-*`, `<source>/{train,val}-*`) are prepare's own."""
+    check_output_path(out_dir)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise OutputError(f"{out_dir} is a file: name a folder for the shards")
+    check_output_file(os.path.join(out_dir, MANIFEST), "shard manifest of memlm.data.prepare", _is_shard_manifest)
+
+
+def _is_shard_manifest(path) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            manifest = json.loads(fh.read())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and all(key in manifest for key in MANIFEST_KEYS)
 
 
 class _BarQueue:

@@ -3,6 +3,9 @@
     python -m memlm.data.tokenizer train --input 'corpus/*.jsonl.zst' --vocab-size 32000 --out tok.model
     python -m memlm.data.tokenizer info tok.model
 
+`train` writes --out only when it is a new file, or a sentencepiece model with
+--overwrite; never one of its --input files (memlm.files.check_output_file).
+
 Models are BPE with byte fallback (any Unicode text round-trips: characters
 outside the vocabulary become UTF-8 byte pieces), identity normalization and
 no whitespace folding, so `decode(encode(text)) == text`. Special ids are fixed:
@@ -28,7 +31,7 @@ import sentencepiece as spm
 from tqdm import tqdm
 
 from memlm.errors import ConfigError, entry_point
-from memlm.files import atomic_write_bytes
+from memlm.files import atomic_write_bytes, check_output_file, check_output_path
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 # sentencepiece skips longer training lines; documents are fed line by line anyway.
@@ -86,6 +89,15 @@ class Tokenizer:
     def info(self) -> dict:
         return {"path": os.path.abspath(self.path), "sha256": self.sha256, "vocab_size": self.vocab_size,
                 "bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id}
+
+
+def is_model_file(path: str | os.PathLike) -> bool:
+    """Whether `path` is a sentencepiece model file (one a tokenizer command may replace)."""
+    try:
+        Tokenizer(str(path))
+    except ConfigError:
+        return False
+    return True
 
 
 def sample_lines(docs: Iterable[str], size: int, shuffle: bool, seed: int) -> Iterator[str]:
@@ -160,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--format", default="auto", help="auto | jsonl | parquet | text | text_file")
     tr.add_argument("--text-field", default="text", help="JSONL key / Parquet column with the text")
     tr.add_argument("--out", required=True, help="output .model path")
+    tr.add_argument("--overwrite", action="store_true",
+                    help="replace --out when it is a sentencepiece model (any other file is never replaced)")
     tr.add_argument("--vocab-size", type=int, default=32000)
     tr.add_argument("--character-coverage", type=float, default=0.9995)
     tr.add_argument("--input-sentence-size", type=int, default=2_000_000, help="lines sampled; 0 = all")
@@ -176,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key}: {value}")
         return 0
     paths = [p for pattern in args.input for p in expand_paths(pattern, "--input")]
+    check_output_path(args.out, {path: "one of its --input files" for path in paths})
+    check_output_file(args.out, "sentencepiece model", is_model_file, "--overwrite", args.overwrite)
     stats = SkipStats()
     with tqdm(iter_documents(paths, args.format, args.text_field, args.on_error, stats),
               desc="reading documents", unit="doc", file=sys.stderr) as docs:  # closed before an error line

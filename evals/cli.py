@@ -25,7 +25,8 @@ Top-level keys:
                        (evals/<step>.json, read by sweep tables and reports) are
                        never replaced. Required for an export folder. The
                        markdown table is written next to it (.md).
-  replace=true         let out= overwrite an existing file (refused otherwise)
+  replace=true         let out= replace an earlier report of memlm.evals (its .json,
+                       .md and samples file); any other file there is refused
   device=auto|cpu|cuda default auto (cuda when available)
   tokenizer=<path>     sentencepiece model, when the checkpoint names none
   eval=<preset>        a preset of configs/eval/ ({presets}); default none.
@@ -85,10 +86,11 @@ def _device(name: str) -> str:
     return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if name == "cuda" else "cpu"
 
 
-def check_paths(top: dict[str, str]) -> None:
+def check_paths(top: dict[str, str], samples: bool = False) -> None:
     """Everything about the paths on the command line that is known before the
     (possibly long) model load: the checkpoint exists, out= is a .json file an
-    export needs, the tokenizer file exists."""
+    export needs whose report files (`samples`: with the samples file) replace
+    only an earlier report, with replace=true, the tokenizer file exists."""
     from memlm.hf.load import is_export_dir
 
     checkpoint = Path(top["checkpoint"])
@@ -104,9 +106,14 @@ def check_paths(top: dict[str, str]) -> None:
             raise ConfigError("out", top["out"], "a path ending in .json")
         if out.is_dir() or any(p.exists() and not p.is_dir() for p in out.parents):
             raise ConfigError("out", top["out"], "a .json file path whose folders are folders (or do not exist yet)")
-        if out.exists() and top.get("replace", "false").lower() != "true":
-            raise ConfigError("out", top["out"], "a file that does not exist yet (it holds earlier results); "
-                                                 "add replace=true to overwrite it")
+        from memlm.evals.report import is_report, report_paths
+        from memlm.files import check_output_file, check_output_path
+        from memlm.hf.load import resolve_checkpoint_dir
+
+        check_output_path(out, {resolve_checkpoint_dir(checkpoint): "the model it evaluates"})
+        replace = top.get("replace", "false").lower() == "true"
+        for path in report_paths(out, samples).values():  # the .md (and samples) are the JSON's: replaced with it
+            check_output_file(path, "report of memlm.evals", lambda _: is_report(out), "replace=true", replace)
     elif export:
         raise ConfigError("out", "", f"a .json path for the results ({checkpoint} is an export folder, not a run)")
     if top.get("tokenizer") and not Path(top["tokenizer"]).is_file():
@@ -192,7 +199,7 @@ def _run(argv: list[str]) -> int:
 
         raise ConfigError("tasks", [], f"a non-empty list, e.g. tasks=[nq_open,mmlu]; {known_tasks()}")
     device = _device(top.get("device", "auto"))
-    check_paths(top)
+    check_paths(top, eval_cfg.log_samples)
     # Task files are read and checked before the (possibly long) model load; the
     # synthetic tasks ask about the training corpus the checkpoint's config names.
     data_cfg = data_config(top["checkpoint"])

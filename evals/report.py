@@ -41,16 +41,36 @@ def markdown_table(results: dict[str, dict], tasks: dict[str, dict], step: int,
     return "\n".join(lines) + "\n"
 
 
+REPORT_KEYS = ("step", "results", "tasks", "config")  # what every results JSON holds (evals/suite.py)
+
+
+def report_paths(json_path: Path, samples: bool) -> dict[str, Path]:
+    """The files a report writes: the JSON, the markdown table (same name, .md) and, with
+    samples, `<name>_samples.jsonl`."""
+    paths = {"json": json_path, "markdown": json_path.with_suffix(".md")}
+    if samples:
+        paths["samples"] = json_path.with_name(f"{json_path.stem}_samples.jsonl")
+    return paths
+
+
+def is_report(json_path: Path) -> bool:
+    """Whether `json_path` is a results JSON memlm.evals wrote (so its report files may be replaced)."""
+    try:
+        payload = json.loads(Path(json_path).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(payload, dict) and all(key in payload for key in REPORT_KEYS)
+
+
 def write_report(json_path: Path, payload: dict, table: str, samples: dict[str, list[dict]] | None) -> dict[str, Path]:
     """Write the JSON, the markdown table (same name, .md) and, if given, the
     samples (`<name>_samples.jsonl`, one record per line with its task)."""
-    paths = {"json": json_path, "markdown": json_path.with_suffix(".md")}
+    paths = report_paths(json_path, samples is not None)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     # allow_nan: an empty metric is NaN rather than a fake 0; Python's json reads it back.
     atomic_write_text(json_path, json.dumps(payload, indent=2, allow_nan=True) + "\n")
     atomic_write_text(paths["markdown"], table)
     if samples is not None:
-        paths["samples"] = json_path.with_name(f"{json_path.stem}_samples.jsonl")
         lines = [json.dumps({"task": task, **r}, ensure_ascii=False) for task, recs in samples.items() for r in recs]
         atomic_write_text(paths["samples"], "\n".join(lines) + "\n")
     return paths

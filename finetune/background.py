@@ -18,9 +18,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from memlm.errors import ConfigError
+from memlm.files import follow_umask
 from memlm.memory.layers import ProductKeyMemory
 from memlm.memory.usage import SlotUsage, reset_usage
 
@@ -42,7 +44,18 @@ def save_usage(path: Path, counts: dict[str, torch.Tensor], tokens: int, source:
     tmp = path.with_name(f".tmp_{path.name}")
     save_file({k: v.to(torch.int64).contiguous() for k, v in counts.items()}, str(tmp),
               metadata={"tokens": str(tokens), "source": source})
+    follow_umask(tmp)  # safetensors writes 0600
     tmp.replace(path)
+
+
+def is_usage_file(path: Path) -> bool:
+    """Whether `path` is a file save_usage wrote (its metadata names the tokens counted and the source)."""
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            metadata = fh.metadata() or {}
+    except (SafetensorError, OSError):
+        return False
+    return "tokens" in metadata and "source" in metadata
 
 
 def load_usage(path: str | Path, layers: dict[str, int]) -> dict[str, torch.Tensor]:

@@ -184,7 +184,7 @@ def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
 def claim_out_dir(out_dir: Path, checkpoint: Path, run: str, overwrite: bool) -> list[str]:
     """Whether the export may be written at out_dir (the rules of the module doc; OutputError
     naming why not). Returns the files of an earlier export that the user added, to keep."""
-    check_output_path(out_dir, {"the checkpoint it exports": checkpoint})
+    check_output_path(out_dir, {checkpoint: "the checkpoint it exports"})
     if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
         raise OutputError(f"{out_dir} is {'a link' if out_dir.is_symlink() else 'a file'}, not a folder: "
                           "name a new folder for the export")

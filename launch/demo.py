@@ -8,9 +8,13 @@ overrides, prints a progress line at every stage, and ends with a results
 table and where everything was written.
 
 Each demo is a fresh run, so a second `demo` replaces the first: but only
-folders the demo itself made. It marks its run folder with `.memlm-demo`
-(which also names the export it wrote); a run folder or an export without
-that mark is refused with one line, and nothing is touched.
+folders the demo itself made, holding nothing but what it wrote. It marks its
+run folder with `.memlm-demo`, which names the export it writes and, once the
+demo finished, lists every file of the run folder with its crc32. A run
+folder or an export without that mark, one holding a file the demo did not
+write or changed since (a later `memlm.evals` result, a note of yours), or
+the folder of a demo that did not finish, is refused with one line (exit 2),
+and nothing is touched.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ from memlm.data.config import SourceConfig, SyntheticConfig
 from memlm.data.corpus import materialize_synthetic
 from memlm.data.prepare import prepare
 from memlm.distributed.env import ProcessGroup
-from memlm.errors import MemlmError, entry_point
+from memlm.errors import entry_point
+from memlm.files import RUN_LOCK, OutputError, changed_files, folder_manifest, foreign_files, listing
 from memlm.hf.export import export
+from memlm.hf.pretrained import MANIFEST_NAME, ExportError, read_manifest
 from memlm.train.trainer import Trainer
 
 
@@ -66,7 +72,7 @@ def results_table(summary: dict, counts: dict, paths: dict[str, Path], seconds: 
 MARK = ".memlm-demo"
 
 
-class DemoFolderError(MemlmError):
+class DemoFolderError(OutputError):
     """A folder the demo would replace holds something the demo did not make."""
 
 
@@ -89,12 +95,41 @@ def claim_folders(dump: Path, export_dir: Path) -> None:
             RunLock.acquire(dump).release()
         except RunLockedError as err:
             raise DemoFolderError(str(err)) from None
+        check_only_demo_files(dump, made, export_dir if ours else None)
         print(f"[demo] replacing the previous demo run {dump}" + (f" and its export {export_dir}" if ours else ""))
         shutil.rmtree(dump)
         if ours:
             shutil.rmtree(export_dir, ignore_errors=True)
     dump.mkdir(parents=True, exist_ok=True)
     mark.write_text(json.dumps({"export": str(export_dir)}) + "\n")
+
+
+def mark_finished(dump: Path, export_dir: Path) -> None:
+    """Record in the mark every file the finished demo wrote in `dump` (its export has its own manifest)."""
+    files = folder_manifest(dump, exclude=[MARK, RUN_LOCK])
+    (dump / MARK).write_text(json.dumps({"export": str(export_dir), "files": files}) + "\n")
+
+
+def check_only_demo_files(dump: Path, made: dict, export_dir: Path | None) -> None:
+    """A previous demo's folders hold only what it wrote (its mark's files; its export's manifest):
+    else DemoFolderError naming the others, or the folder of a demo that did not finish."""
+    if not isinstance(made.get("files"), dict):
+        raise DemoFolderError(f"{dump} holds a demo run that did not finish (its {MARK} lists no files), so "
+                              "memlm cannot tell the demo's files from yours and leaves it alone: move or delete "
+                              "it yourself, or choose another demo name (name=...)")
+    known = {**made["files"], MARK: None, RUN_LOCK: None}  # the lock file changes with each holder: memlm's
+    others = [str(dump / n) for n in foreign_files(dump, known) + changed_files(dump, made["files"])]
+    if export_dir is not None and export_dir.exists():
+        try:
+            written = read_manifest(export_dir)
+            others += [str(export_dir / n) for n in foreign_files(export_dir, written, [MANIFEST_NAME])
+                       + changed_files(export_dir, written)]
+        except ExportError as err:
+            others.append(f"{export_dir} ({err})")
+    if others:
+        raise DemoFolderError(f"the previous demo's folders hold files it did not write, or changed since: "
+                              f"{listing(others)}; they are left alone: move them away, or choose another demo "
+                              "name (name=...)")
 
 
 @entry_point
@@ -137,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
     stage(4, "exporting the final checkpoint to safetensors")
     out = export(dump, export_dir)
+    mark_finished(dump, export_dir)
     paths = {"run directory": dump, "checkpoints": dump / "checkpoints", "metrics": dump / "metrics.jsonl",
              "eval results": dump / "evals", "export": out}
     print("\n" + results_table(summary, counts, paths, time.perf_counter() - start))

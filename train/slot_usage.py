@@ -23,6 +23,8 @@ reads) without gradients over `--batches` batches, counts every read of every
 memory layer and writes `slot_usage.safetensors`: one int64 (n_slots,) tensor
 per layer ("layer4"), with the tokens counted and the source in its metadata.
 Then prints how many slots the sample read and how concentrated the reads are.
+An existing file there is replaced only when it is an earlier slot-usage file
+(anything else is refused with one line, before the count).
 """
 
 from __future__ import annotations
@@ -42,10 +44,12 @@ from memlm.finetune.background import (
     collect,
     describe,
     describe_batch_reads,
+    is_usage_file,
     memory_layers,
     save_usage,
     value_tables,
 )
+from memlm.files import check_output_file
 from memlm.hf.importer import check_import_source, import_init
 from memlm.hf.load import data_config, load_model
 from memlm.hf.source import ModelSource, model_source
@@ -116,9 +120,10 @@ def background(name: str, batches: int, out: str = "", overrides: list[str] | No
         raise ConfigError("model", name, f"a model with product-key memory layers (its memory.kind is "
                           f"{cfg.memory.kind}; for a Llama or a dense export, the overrides of the retrofit: "
                           "memory=memplus memory.layers=[...])")
+    path = Path(out) if out else default
+    check_output_file(path, "slot-usage file", is_usage_file)  # before the count: only an earlier one is replaced
     apply_knn_schedule(model, cfg.memory, step)
     counts, tokens, batch_read = collect(model, loader, batches, torch.device("cpu"))
-    path = Path(out) if out else default
     save_usage(path, counts, tokens, name)
     print(f"[slot-usage] {tokens:,} tokens of {cfg.data.kind} data through {name} -> {path}")
     for line in describe(counts):

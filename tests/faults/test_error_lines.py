@@ -215,7 +215,7 @@ def test_every_main_ends_a_fault_with_one_line_and_its_code(files, capsys, monke
     (tmp_path / "runs" / "demo" / "mine.txt").parent.mkdir(parents=True)
     (tmp_path / "runs" / "demo" / "mine.txt").write_text("not the demo's")
     code, err = run_main("memlm.launch.demo", ["dump_dir=runs/demo", "name=demo"], capsys)
-    assert code == FAULT_EXIT and "was not made by the demo" in one_error_line(err)
+    assert code == USAGE_EXIT and "was not made by the demo" in one_error_line(err)
     # The continual study's data step meets a bad file; lm-eval's command loads a broken export.
     from memlm.data.stats import DataError
 
@@ -283,6 +283,7 @@ def _kinds():
     from memlm.distributed.env import PeerLostError
     from memlm.errors import ConfigError
     from memlm.evals.formats import TaskDataError
+    from memlm.files import OutputError
     from memlm.hf.pretrained import ExportError
     from memlm.launch.demo import DemoFolderError
     from memlm.launch.validate import LaunchError
@@ -298,7 +299,8 @@ def _kinds():
             (RunLockedError("runs/x is held"), FAULT_EXIT),
             (NonFiniteLossError("3 consecutive non-finite losses"), FAULT_EXIT),
             (ExportError("x/model.safetensors is missing"), FAULT_EXIT),
-            (DemoFolderError("runs/demo was not made by the demo"), FAULT_EXIT),
+            (OutputError("runs holds the checkpoint it exports"), USAGE_EXIT),
+            (DemoFolderError("runs/demo was not made by the demo"), USAGE_EXIT),
             (ReportError("no finished run"), FAULT_EXIT),
             (PeerLostError("rank 0 did not meet it"), FAULT_EXIT)]
 

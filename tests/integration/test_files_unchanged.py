@@ -3,8 +3,10 @@
 A finished run's command run again, with other settings, trains nothing and
 leaves every file of its folder byte for byte as it was (sha256 of every
 file: config.yaml, metrics.jsonl, summary.json, evals, the kept tokenizer,
-checkpoints, the released lock). An export into a folder that is not an
-earlier export of the same run is refused unless `--overwrite`; replacing an
+checkpoints, the released lock). An export into a folder of the user's is
+refused, with or without `--overwrite`; into an export of another run,
+refused unless `--overwrite`; a re-export keeps the files the user added
+(issue 54: tests/integration/test_no_data_lost.py has the rest). Replacing an
 export writes the new one beside it and swaps at the end, so an export
 killed midway leaves the previous one whole and loadable.
 """
@@ -26,7 +28,8 @@ from cli import run_main
 from launch_helpers import TINY
 
 from memlm.hf import from_pretrained
-from memlm.hf.export import ExportError, export, main
+from memlm.files import OutputError
+from memlm.hf.export import export, main
 from memlm.hf.pretrained import CONFIG_NAME
 
 BASE = [o for o in TINY if not o.startswith("steps=")]
@@ -97,27 +100,27 @@ def test_export_over_a_users_folder_is_refused(small_run, tmp_path, capsys):
     mine.mkdir()
     (mine / "config.json").write_text('{"mine": true}\n')
     before = hashes(mine)
-    assert main([str(small_run), str(mine)]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and str(mine) in err[0] and "--overwrite" in err[0]
-    assert hashes(mine) == before
-    # An export of another run is no earlier export of this one.
+    for overwrite in ([], ["--overwrite"]):  # not an export: never replaced
+        assert main([str(small_run), str(mine), *overwrite]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(mine) in err[0] and "not a memlm export" in err[0]
+        assert hashes(mine) == before
+    # An export of another run is no earlier export of this one: --overwrite replaces it.
     other = export(small_run, tmp_path / "other")
     mark = json.loads((other / CONFIG_NAME).read_text())
     (other / CONFIG_NAME).write_text(json.dumps({**mark, "run": str(tmp_path / "elsewhere")}))
-    with pytest.raises(ExportError, match="--overwrite"):
+    with pytest.raises(OutputError, match="--overwrite"):
         export(small_run, other)
-    # --overwrite replaces it: a clean export, nothing of the user's folder left.
-    assert main([str(small_run), str(mine), "--overwrite"]) == 0
-    assert "mine" not in json.loads((mine / "config.json").read_text())
+    assert main([str(small_run), str(other), "--overwrite"]) == 0
+    assert json.loads((other / CONFIG_NAME).read_text())["run"] == str(small_run.resolve())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "other"]
 
 
 def test_export_of_the_same_run_again_replaces_it(small_run, tmp_path):
     out = export(small_run, tmp_path / "export")
-    (out / "stale.txt").write_text("from an older export")
+    (out / "notes.txt").write_text("the user's")
     export(small_run, out)
-    assert not (out / "stale.txt").exists()
+    assert (out / "notes.txt").read_text() == "the user's"  # kept: not the export's to delete
     assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no new or old copy left beside it
 
 

@@ -22,7 +22,8 @@ from cli import run_main
 from evals_fixtures import QA_ROWS, write_jsonl
 from launch_helpers import TINY
 
-from memlm.launch.demo import MARK, DemoFolderError, claim_folders
+from memlm.hf.pretrained import write_manifest
+from memlm.launch.demo import MARK, DemoFolderError, claim_folders, mark_finished
 
 
 def run(module: str, *args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -49,7 +50,7 @@ def test_demo_refuses_a_run_folder_it_did_not_make(tmp_path):
     (user_run / "config.yaml").write_text("memory:\n  kind: memplus\n")
     before = snapshot(user_run)
     proc = run("memlm.launch.demo", "name=mine", cwd=tmp_path)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # an OutputError: the name is the fix
     line = one_line(proc)
     assert "runs/mine exists and was not made by the demo" in line and "name=" in line
     assert snapshot(user_run) == before
@@ -72,6 +73,8 @@ def test_demo_replaces_only_what_it_marked(tmp_path, capsys):
     (dump / "metrics.jsonl").write_text("{}\n")
     export.mkdir(parents=True)
     (export / "model.safetensors").write_bytes(b"demo weights")
+    write_manifest(export)  # as the export writes it
+    mark_finished(dump, export)  # as the demo records its files when it ends
     claim_folders(dump, export)  # a second demo: both replaced
     assert "replacing the previous demo run" in capsys.readouterr().out
     assert not (dump / "metrics.jsonl").exists() and not export.exists() and (dump / MARK).is_file()

@@ -213,6 +213,7 @@ def test_synthetic_qa_on_an_export_asks_about_the_runs_corpus(tmp_path):
     from memlm.config.run import compose
     from memlm.hf.export import write_data_config
     from memlm.hf.load import DATA_CONFIG_NAME, data_config
+    from memlm.hf.pretrained import write_manifest  # each state of the folder, as an export would write it
 
     cfg = compose(["data=synthetic", "data.synthetic.people=30", "data.synthetic.docs_per_person=1",
                    "data.vocab_size=400", f"data.cache_dir={tmp_path / 'cache'}"])
@@ -221,6 +222,7 @@ def test_synthetic_qa_on_an_export_asks_about_the_runs_corpus(tmp_path):
     (export / "memlm_config.json").write_text("{}")
     (export / "tokenizer.model").write_bytes(b"")  # stands in for the run's tokenizer (not trained again)
     write_data_config(cfg, export)
+    write_manifest(export)
     data = data_config(export)
     assert data.synthetic == cfg.data.synthetic and data.tokenizer == str(export / "tokenizer.model")
     eval_cfg = EvalConfig(num_fewshot=0)
@@ -229,12 +231,14 @@ def test_synthetic_qa_on_an_export_asks_about_the_runs_corpus(tmp_path):
     assert len(run_questions) == 30 * 7  # this corpus' 30 people, not the default corpus' 1000
     # No recorded corpus, or a run that did not train on one: refused, naming why.
     (export / DATA_CONFIG_NAME).unlink()
+    write_manifest(export)
     assert data_config(export) is None
     with pytest.raises(ConfigError, match="memlm_data.json"):
         load_task("synthetic_qa", eval_cfg, None)
     with pytest.raises(ConfigError, match="trained on data.kind='random'"):
         load_task("synthetic_qa", eval_cfg, compose([]).data)
     (export / DATA_CONFIG_NAME).write_text('{"data": {"kind": "synthetic", "no_such_field": 1}}')
+    write_manifest(export)
     with pytest.raises(ConfigError, match="memlm_data.json.*no_such_field"):
         data_config(export)
 
@@ -263,8 +267,11 @@ def test_cli_checks_paths_before_loading_the_model(tmp_path, monkeypatch, capsys
         assert main([f"checkpoint={export}", "tasks=[synthetic_qa]", *extra]) == 2, extra
         assert message in capsys.readouterr().err, extra
     (export / "tokenizer.model").write_bytes(b"")
+    from memlm.hf.pretrained import write_manifest
+
+    write_manifest(export)  # checked as an export's files are
     assert main([f"checkpoint={export}", "tasks=[synthetic_qa]", f"out={tmp_path / 'r.json'}"]) == 2
-    assert "memlm_data.json" in capsys.readouterr().err  # an old export: no corpus recorded
+    assert "memlm_data.json" in capsys.readouterr().err  # an export that records no corpus
 
 
 # ------------------------------------------------------------- lm-eval adapter
