@@ -192,7 +192,7 @@ def embedding_bag(
     `values.grad`): the backward adds the table's gradient into it, touching
     only the rows read, and hands autograd no gradient for `values`. Every
     read of a shared table then accumulates into one buffer: no dense
-    per-read gradient, no autograd sum of them (memlm::embedding_bag_into)."""
+    per-read gradient, no autograd sum of them (`_ReadInto`)."""
     _check_inputs(values, indices, weights)
     if sparse:
         if grad_into is not None:
@@ -202,7 +202,7 @@ def embedding_bag(
         if grad_into.shape != values.shape or grad_into.dtype != values.dtype or grad_into.is_sparse:
             raise ValueError(f"grad_into must be a dense {tuple(values.shape)} {values.dtype} tensor like the "
                              f"table, got {tuple(grad_into.shape)} {grad_into.dtype}")
-        return torch.ops.memlm.embedding_bag_into(values, grad_into, indices, weights, kernel)
+        return _ReadInto.apply(values, grad_into, indices, weights, kernel)
     return torch.ops.memlm.embedding_bag(values, indices, weights, False, kernel)
 
 
@@ -308,16 +308,32 @@ _bag_op.register_autograd(_bag_backward, setup_context=_bag_setup_context)
 
 
 # ------------------------------------------------- reads that accumulate into a buffer
-@torch.library.custom_op("memlm::embedding_bag_into", mutates_args=())
-def _bag_into_op(values: torch.Tensor, grad_into: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                 kernel: str) -> torch.Tensor:
-    # The forward is the plain read; `grad_into` is only kept for the backward.
-    return _bag_op(values, indices, weights, False, kernel)
+class _ReadInto(torch.autograd.Function):
+    """The plain read op forward (it takes the table, not the buffer); the
+    backward adds the table's gradient into `grad_into` and gives the table
+    none. An autograd.Function rather than a custom op's autograd: the
+    buffer rides on ctx, so the forward op never takes it."""
 
+    @staticmethod
+    def forward(ctx, values, grad_into, indices, weights, kernel):
+        ctx.save_for_backward(values, indices, weights)
+        # Not saved as a tensor for backward: every read's backward writes it,
+        # and the version check of saved tensors would refuse the second one.
+        ctx.grad_into, ctx.kernel = grad_into, kernel
+        return torch.ops.memlm.embedding_bag(values, indices, weights, False, kernel)
 
-@_bag_into_op.register_fake
-def _(values, grad_into, indices, weights, kernel):
-    return values.new_empty(indices.shape[0], values.shape[1])
+    @staticmethod
+    def backward(ctx, grad_out):
+        values, indices, weights = ctx.saved_tensors
+        need_values, _, _, need_weights = ctx.needs_input_grad[:4]
+        gw = None
+        if need_values:
+            gw = torch.ops.memlm.embedding_bag_accumulate_(grad_out, values, ctx.grad_into, indices, weights,
+                                                            ctx.kernel, need_weights)
+        elif need_weights:
+            _, gw = torch.ops.memlm.embedding_bag_backward(grad_out, values, indices, weights, ctx.kernel, False,
+                                                            True)
+        return None, None, None, (gw if need_weights else None), None
 
 
 def _accumulate(grad_out, values, grad_into, indices, weights, kernel, need_weights):
@@ -352,27 +368,3 @@ def _bag_accumulate_op(grad_out: torch.Tensor, values: torch.Tensor, grad_into: 
 @_bag_accumulate_op.register_fake
 def _(grad_out, values, grad_into, indices, weights, kernel, need_weights):
     return weights.new_empty(weights.shape) if need_weights else weights.new_empty(0)
-
-
-def _bag_into_setup_context(ctx, inputs, output):
-    values, grad_into, indices, weights, kernel = inputs
-    ctx.save_for_backward(values, indices, weights)
-    # Not saved as a tensor for backward: every read's backward writes it, and
-    # the version check of saved tensors would refuse the second one.
-    ctx.grad_into, ctx.kernel = grad_into, kernel
-
-
-def _bag_into_backward(ctx, grad_out):
-    values, indices, weights = ctx.saved_tensors
-    grad_into = ctx.grad_into
-    need_values, _, _, need_weights = ctx.needs_input_grad[:4]
-    gw = None
-    if need_values:
-        gw = torch.ops.memlm.embedding_bag_accumulate_(grad_out, values, grad_into, indices, weights, ctx.kernel,
-                                                        need_weights)
-    elif need_weights:
-        _, gw = torch.ops.memlm.embedding_bag_backward(grad_out, values, indices, weights, ctx.kernel, False, True)
-    return None, None, None, (gw if need_weights else None), None
-
-
-_bag_into_op.register_autograd(_bag_into_backward, setup_context=_bag_into_setup_context)
