@@ -6,8 +6,8 @@
 # otherwise its summary line reads FAIL (or TIMEOUT) with the reason, and
 # the script exits non-zero. What each section proves, and its rule:
 #   env             the GPU, driver, torch/triton and the training modules are there.
-#                   FAIL: torch or triton not importable, no CUDA GPU, or hydra,
-#                   omegaconf or torchdata missing (bench/device_wheels.sh).
+#                   FAIL: torch or triton not importable, or no CUDA GPU. hydra, omegaconf or
+#                   torchdata missing (bench/device_wheels.sh) is reported; the sections needing them SKIP.
 #   kernel_tests    tests/unit/test_kernels*.py + row_dots run on CUDA: compiled Triton, no interpreter.
 #                   FAIL: a test fails or errors, no test ran, or a CUDA test was skipped.
 #   kernel_bench    bench/kernels.py --gpu-only: each kernel (Triton by slot and atomic, our
@@ -32,33 +32,44 @@
 #                   FAIL: a path raises or ends on a non-finite loss.
 #   equivalence     2 NCCL ranks (memory_parallel=2) == 1 process; only with >= 2 GPUs.
 #                   FAIL: a loss or weight more than 1e-3 off.
-#   speed_kernels   bench/gpu_speed.py kernels (issue #39): at the paper's read, every Triton algorithm
-#                   (segments, by_slot, atomic), the torch path, F.embedding_bag and the official
-#                   kernel (.official/, from bench/official_kernel.sh), checked then timed fwd, bwd,
-#                   fwd+bwd, and a sweep of the new launches. Not in the default list: SECTIONS="env speed".
-#                   FAIL: one of ours raises or is off the float32 reference by more than 2e-2 of its
-#                   max, or .official/ is missing (a dry run only notes it).
-#   speed_train     bench/gpu_speed.py train: 373M dense and Memory+, eager and compiled (Memory+
-#                   eager also on the first kernels), tokens/s and MFU.
+#   speed_kernels   bench/gpu_speed.py kernels (issue #49): at the paper's read, fp32 then bf16 tables,
+#                   our "segments" kernels (dense, accumulated into a gradient buffer, sparse), the first
+#                   kernels (bench/bag_variants.py), the torch path, F.embedding_bag and the official kernel
+#                   (.official/, from bench/official_kernel.sh), checked then timed fwd, bwd, fwd+bwd; a copy
+#                   baseline, an L2-resident table and a hot-slot case beside them.
+#                   FAIL: one of ours raises or is off the float32 reference (1e-4 fp32, 2e-2 bf16, of its
+#                   max), or .official/ is missing (a dry run only notes it).
+#   speed_sweep     bench/gpu_speed.py sweep: the "segments" launches at both dtypes (maxnreg and 1-warp
+#                   backward programs included; a candidate compiling to an earlier one's code is not timed).
+#                   FAIL: a candidate raises or is off the reference.
+#   speed_train     bench/gpu_speed.py train --mode eager: 373M dense, Memory+ with an fp32 and with a bf16
+#                   table, on the sweep's fastest launches; tokens/s, MFU, peak memory (reset per model).
 #                   FAIL: a run raises or ends on a non-finite loss.
-#   speed_profile   bench/gpu_speed.py profile: one Memory+ step under torch.profiler, by part.
-#                   FAIL: the step raises or no time was recorded.
-# SECTIONS="... compile ..." runs both compile sections; SECTIONS="... speed ..." the three speed
-# sections (limits 150 + 210 + 60 s: with env, about 7.5 minutes on one H200, issue #39's run). Everything goes
-# under $OUT: one log per section, JSON figures, a copy of docs/benchmarks.md
-# with the GPU kernel rows, and summary.txt (one line per section: status,
-# seconds, result). Budget: the limits below add up to 560 s on one GPU, but
-# a section that would pass $BUDGET_S (480 s) is shortened or skipped, so the
-# run ends within 8 minutes on one H200 (the first H200 run's sections took
-# 285 s before paths, which then has its full 120 s); each limit includes that section's
-# cold start (CUDA context, Triton and inductor compilation; the two compile
-# sections share inductor's on-disk cache for the dense block).
-# No installs: it runs the machine's python3 with its torch and triton
+#   speed_profile   bench/gpu_speed.py profile: one Memory+ (fp32 table) and one dense step under
+#                   torch.profiler, device time counted once, split (search, read fwd/bwd, table gradient
+#                   sum, clipping, optimizer, the rest); raw per-op and per-kernel tables in its JSON.
+#                   FAIL: a step raises or no device time was recorded.
+#   speed_compiled  bench/gpu_speed.py train --mode compiled: the same three models, parallel.compile=true.
+#                   FAIL: as speed_train.
+# SECTIONS="... compile ..." runs both compile sections; SECTIONS="... speed ..." the five speed sections
+# (issue #49's run: SECTIONS="env speed", limits 30 + 120 + 75 + 80 + 60 + 140 s, the budget below cuts
+# the last). Everything goes under $OUT: one log per section, JSON figures (written
+# after each row: a section cut by its limit keeps what finished), a copy of docs/benchmarks.md
+# with the GPU rows, wheels.log, and summary.txt (one line per section: status,
+# seconds, result). A section that would pass $BUDGET_S (480 s, counted from the
+# start, wheel installs included) is shortened or skipped, so the run ends within
+# 8 minutes; each limit includes that section's cold start (CUDA context, Triton
+# and inductor compilation).
+# No network: it runs the machine's python3 with its torch and triton
 # (written for torch >= 2.11 and triton >= 3.6; env prints both);
 # memlm is imported from this checkout. The training sections need
-# hydra-core, omegaconf and torchdata, which the H200 image lacks: run
-# `bash bench/device_wheels.sh` here first and carry ".whl" (installed
-# offline into a temporary folder).
+# hydra-core, omegaconf and torchdata, which the GPU images lack: run
+# `bash bench/device_wheels.sh` here first and carry ".whl". The script prints the
+# machine's Python version and installs the wheels one at a time into a
+# temporary folder (WHEELS=DIR: another folder), each said installed or refused
+# (a cp312 wheel on another Python). A section that needs a module still missing
+# is SKIPPED, its summary line naming the modules; the exit status is then 3
+# (0: every section ran and passed; 1: a section failed).
 #
 #   OUT=/tmp/out bash bench/device_check.sh
 #   DRY_RUN=1 OUT=/tmp/out bash bench/device_check.sh   # tiny versions on CPU: checks the plumbing
@@ -73,28 +84,56 @@ DRY_RUN="${DRY_RUN:-0}"
 SECTIONS="${SECTIONS:-env kernel_tests kernel_bench mfu nosync compile_dense compile_memplus paths equivalence}"
 SECTIONS=" ${SECTIONS} "
 SECTIONS="${SECTIONS// compile / compile_dense compile_memplus }"
-SECTIONS="${SECTIONS// speed / speed_kernels speed_train speed_profile }"
+SECTIONS="${SECTIONS// speed / speed_kernels speed_sweep speed_train speed_profile speed_compiled }"
 BUDGET_S="${BUDGET_S:-480}"
 mkdir -p "$OUT"
 cd "$REPO_ROOT"
 
+start=$SECONDS
 # The repository root *is* the package memlm: expose it under that name
 # through a symlink instead of `pip install -e` (no network there).
 PKG_DIR="$(mktemp -d)"
 trap 'rm -rf "$PKG_DIR"' EXIT
 ln -s "$REPO_ROOT" "$PKG_DIR/memlm"
-# Wheels fetched by bench/device_wheels.sh (hydra-core, omegaconf, ...: the
-# training path needs them, the machine's image lacks them) go to a
-# temporary site folder, without network.
-if [ -d "$REPO_ROOT/.whl" ] && [ "${DRY_RUN:-0}" != "1" ]; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$PKG_DIR/site" "$REPO_ROOT"/.whl/*.whl >"$OUT/wheels.log" 2>&1 \
-        || echo "installing .whl/ failed: see $OUT/wheels.log"
-fi
 export PYTHONPATH="$PKG_DIR:$PKG_DIR/site${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 export PYTHONUNBUFFERED=1  # a section killed by its timeout still leaves its log
 unset TRITON_INTERPRET  # compiled kernels only
+
+# Wheels fetched by bench/device_wheels.sh (hydra-core, omegaconf, torchdata, ...:
+# the training path needs them, the machine's image lacks them), one at a
+# time into a temporary site folder, without network; each said installed or refused.
+WHEELS="${WHEELS:-$REPO_ROOT/.whl}"
+PYVER="$("$PY" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null || echo "unknown (no $PY)")"
+echo "python: $PY, Python $PYVER" | tee "$OUT/wheels.log"
+refused=()
+if [ -d "$WHEELS" ]; then
+    for whl in "$WHEELS"/*.whl; do
+        [ -e "$whl" ] || continue
+        if pip_out="$("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$PKG_DIR/site" "$whl" 2>&1)"; then
+            echo "wheel installed: $(basename "$whl")" | tee -a "$OUT/wheels.log"
+        else
+            refused+=("$(basename "$whl")")
+            echo "wheel REFUSED on Python $PYVER: $(basename "$whl"): $(grep -m 1 ERROR <<<"$pip_out" || tail -n 1 <<<"$pip_out")" \
+                | tee -a "$OUT/wheels.log"
+        fi
+    done
+else
+    echo "no wheel folder $WHEELS (bench/device_wheels.sh makes .whl/)" | tee -a "$OUT/wheels.log"
+fi
+# The training modules still missing after the installs: the sections that need them are skipped.
+TRAIN_MISSING=()
+for mod in hydra omegaconf torchdata; do
+    "$PY" -c "import $mod" 2>/dev/null || TRAIN_MISSING+=("$mod")
+done
+TRAIN_WHY=""
+if [ "${#TRAIN_MISSING[@]}" -gt 0 ]; then
+    TRAIN_WHY="needs ${TRAIN_MISSING[*]}: not importable on Python $PYVER"
+    [ "${#refused[@]}" -gt 0 ] && TRAIN_WHY+="; wheels refused: ${refused[*]}"
+    [ -d "$WHEELS" ] || TRAIN_WHY+="; no wheel folder (bench/device_wheels.sh, carry .whl)"
+    echo "training modules missing: ${TRAIN_MISSING[*]} -> the training sections are skipped" | tee -a "$OUT/wheels.log"
+fi
 
 DRY_FLAG=()
 SCALE=1
@@ -106,10 +145,19 @@ fi
 
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
-start=$SECONDS
 failures=0
+skipped=()
 
 wanted() { [[ " $SECTIONS " == *" $1 "* ]]; }
+
+# trains NAME: whether section NAME (wanted) can import the training modules;
+# if not, its SKIPPED line says which are missing and why.
+trains() {
+    [ -z "$TRAIN_WHY" ] && return 0
+    skipped+=("$1")
+    printf '%-15s %-20s %5s  %s\n' "$1" "SKIPPED" "0s" "$TRAIN_WHY" | tee -a "$SUMMARY"
+    return 1
+}
 
 # run_section NAME LIMIT_S CMD...: run CMD with its output in $OUT/NAME.log,
 # killed after LIMIT_S x SCALE seconds (or what is left of the budget), and
@@ -148,8 +196,9 @@ run_section() {
 # env_report: versions and modules; exit 1 when something the other
 # sections need is missing (torch, triton, a CUDA GPU, the training modules).
 env_report() {
-    local missing=()
+    local missing=() absent=()
     echo "date: $(date -u +%FT%TZ)"
+    echo "python: $("$PY" -c 'import sys; print(sys.version.split()[0], sys.executable)' 2>&1)"
     echo "dry run: $DRY_RUN"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "nvidia-smi failed"
     "$PY" -c "import torch, memlm; print('torch', torch.__version__, '| cuda', torch.cuda.is_available(), '| gpus', torch.cuda.device_count(), '| memlm from', memlm.__path__[0])" \
@@ -160,7 +209,7 @@ env_report() {
             echo "$mod: ok"
         else
             echo "$mod: MISSING (bench/device_wheels.sh)"
-            case $mod in hydra|omegaconf|torchdata) missing+=("$mod") ;; esac
+            case $mod in hydra|omegaconf|torchdata) absent+=("$mod") ;; esac
         fi
     done
     local gpus
@@ -172,7 +221,9 @@ env_report() {
         echo "RESULT env FAIL: missing ${missing[*]}"
         return 1
     fi
-    echo "RESULT env ok: ${gpus:-0} GPU(s)"
+    local note=""
+    [ "${#absent[@]}" -gt 0 ] && note="; training modules missing: ${absent[*]} (the sections that need them are skipped)"
+    echo "RESULT env ok: ${gpus:-0} GPU(s)$note"
 }
 
 # kernel_tests_run PYTEST_ARGS...: pytest with a junit report, then one
@@ -250,38 +301,42 @@ fi
 TRAIN=("$PY" bench/device_train.py)
 MFU_FLAG=()
 [ -n "${MFU_FLOOR:-}" ] && MFU_FLAG=(--mfu-floor "$MFU_FLOOR")
-wanted mfu && run_section mfu 70 "${TRAIN[@]}" mfu ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} \
+wanted mfu && trains mfu && run_section mfu 70 "${TRAIN[@]}" mfu ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} \
     ${MFU_FLAG[@]+"${MFU_FLAG[@]}"} --json "$OUT/mfu.json"
-wanted nosync && run_section nosync 45 "${TRAIN[@]}" nosync ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/nosync.json"
+wanted nosync && trains nosync && run_section nosync 45 "${TRAIN[@]}" nosync ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} \
+    --json "$OUT/nosync.json"
 for variant in dense memplus; do
     limit=70
     [ "$variant" = memplus ] && limit=110
-    wanted "compile_$variant" && run_section "compile_$variant" "$limit" "${TRAIN[@]}" compile --variant "$variant" \
-        ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/compile_$variant.json"
+    wanted "compile_$variant" && trains "compile_$variant" && run_section "compile_$variant" "$limit" \
+        "${TRAIN[@]}" compile --variant "$variant" ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/compile_$variant.json"
 done
-wanted paths && run_section paths 120 "${TRAIN[@]}" paths ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/paths.json"
-# Issue #39's speed run (bench/gpu_speed.py). The kernels part runs under the
-# interpreter in a dry run; the official kernel comes from .official/ (carried).
+wanted paths && trains paths && run_section paths 120 "${TRAIN[@]}" paths ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} \
+    --json "$OUT/paths.json"
+# Issue #49's speed run (bench/gpu_speed.py), the decisive parts first. The
+# kernels and the sweep run under the interpreter in a dry run; the official
+# kernel comes from .official/ (carried); the training parts run on the
+# sweep's fastest launches (whatever its JSON holds when they start).
 SPEED=("$PY" bench/gpu_speed.py)
+KERNEL_ENV=()
+[ "$DRY_RUN" = "1" ] && KERNEL_ENV=(env TRITON_INTERPRET=1)
 OFFICIAL=()
 [ -d "$REPO_ROOT/.official" ] && OFFICIAL=(--official "$REPO_ROOT/.official")
-if wanted speed_kernels || wanted speed_train || wanted speed_profile; then
+SPEED_OUT=(--doc "$OUT/benchmarks.md")
+if [[ "$SECTIONS" == *" speed_"* ]]; then
     [ -f "$OUT/benchmarks.md" ] || cp docs/benchmarks.md "$OUT/benchmarks.md"  # the new rows go into this copy
 fi
-if wanted speed_kernels; then
-    if [ "$DRY_RUN" = "1" ]; then
-        run_section speed_kernels 150 env TRITON_INTERPRET=1 "${SPEED[@]}" kernels --dry-run \
-            ${OFFICIAL[@]+"${OFFICIAL[@]}"} --json "$OUT/speed_kernels.json" --doc "$OUT/benchmarks.md"
-    else
-        run_section speed_kernels 150 "${SPEED[@]}" kernels ${OFFICIAL[@]+"${OFFICIAL[@]}"} \
-            --json "$OUT/speed_kernels.json" --doc "$OUT/benchmarks.md"
-    fi
-fi
-wanted speed_train && run_section speed_train 210 "${SPEED[@]}" train ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} \
-    --json "$OUT/speed_train.json" --doc "$OUT/benchmarks.md"
-wanted speed_profile && run_section speed_profile 60 "${SPEED[@]}" profile ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} \
-    --json "$OUT/speed_profile.json" --doc "$OUT/benchmarks.md"
-if wanted equivalence; then
+wanted speed_kernels && run_section speed_kernels 120 ${KERNEL_ENV[@]+"${KERNEL_ENV[@]}"} "${SPEED[@]}" kernels \
+    ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} ${OFFICIAL[@]+"${OFFICIAL[@]}"} --json "$OUT/speed_kernels.json" "${SPEED_OUT[@]}"
+wanted speed_sweep && run_section speed_sweep 75 ${KERNEL_ENV[@]+"${KERNEL_ENV[@]}"} "${SPEED[@]}" sweep \
+    ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/speed_sweep.json" "${SPEED_OUT[@]}"
+wanted speed_train && trains speed_train && run_section speed_train 80 "${SPEED[@]}" train --mode eager \
+    ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --sweep "$OUT/speed_sweep.json" --json "$OUT/speed_train.json" "${SPEED_OUT[@]}"
+wanted speed_profile && trains speed_profile && run_section speed_profile 60 "${SPEED[@]}" profile \
+    ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --sweep "$OUT/speed_sweep.json" --json "$OUT/speed_profile.json" "${SPEED_OUT[@]}"
+wanted speed_compiled && trains speed_compiled && run_section speed_compiled 140 "${SPEED[@]}" train --mode compiled \
+    ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --sweep "$OUT/speed_sweep.json" --json "$OUT/speed_train.json" "${SPEED_OUT[@]}"
+if wanted equivalence && trains equivalence; then
     gpus="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
     if [ "$DRY_RUN" = "1" ] || [ "${gpus:-0}" -ge 2 ]; then
         run_section equivalence 60 "${TRAIN[@]}" equivalence ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} --json "$OUT/equivalence.json"
@@ -292,6 +347,10 @@ fi
 
 {
     echo "failed sections: $failures"
+    [ "${#skipped[@]}" -gt 0 ] && echo "skipped sections: ${#skipped[@]}: ${skipped[*]} ($TRAIN_WHY)"
     echo "wall: $((SECONDS - start)) s"
 } | tee -a "$SUMMARY"
-[ "$failures" -eq 0 ]
+if [ "$failures" -gt 0 ]; then
+    exit 1
+fi
+[ "${#skipped[@]}" -eq 0 ] || exit 3

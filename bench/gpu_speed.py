@@ -1,44 +1,47 @@
-"""Issue #39's device run: the memory read's kernels and the 373M training step, measured side by side on one GPU.
+"""Issue #49's device run: the memory read's kernels and the 373M training step, measured side by side on one GPU.
 
-    python bench/gpu_speed.py kernels --official .official --json OUT/k.json --doc OUT/benchmarks.md
-    python bench/gpu_speed.py train --json OUT/t.json --doc OUT/benchmarks.md
-    python bench/gpu_speed.py profile --json OUT/p.json --doc OUT/benchmarks.md
+    python bench/gpu_speed.py kernels --official .official --json OUT/speed_kernels.json --doc OUT/benchmarks.md
+    python bench/gpu_speed.py sweep --json OUT/speed_sweep.json --doc OUT/benchmarks.md
+    python bench/gpu_speed.py train --mode eager --sweep OUT/speed_sweep.json --json OUT/speed_train.json ...
+    python bench/gpu_speed.py profile --sweep OUT/speed_sweep.json --json OUT/speed_profile.json ...
+    python bench/gpu_speed.py train --mode compiled --sweep OUT/speed_sweep.json --json OUT/speed_train.json ...
+    python bench/gpu_speed.py doc OUT --doc docs/benchmarks.md   # the section again from a run's JSON
     python bench/gpu_speed.py kernels --dry-run    # tiny shapes on CPU (TRITON_INTERPRET=1): checks the plumbing
 
-bench/device_check.sh runs the three as sections speed_kernels, speed_train
-and speed_profile (SECTIONS="env speed"), about 7 minutes on one H200:
+bench/device_check.sh runs them as sections speed_kernels, speed_sweep,
+speed_train, speed_profile and speed_compiled (SECTIONS="env speed"):
 
-- kernels: at the paper's read (16,384 tokens x 4 heads x knn 32, 1M slots,
-  v_dim 1024, bf16 table) every Triton algorithm of memory/fast/triton_bag.py
-  ("segments", the default by construction; "by_slot" and "atomic", the
-  first kernels), our torch path, F.embedding_bag and the official
-  implementation's Triton embedding bag (facebookresearch/memory, copied by
-  bench/official_kernel.sh into an ignored folder, passed as --official):
-  each checked against a float32 F.embedding_bag, then timed forward,
-  backward (table and weights' gradients from a given output gradient) and
-  forward+backward (autograd); plus a sweep of the "segments" launches.
-  FAIL: one of ours raises or is off the reference by more than 2e-2 of its
-  max, or (on a GPU) --official is missing. The official kernel raising or
-  being off is reported, not a FAIL of ours.
-- train: the 373M model, bf16, 8 x 2,048 tokens, dense and Memory+ (1M
-  slots, 3 layers sharing one pool), eager and compiled, tokens/s and MFU;
-  Memory+ eager also with the first kernels (MEMLM_TRITON_BAG=by_slot).
+- kernels (bench/speed_kernels.py): at the paper's read, fp32 then bf16
+  tables, every variant checked against a float32 F.embedding_bag, then
+  timed fwd, bwd and fwd+bwd, beside a copy baseline, an L2-resident table
+  and a hot-slot case; the official kernel (--official) beside ours.
+  FAIL: one of ours raises or is off the reference, or (on a GPU)
+  --official is missing.
+- sweep (bench/launch_sweep.py): the "segments" launches at both dtypes,
+  maxnreg and 1-warp backward programs included; the fastest of each pass
+  and dtype is what the training parts run with (--sweep: triton_bag.MEASURED
+  in their process). FAIL: a candidate raises or is off the reference.
+- train: the 373M model, bf16 compute, 8 x 2,048 tokens: dense, Memory+
+  with an fp32 table and with a bf16 table (1M slots, 3 layers sharing one
+  pool); --mode eager or compiled (parallel.compile=true); tokens/s, MFU,
+  peak memory (reset between models). Both modes go into one JSON.
   FAIL: a run raises or ends on a non-finite loss.
-- profile: one eager Memory+ step under torch.profiler, device time by part
-  (search, read forward, read backward, optimizer step, the rest).
-  FAIL: the step raises or no time was recorded.
+- profile (bench/speed_profile.py): one Memory+ step (fp32 table) and one
+  dense step under torch.profiler, device time counted once and split:
+  search, read forward and backward, the table's gradient sum, clipping,
+  optimizer, the rest; the raw per-op and per-kernel tables go into the JSON.
+  FAIL: a step raises or no device time was recorded.
 
-Every figure comes from this run; the speed goals of issue #39 are printed
-as met / not met and never fail a section. Each part writes its JSON
-(--json) and its part of the "## GPU speed (bench/gpu_speed.py)" section of
---doc (default: none written), the other parts kept. A dry run's figures
-are CPU interpreter timings, labelled so.
+Every part writes its JSON after each row (a timeout keeps what finished)
+and its block of the "## GPU speed (bench/gpu_speed.py)" section of --doc
+when it ends. The speed goals of issue #49 are printed as met / not met and
+never fail a part. A dry run's figures are CPU timings, labelled so.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import gc
 import json
 import math
 import os
@@ -51,25 +54,18 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from kernels import block_sweep, checked, fwd_bytes, make_case, measure, reference, sweep_markdown, time_cuda  # noqa: E402
+from kernels import make_case, reference, time_cuda  # noqa: E402
 from report import machine_line, write_section  # noqa: E402
 
 TITLE = "## GPU speed (bench/gpu_speed.py)"
-# tokens, reads per token (heads x knn), slots, v_dim: the paper's read; the dry run's
-# (v_dim a power of two: the official kernel needs one).
-GPU_SHAPE = (16384, 128, 1 << 20, 1024)
-DRY_SHAPE = (16, 8, 64, 64)
-# Goals of issue #39 at GPU_SHAPE (reported, never a FAIL).
-GOAL_FWD_GBS = 3000.0
-GOAL_FWD_BWD_MS = 6.0
 GOAL_TOKENS_RATIO = 0.9
-ALGORITHM_NOTE = {"segments": "new: whole rows; blocked by-slot walk, weights' gradient fused",
-                  "by_slot": "the first kernels, the default until #39",
-                  "atomic": "the first forward, an atomic table gradient: not deterministic"}
+# The training runs: (name, overrides added to the variant's).
+TRAIN_RUNS = (("dense", "dense", []), ("memplus fp32", "memplus", []),
+              ("memplus bf16", "memplus", ["memory.value_dtype=bf16"]))
+HEADINGS = {"kernels": "Kernels", "sweep": "Launch sweep", "train": "Training step", "profile": "Profile"}
 
 
 # ------------------------------------------------------------------ helpers
@@ -84,20 +80,8 @@ def commit() -> str:
         return "unknown"
 
 
-def load_official(path: Path | None):
-    """The official module (xformer_embeddingbag.py in `path`), or None."""
-    if path is None:
-        return None
-    file = path / "xformer_embeddingbag.py" if path.is_dir() else path
-    spec = importlib.util.spec_from_file_location("official_xformer_embeddingbag", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def time_cpu(fn, repeats: int) -> float:
-    """Median seconds of `repeats` calls, no warm-up: the dry run's timer (its
-    figures only show that the plumbing runs)."""
+    """Median seconds of `repeats` calls, no warm-up: the dry run's timer (plumbing only)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -106,350 +90,320 @@ def time_cpu(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+class Recorder:
+    """The part's result, written to `path` (JSON) at every call.
+
+        record = Recorder(path, {"part": "kernels"}); record("rows", row); record("copy", {...})
+    "rows" and "results" append; any other key is set."""
+
+    def __init__(self, path: Path | None, data: dict):
+        self.path, self.data = path, data
+        self.write()
+
+    def __call__(self, key: str, value) -> None:
+        if key in ("rows", "results"):
+            self.data.setdefault(key, []).append(value)
+        else:
+            self.data[key] = value
+        self.write()
+
+    def write(self) -> None:
+        if self.path:
+            self.path.write_text(json.dumps(self.data, indent=1, default=str))
+
+
 def write_part(doc: Path, heading: str, body: str) -> None:
     """Replace the "### heading" part of TITLE's section in `doc`, keep the others."""
     text = doc.read_text() if doc.exists() else ""
     section = re.search(rf"^{re.escape(TITLE)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
     parts = re.findall(r"^(### .*?)(?=^### |\Z)", section.group(1), re.S | re.M) if section else []
-    kept = [p.strip() for p in parts if not p.startswith(f"### {heading}")]
+    kept = [p.strip() for p in parts if not p.startswith(f"### {heading}\n")]
     new = f"### {heading}\n\n{body.strip()}"
-    order = ["Kernels", "Training step", "Profile"]
-    blocks = sorted([*kept, new], key=lambda p: next((i for i, h in enumerate(order) if p.startswith(f"### {h}")),
+    order = list(HEADINGS.values())
+    blocks = sorted([*kept, new], key=lambda p: next((i for i, h in enumerate(order) if p.startswith(f"### {h}\n")),
                                                      len(order)))
     write_section(TITLE, "\n\n".join(blocks), doc)
 
 
-# ------------------------------------------------------------------ kernels
-def forward_variants(case, official) -> dict:
-    """name -> callable returning the output (B, V)."""
-    from memlm.memory.fast import triton_bag
-
-    values, indices, weights, _ = (t.detach() for t in case)
-    fns = {"segments": lambda: triton_bag.bag_forward(values, indices, weights, "segments"),
-           "by_slot": lambda: triton_bag.bag_forward(values, indices, weights, "by_slot"),
-           "F.embedding_bag": lambda: F.embedding_bag(indices, values, per_sample_weights=weights.to(values.dtype),
-                                                      mode="sum")}
-    if official is not None:
-        fns["official"] = lambda: official.embedding_bag_triton(indices, values, weights)
-    return fns
+def header(result: dict, what: str) -> str:
+    dry = "**DRY RUN on CPU: plumbing only, not speeds.**\n\n" if result.get("dry_run") else ""
+    return f"{dry}{result.get('machine', '')} Commit {result.get('commit', '?')}. {what}"
 
 
-def backward_variants(case, official) -> dict:
-    """name -> callable returning (table gradient, weights' gradient) from the output gradient."""
-    from memlm.memory.fast import ops, triton_bag
-
-    values, indices, weights, grad_out = (t.detach() for t in case)
-    fns = {}
-    for algorithm in triton_bag.ALGORITHMS:
-        fns[algorithm] = lambda a=algorithm: triton_bag.gradients(values, indices, weights, grad_out, algorithm=a)
-    fns["segments sparse"] = lambda: triton_bag.gradients(values, indices, weights, grad_out, sparse=True)
-    fns["torch"] = lambda: ops._bag_gradients(grad_out, values, indices, weights, False, "torch", True, True)
-    if official is not None:
-        fns["official"] = lambda: official.embedding_bag_bw_rev_indices(indices, values, weights, grad_out)
-        fns["official atomics"] = lambda: official.embedding_bag_bw2(indices, values, weights, grad_out, True)
-    return fns
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
-def train_variants(case, official) -> dict:
-    """name -> callable running forward + backward through autograd, returning (out, table grad, weights' grad)."""
-    from memlm.memory.fast import ops, triton_bag
-
-    values, indices, weights, grad_out = case
-
-    def run(read):
-        out = read()
-        return (out, *torch.autograd.grad(out, (values, weights), grad_out))
-
-    fns = {a: (lambda a=a: run(lambda: triton_bag.embedding_bag_triton(values, indices, weights, algorithm=a)))
-           for a in triton_bag.ALGORITHMS}
-    fns["torch"] = lambda: run(lambda: ops.embedding_bag(values, indices, weights, kernel="torch"))
-    if official is not None:
-        fns["official"] = lambda: run(lambda: official.xformers_embedding_bag(indices, values, weights))
-    return fns
+def _first_line(err: Exception) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
-def part_kernels(dry: bool, official_dir: Path | None, repeats: int) -> dict:
-    device = "cpu" if dry else "cuda"
-    shape = DRY_SHAPE if dry else GPU_SHAPE
-    timer = time_cpu if dry else time_cuda
-    failures, notes = [], []
-    official = checked("official import", notes, lambda: load_official(official_dir)) if official_dir else None
-    if official_dir is None:
-        (notes if dry else failures).append("the official kernel was not given (--official DIR: "
-                                            "bench/official_kernel.sh makes it)")
-    case = make_case(shape, torch.bfloat16, device)
-    ref = reference(case)
-    nbytes = fwd_bytes(shape, torch.bfloat16)
-    rows = []
-    passes = (("fwd", forward_variants, (0,)), ("bwd", backward_variants, (1, 2)),
-              ("fwd+bwd", train_variants, (0, 1, 2)))
-    for pass_, make, which in passes:
-        for name, fn in make(case, official).items():
-            ours = not (name.startswith("official") or name == "F.embedding_bag")
-            sec = measure(f"{pass_} {name}", fn, ref, which, timer, repeats, failures, notes, ours)
-            if sec is None:
-                continue
-            rows.append(dict(name=name, pass_=pass_, ms=sec * 1e3, gbs=nbytes / sec / 1e9 if pass_ == "fwd" else None))
-            print(f"{pass_:7s} {name:18s} {sec * 1e3:9.3f} ms" + (f"  {nbytes / sec / 1e9:6.0f} GB/s"
-                                                                if pass_ == "fwd" else ""), flush=True)
-    sweep = block_sweep(case, ref, repeats, failures, timer)
-    goals = kernel_goals(rows) if not dry else {}
-    return {"ok": not failures, "shape": shape, "rows": rows, "sweep": sweep, "failures": failures,
-            "notes": notes, "goals": goals, "official": str(official_dir) if official_dir else None,
-            "line": "; ".join(failures[:3]) if failures else f"{len(rows)} timings" + (
-                f"; official: {'; '.join(notes)}" if notes else "") + (
-                f"; goals: {', '.join(f'{k} {v}' for k, v in goals.items())}" if goals else "")}
+def apply_sweep(path: Path | None, record) -> None:
+    """The sweep's fastest launches into triton_bag.MEASURED (this process), recorded as "launches"."""
+    from launch_sweep import apply_best
+
+    if path is None or not path.exists():
+        record("launches", ["the rule's (no sweep given)" if path is None else f"the rule's ({path} missing)"])
+        return
+    sweeps = json.loads(path.read_text()).get("sweeps", {})
+    record("launches", apply_best(sweeps) or ["the rule's (the sweep timed nothing)"])
 
 
-def kernel_goals(rows) -> dict:
-    """Issue #39's kernel goals: met / not met (or not measured)."""
-    ms = {(r["name"], r["pass_"]): r["ms"] for r in rows}
-    gbs = {r["name"]: r["gbs"] for r in rows if r["gbs"]}
-    goals = {}
-    if "segments" in gbs:
-        goals["forward >= 3.0 TB/s"] = f"{'met' if gbs['segments'] >= GOAL_FWD_GBS else 'not met'} " \
-                                       f"({gbs['segments'] / 1e3:.2f} TB/s)"
-    if ("segments", "fwd+bwd") in ms:
-        t = ms[("segments", "fwd+bwd")]
-        goals["fwd+bwd <= 6 ms"] = f"{'met' if t <= GOAL_FWD_BWD_MS else 'not met'} ({t:.2f} ms)"
-    for pass_ in ("fwd", "bwd", "fwd+bwd"):
-        if ("official", pass_) in ms and ("segments", pass_) in ms:
-            ours, theirs = ms[("segments", pass_)], ms[("official", pass_)]
-            goals[f"{pass_} vs official"] = f"{'met' if ours <= theirs else 'not met'} ({theirs / ours:.2f}x)"
-    return goals
+# ------------------------------------------------------------------ kernels and sweep
+def part_kernels(args, record) -> dict:
+    import speed_kernels as sk
+
+    timer = time_cpu if args.dry_run else time_cuda
+    out = sk.part_kernels(args.dry_run, args.official, args.repeats or (1 if args.dry_run else 15), timer, record)
+    data = record.data
+    goals = {} if args.dry_run else sk.kernel_goals(data.get("rows", []), data.get("copy"),
+                                                    torch.cuda.get_device_name())
+    record("goals", goals)
+    failures = out["failures"]
+    line = "; ".join(failures[:3]) if failures else f"{len(data.get('rows', []))} timings" + (
+        f"; notes: {'; '.join(out['notes'])}" if out["notes"] else "") + (
+        f"; goals: {', '.join(f'{k} {v}' for k, v in goals.items())}" if goals else "")
+    return {"ok": not failures, "line": line}
 
 
-def kernels_markdown(result: dict, dry: bool) -> str:
-    tokens, reads, slots, v_dim = result["shape"]
-    official = {r["pass_"]: r["ms"] for r in result["rows"] if r["name"] == "official"}
-    lines = [("**DRY RUN on CPU (Triton interpreter): plumbing only, not speeds.**\n\n" if dry else "")
-             + f"{machine_line()} Commit {commit()}.", "",
-             f"{tokens:,} tokens x {reads} reads, {slots:,} slots, v_dim {v_dim}, bf16 table, fp32 weights; "
-             f"median of {'perf_counter' if dry else 'CUDA-event'} timings; every variant checked against a "
-             "float32 F.embedding_bag first. "
-             "bwd: both gradients from a given output gradient (sort included); fwd+bwd: through autograd.", "",
-             "| variant | pass | time | effective bandwidth | official / this |", "|---|---|---:|---:|---:|"]
-    for r in result["rows"]:
-        name = r["name"] + (f" ({ALGORITHM_NOTE[r['name']]})" if r["name"] in ALGORITHM_NOTE else "")
-        ratio = f"{official[r['pass_']] / r['ms']:.2f}x" if r["pass_"] in official else "-"
-        bandwidth = f"{r['gbs']:.0f} GB/s" if r["gbs"] else "-"
-        lines.append(f"| {name} | {r['pass_']} | {r['ms']:.3f} ms | {bandwidth} | {ratio} |")
-    lines += sweep_markdown(result["sweep"])
-    notes = [f"- {k}: {v}." for k, v in result["goals"].items()] + [f"- Not measured: {n}."
-                                                                     for n in result["notes"]]
-    lines += [""] + notes if notes else []
-    return "\n".join(lines)
+def part_sweep(args, record) -> dict:
+    import speed_kernels as sk
+    from launch_sweep import best_launches, dtype_of, sweep
+
+    timer = time_cpu if args.dry_run else time_cuda
+    shape = sk.DRY_SHAPE if args.dry_run else sk.GPU_SHAPE
+    device = "cpu" if args.dry_run else "cuda"
+    failures, sweeps = [], {}
+    record("sweeps", sweeps)
+    for name in ("float32", "bfloat16"):
+        case = make_case(shape, dtype_of(name), device)
+        ref = reference(case)
+        sweeps[name] = {"dtype": name, "elem_bytes": case[0].element_size()}
+
+        def keep(part, rows, name=name):
+            sweeps[name][part] = rows
+            record("sweeps", sweeps)
+
+        sweeps[name] = sweep(case, ref, args.repeats or (1 if args.dry_run else 10), failures, timer, keep)
+        record("sweeps", sweeps)
+        record("failures", failures)
+        del case, ref
+        _free()
+    best = [f"{what} {name} {tuple(la)}" for name, s in sweeps.items() for what, la in best_launches(s).items()]
+    return {"ok": not failures, "line": "; ".join(failures[:3]) if failures else "fastest: " + ", ".join(best)}
 
 
 # ------------------------------------------------------------------ train
-def part_train(dry: bool) -> dict:
-    """373M dense and Memory+, eager and compiled (and Memory+ eager on the first kernels)."""
+def part_train(args, record) -> dict:
+    """373M dense and Memory+ (fp32 and bf16 tables) in one mode; results appended to the JSON's."""
     import device_train as dt
 
-    from memlm.memory.fast import triton_bag
-
-    variants = dt._variants(dry)
-    runs = [("dense", "eager", None), ("memplus", "eager", None), ("memplus", "eager", "by_slot"),
-            ("dense", "compiled", None), ("memplus", "compiled", None)]
-    if dry:  # the interpreter is not used by the train step on CPU: the first kernels are the same run there
-        runs.remove(("memplus", "eager", "by_slot"))
-    results, failures = [], []
+    apply_sweep(args.sweep, record)
+    variants = dt._variants(args.dry_run)
+    failures = []
     with tempfile.TemporaryDirectory() as tmp:
-        for variant, mode, algorithm in runs:
-            label = f"{variant} {mode}" + (f" {algorithm}" if algorithm else "")
-            if algorithm:
-                os.environ[triton_bag.ALGORITHM_ENV] = algorithm
-            extra = ["parallel.compile=true"] if mode == "compiled" else []
+        for label, variant, extra in TRAIN_RUNS:
             try:
-                if mode == "compiled":
+                _free()
+                if args.mode == "compiled":
                     torch._dynamo.reset()
-                trainer = dt._trainer([*variants[variant], *extra], f"{tmp}/{label.replace(' ', '-')}")
+                compiled = ["parallel.compile=true"] if args.mode == "compiled" else []
+                trainer = dt._trainer([*variants[variant], *extra, *compiled], f"{tmp}/{label.replace(' ', '-')}")
                 start = time.perf_counter()
                 trainer.train_step(read=False)  # compiles when compiled
                 dt._sync(trainer.env.device)
                 first = time.perf_counter() - start
-                r = dt.timed_steps(trainer, 1 if dry else 3, 2 if dry else 10)
-                r.update(variant=variant, mode=mode, kernels=algorithm or "segments", first_step_s=first)
-                results.append(r)
-                print(f"PARTIAL speed_train {label}: {json.dumps(r)}", flush=True)
+                r = dt.timed_steps(trainer, 1 if args.dry_run else 3, 2 if args.dry_run else 10)
+                r.update(model=label, mode=args.mode, first_step_s=first)
+                record("results", r)
+                print(f"PARTIAL speed_{'train' if args.mode == 'eager' else 'compiled'} {label}: {json.dumps(r)}",
+                      flush=True)
                 if not math.isfinite(r["loss"]):
                     failures.append(f"{label}: loss {r['loss']} is not finite")
                 del trainer
             except Exception as err:  # noqa: BLE001 - recorded, the other runs go on
                 traceback.print_exc()
-                failures.append(f"{label}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+                failures.append(f"{label} {args.mode}: {_first_line(err)}")
             finally:
-                os.environ.pop(triton_bag.ALGORITHM_ENV, None)
-                dt._empty_cache()
-    ratios = train_ratios(results)
-    line = "; ".join(failures[:3]) if failures else ", ".join(
-        f"{r['variant']} {r['mode']}{'' if r['kernels'] == 'segments' else ' ' + r['kernels']} "
-        f"{r['tokens_per_s']:,.0f} tok/s" for r in results)
-    if ratios and not dry:
+                _free()
+    ratios = train_ratios(record.data.get("results", []))
+    record("ratios", ratios)
+    mine = [r for r in record.data.get("results", []) if r["mode"] == args.mode]
+    line = "; ".join(failures[:3]) if failures else ", ".join(f"{r['model']} {r['tokens_per_s']:,.0f} tok/s"
+                                                               for r in mine)
+    if ratios and not args.dry_run:
         line += "; Memory+/dense " + ", ".join(f"{k} {v:.2f}x (goal >= {GOAL_TOKENS_RATIO}: "
                                               f"{'met' if v >= GOAL_TOKENS_RATIO else 'not met'})"
                                               for k, v in ratios.items())
-    return {"ok": not failures, "results": results, "ratios": ratios, "failures": failures, "line": line}
+    return {"ok": not failures, "line": line}
 
 
 def train_ratios(results) -> dict:
-    """Memory+ tokens/s over dense's, per mode (new kernels)."""
-    by = {(r["variant"], r["mode"], r["kernels"]): r["tokens_per_s"] for r in results}
-    return {mode: by[("memplus", mode, "segments")] / by[("dense", mode, "segments")]
-            for mode in ("eager", "compiled")
-            if ("memplus", mode, "segments") in by and ("dense", mode, "segments") in by}
-
-
-def train_markdown(result: dict, dry: bool) -> str:
-    import device_train as dt
-
-    variants = dt._variants(dry)
-    model, memplus = " ".join(variants["dense"]), " ".join(variants["memplus"][len(variants["dense"]):])
-    lines = [("**DRY RUN on CPU (tiny models): plumbing only, not speeds.**\n\n" if dry else "")
-             + f"{machine_line()} Commit {commit()}.", "",
-             f"`{model}`, random tokens, the real Trainer; Memory+ adds `{memplus}`"
-             + ("" if dry else " (1M slots, 3 layers sharing one pool)")
-             + "; mean step time over the timed steps after warm-up; compiled = `parallel.compile=true`, its "
-             "first step includes the compilation.", "",
-             "| model | read kernels | mode | step | tokens/s | TFLOP/s | MFU | first step |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
-    for r in result["results"]:
-        mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
-        lines.append(f"| {r['variant']} | {r['kernels'] if r['variant'] == 'memplus' else '-'} | {r['mode']} | "
-                     f"{r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {mfu} | "
-                     f"{r['first_step_s']:.1f} s |")
-    lines += ["", *(f"- Memory+ / dense tokens/s, {k}: {v:.2f}x (goal >= {GOAL_TOKENS_RATIO})."
-                    for k, v in result["ratios"].items())]
-    return "\n".join(lines)
+    """{"<memplus run> <mode>": its tokens/s over dense's in the same mode}."""
+    by = {(r["model"], r["mode"]): r["tokens_per_s"] for r in results}
+    return {f"{model} {mode}": tps / by[("dense", mode)] for (model, mode), tps in by.items()
+            if model != "dense" and ("dense", mode) in by}
 
 
 # ------------------------------------------------------------------ profile
-# Device time of these ops (outermost match only) is one part each; the rest is "the rest".
-PROFILE_PARTS = (("search forward", ("memlm::product_key_search", "memlm::product_key_ranks",
-                                     "memlm::exact_subkey_scores")),
-                 ("search backward", ("memlm::product_key_search_backward",)),
-                 ("read forward", ("memlm::embedding_bag",)),
-                 ("read backward", ("memlm::embedding_bag_backward",)),
-                 ("optimizer step (all parameters, the value table's included)", ("Optimizer.step#",)))
-
-
-def _part_of(name: str) -> str | None:
-    for part, prefixes in PROFILE_PARTS:
-        if any(name == p or (p.endswith("#") and name.startswith(p)) for p in prefixes):
-            return part
-    return None
-
-
-def profile_breakdown(events, device_time: bool) -> dict:
-    """{part: milliseconds} from a profiler's FunctionEvents: each outermost event
-    of a part counts with its children's time; "total" is the sum of self times."""
-    def own(e):
-        return (e.self_device_time_total if device_time else e.self_cpu_time_total) / 1e3
-
-    def inclusive(e):
-        return (e.device_time_total if device_time else e.cpu_time_total) / 1e3
-
-    parts = {part: 0.0 for part, _ in PROFILE_PARTS}
-    total = 0.0
-    for e in events:
-        total += own(e)
-        part = _part_of(e.name)
-        if part is None:
-            continue
-        parent, nested = e.cpu_parent, False
-        while parent is not None:
-            if _part_of(parent.name) is not None:
-                nested = True
-                break
-            parent = parent.cpu_parent
-        if not nested:
-            parts[part] += inclusive(e)
-    parts["the rest"] = max(0.0, total - sum(parts.values()))
-    parts["total"] = total
-    return parts
-
-
-def part_profile(dry: bool) -> dict:
+def part_profile(args, record) -> dict:
+    """One Memory+ step (fp32 table) and one dense step under torch.profiler, split by part."""
     import device_train as dt
+    import speed_profile as sp
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = torch.cuda.is_available() and not dry
+    apply_sweep(args.sweep, record)
+    cuda = torch.cuda.is_available() and not args.dry_run
+    variants = dt._variants(args.dry_run)
+    failures, steps = [], {}
+    record("steps", steps)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = dt._trainer(dt._variants(dry)["memplus"], f"{tmp}/profile")
-        for _ in range(2):
-            trainer.train_step(read=False)
-        dt._sync(trainer.env.device)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        start = time.perf_counter()
-        with profile(activities=activities) as prof:
-            trainer.train_step(read=False)
-            dt._sync(trainer.env.device)
-        wall = time.perf_counter() - start
-        parts = profile_breakdown(prof.events(), cuda)
-        top = sorted(prof.key_averages(), key=lambda a: -(a.self_device_time_total if cuda else a.self_cpu_time_total))
-        kernels = [dict(name=a.key[:120], ms=(a.self_device_time_total if cuda else a.self_cpu_time_total) / 1e3,
-                        calls=a.count) for a in top[:15]]
-    ok = parts["total"] > 0
-    line = (f"step {wall * 1e3:.0f} ms wall, {parts['total']:.1f} ms {'device' if cuda else 'CPU'} time: "
-            + ", ".join(f"{k} {v / parts['total']:.0%}" for k, v in parts.items() if k != "total")
-            if ok else "no time recorded")
-    return {"ok": ok, "wall_s": wall, "parts_ms": parts, "top": kernels, "device_time": cuda, "line": line}
+        for variant in ("memplus", "dense"):
+            try:
+                _free()
+                trainer = dt._trainer(variants[variant], f"{tmp}/{variant}")
+                for _ in range(2):
+                    trainer.train_step(read=False)
+                dt._sync(trainer.env.device)
+                tables = {tuple(p.shape) for p in trainer.params[1]}
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                start = time.perf_counter()
+                with profile(activities=activities, record_shapes=True) as prof:
+                    trainer.train_step(read=False)
+                    dt._sync(trainer.env.device)
+                wall = time.perf_counter() - start
+                events = prof.events()
+                parts, ops = sp.split_device_time(events, tables, device=cuda)
+                steps[variant] = {"wall_s": wall, "device_time": cuda, "table_shapes": sorted(tables),
+                                  "parts_ms": parts, "shares": sp.shares(parts), "ops": list(ops.values()),
+                                  "kernels": sp.kernel_table(events)}
+                record("steps", steps)
+                if parts["total"] <= 0:
+                    failures.append(f"{variant}: no {'device' if cuda else 'CPU'} time recorded")
+                del trainer, prof, events
+            except Exception as err:  # noqa: BLE001 - recorded, the other step still runs
+                traceback.print_exc()
+                failures.append(f"{variant}: {_first_line(err)}")
+    line = "; ".join(failures[:3]) if failures else "; ".join(
+        f"{v} {s['parts_ms']['total']:.1f} ms: " + ", ".join(f"{k} {x:.0%}" for k, x in s["shares"].items() if x)
+        for v, s in steps.items())
+    return {"ok": not failures, "line": line}
 
 
-def profile_markdown(result: dict, dry: bool) -> str:
-    parts = result["parts_ms"]
-    kind = "device" if result["device_time"] else "CPU"
-    lines = [("**DRY RUN on CPU (tiny model): plumbing only, not speeds.**\n\n" if dry else "")
-             + f"{machine_line()} Commit {commit()}.", "",
-             f"One eager Memory+ step (the training part's model) under torch.profiler after 2 warm-up steps: "
-             f"{result['wall_s'] * 1e3:.0f} ms wall, {parts['total']:.1f} ms of {kind} time. A part is the "
-             f"{kind} time of its ops with everything they launch.", "",
-             "| part | time | share |", "|---|---:|---:|"]
-    for k, v in parts.items():
-        if k != "total":
-            lines.append(f"| {k} | {v:.2f} ms | {v / max(parts['total'], 1e-9):.1%} |")
-    lines += ["", "Largest by own time:", "", "| op or kernel | time | calls |", "|---|---:|---:|"]
-    lines += [f"| `{t['name']}` | {t['ms']:.2f} ms | {t['calls']} |" for t in result["top"][:10]]
+# ------------------------------------------------------------------ markdown
+def kernels_md(result: dict) -> str:
+    import speed_kernels as sk
+
+    return sk.kernels_markdown(result, header(result, "Kernels at the paper's read."))
+
+
+def sweep_md(result: dict) -> str:
+    from launch_sweep import sweep_markdown
+
+    lines = [header(result, "Median of the timed calls; each candidate checked against the float32 reference.")]
+    for s in result.get("sweeps", {}).values():
+        lines += sweep_markdown(s)
     return "\n".join(lines)
 
 
+def train_md(result: dict) -> str:
+    import device_train as dt
+
+    variants = dt._variants(result.get("dry_run", False))
+    model, memplus = " ".join(variants["dense"]), " ".join(variants["memplus"][len(variants["dense"]):])
+    lines = [header(result, f"`{model}`, random tokens, the real Trainer; Memory+ adds `{memplus}` (fp32 table "
+                            "unless bf16); mean step time over the timed steps after warm-up; compiled = "
+                            "`parallel.compile=true` (its first step includes the compilation); peak memory "
+                            "reset between models."),
+             f"Read kernels' launches: {'; '.join(result.get('launches', []))}.", "",
+             "| model | mode | step | tokens/s | TFLOP/s | MFU | peak memory | first step |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in result.get("results", []):
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
+        mem = f"{r['peak_mem_gib']:.1f} GiB" if r.get("peak_mem_gib") else "-"
+        lines.append(f"| {r['model']} | {r['mode']} | {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:,.0f} | "
+                     f"{r['tflops']:.1f} | {mfu} | {mem} | {r['first_step_s']:.1f} s |")
+    lines += ["", *(f"- {k} / dense tokens/s: {v:.2f}x (goal >= {GOAL_TOKENS_RATIO})."
+                    for k, v in result.get("ratios", {}).items())]
+    return "\n".join(lines)
+
+
+def profile_md(result: dict) -> str:
+    lines = [header(result, "One training step per model under torch.profiler after 2 warm-up steps; each "
+                            "kernel's device time counted once (bench/speed_profile.py says how ops are "
+                            "assigned to parts).")]
+    for variant, s in result.get("steps", {}).items():
+        parts, kind = s["parts_ms"], "device" if s["device_time"] else "CPU"
+        lines += ["", f"**{variant}**: {s['wall_s'] * 1e3:.0f} ms wall, {parts['total']:.1f} ms of {kind} time.", "",
+                  "| part | time | share |", "|---|---:|---:|"]
+        lines += [f"| {k} | {parts[k]:.2f} ms | {v:.1%} |" for k, v in s["shares"].items()]
+        lines += ["", "| largest ops (own device time) | part | time | calls |", "|---|---|---:|---:|"]
+        lines += [f"| `{o['op'][:90]}` | {o['part']} | {o['ms']:.2f} ms | {o['calls']} |" for o in s["ops"][:8]]
+    return "\n".join(lines)
+
+
+MARKDOWN = {"kernels": kernels_md, "sweep": sweep_md, "train": train_md, "profile": profile_md}
+JSON_NAMES = {"kernels": "speed_kernels.json", "sweep": "speed_sweep.json", "train": "speed_train.json",
+              "profile": "speed_profile.json"}
+
+
+def write_doc(out_dir: Path, doc: Path) -> list[str]:
+    """Every part whose JSON is in `out_dir` into `doc`; returns the parts written."""
+    done = []
+    for part, name in JSON_NAMES.items():
+        path = out_dir / name
+        if path.exists():
+            write_part(doc, HEADINGS[part], MARKDOWN[part](json.loads(path.read_text())))
+            done.append(part)
+    return done
+
+
 # ------------------------------------------------------------------ main
-PARTS = {"kernels": ("Kernels", kernels_markdown), "train": ("Training step", train_markdown),
-         "profile": ("Profile", profile_markdown)}
+PARTS = {"kernels": part_kernels, "sweep": part_sweep, "train": part_train, "profile": part_profile}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=sorted(PARTS))
-    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (kernels: TRITON_INTERPRET=1)")
+    parser.add_argument("part", choices=[*PARTS, "doc"])
+    parser.add_argument("out_dir", nargs="?", type=Path, help="doc: the run's folder of JSON files")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (kernels, sweep: TRITON_INTERPRET=1)")
     parser.add_argument("--official", type=Path, help="kernels: folder holding the official xformer_embeddingbag.py")
-    parser.add_argument("--repeats", type=int, help="kernels: timed calls per figure (default 20; dry run 1)")
-    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--repeats", type=int, help="kernels, sweep: timed calls per figure")
+    parser.add_argument("--mode", choices=("eager", "compiled"), default="eager", help="train: eager or compiled")
+    parser.add_argument("--sweep", type=Path, help="train, profile: the sweep's JSON (its fastest launches are used)")
+    parser.add_argument("--json", type=Path, help="write the figures here (after each row)")
     parser.add_argument("--doc", type=Path, help="markdown file whose GPU speed section gets this part")
     args = parser.parse_args(argv)
-    name = f"speed_{args.part}"
+    if args.part == "doc":
+        if args.out_dir is None or args.doc is None:
+            parser.error("doc needs the run's folder and --doc")
+        print(f"wrote {', '.join(write_doc(args.out_dir, args.doc)) or 'nothing'} into {args.doc}")
+        return 0
+    name = {"train": "speed_train" if args.mode == "eager" else "speed_compiled"}.get(args.part, f"speed_{args.part}")
     if not args.dry_run and not torch.cuda.is_available():
         print(f"RESULT {name} FAIL: no CUDA device (use --dry-run on CPU)", flush=True)
         return 1
-    if args.dry_run and args.part == "kernels" and os.environ.get("TRITON_INTERPRET") != "1":
+    if args.dry_run and args.part in ("kernels", "sweep") and os.environ.get("TRITON_INTERPRET") != "1":
         print(f"RESULT {name} FAIL: a dry run of the kernels needs TRITON_INTERPRET=1 set at start", flush=True)
         return 1
+    base = {"part": args.part, "commit": commit(), "machine": machine_line(), "dry_run": args.dry_run}
+    if args.part == "train" and args.json and args.json.exists():  # the other mode's results are kept
+        kept = json.loads(args.json.read_text())
+        base["results"] = [r for r in kept.get("results", []) if r.get("mode") != args.mode]
+    record = Recorder(args.json, base)
     try:
-        if args.part == "kernels":
-            result = part_kernels(args.dry_run, args.official, args.repeats or (1 if args.dry_run else 20))
-        elif args.part == "train":
-            result = part_train(args.dry_run)
-        else:
-            result = part_profile(args.dry_run)
+        result = PARTS[args.part](args, record)
     except Exception as err:  # noqa: BLE001 - any error fails the part, named
         traceback.print_exc()
-        result = {"ok": False, "line": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
-    result.update(commit=commit(), machine=machine_line(), dry_run=args.dry_run)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1, default=str))
-    if args.doc and any(key in result for key in ("rows", "results", "parts_ms")):  # figures to show
-        heading, markdown = PARTS[args.part]
-        write_part(args.doc, heading, markdown(result, args.dry_run))
+        result = {"ok": False, "line": _first_line(err)}
+    record("ok", result["ok"])
+    record("line", result["line"])
+    if args.doc:
+        write_part(args.doc, HEADINGS[args.part], MARKDOWN[args.part](record.data))
     print(f"RESULT {name} {'ok' if result['ok'] else 'FAIL'}: {result['line']}", flush=True)
     return 0 if result["ok"] else 1
 

@@ -15,7 +15,7 @@ F.embedding_bag at scaled-down shapes, forward and forward+backward (table
 and weight gradients), dense and sparse table gradients; goal: no slower.
 GPU rows (only when CUDA is present): the Triton kernels vs F.embedding_bag
 at the paper's shapes (16K tokens, 4 heads x 32 reads, 1M slots, v_dim 1024,
-bf16), plus a block-size sweep of the Triton kernels.
+bf16), plus the launch sweep of bench/launch_sweep.py.
 
 Effective bandwidth = (bytes of the table rows read + bytes of the output
 written) / forward time: the traffic a read cannot avoid. Every figure is
@@ -52,12 +52,7 @@ GPU_KERNELS = ("triton", "triton-by_slot", "triton-atomic", "torch", "F.embeddin
 # dtype: float32 accumulation-order noise, and bf16's 8-bit significand (output
 # and table gradient rounded to bf16: ~0.4% of a value, a few of them summed).
 RESULT_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-# The sweep's candidates for the "segments" kernels: (BLOCK_B, BLOCK_K, num_warps, num_stages)
-# forward, (BLOCK_S, BLOCK_K, num_warps, num_stages) backward; BLOCK_D is the rule's.
-FORWARD_SWEEP = ((1, 4, 4, 1), (1, 8, 4, 1), (1, 16, 4, 1), (2, 8, 4, 1), (1, 8, 2, 1), (1, 8, 8, 1),
-                 (1, 8, 1, 1), (1, 8, 4, 2), (1, 8, 4, 3))
-SEGMENTS_SWEEP = ((8, 4, 4, 1), (4, 4, 4, 1), (16, 4, 4, 1), (32, 4, 4, 1), (8, 2, 4, 1), (8, 8, 4, 1),
-                  (8, 4, 2, 1), (8, 4, 8, 1), (16, 2, 2, 1))
+
 
 
 def make_case(shape, dtype, device, seed=0):
@@ -287,7 +282,9 @@ def bench_gpu(shape, repeats: int, sweep: bool, failures: list[str], device: str
                   + (f"  {nbytes / sec / 1e9:7.0f} GB/s" if not train else ""), flush=True)
         torch.cuda.empty_cache()
     if sweep:
-        sweeps = block_sweep(case, ref_results, repeats, failures, timer)
+        from launch_sweep import sweep as launch_sweep
+
+        sweeps = launch_sweep(case, ref_results, repeats, failures, timer)
     return rows, sweeps
 
 
@@ -311,11 +308,12 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def measure(label: str, fn, ref, which, timer, repeats, failures, notes, ours: bool):
-    """Check fn()'s results against ref, then time it: seconds, or None (why goes
-    to failures for ours, to notes for the others)."""
+def measure(label: str, fn, ref, which, timer, repeats, failures, notes, ours: bool, dtype=torch.bfloat16):
+    """Check fn()'s results against ref (within RESULT_TOL[dtype], the table's
+    dtype), then time it: seconds, or None (why goes to failures for ours, to
+    notes for the others)."""
     sink = failures if ours else notes
-    off = checked(label, sink, lambda: off_by(fn() if len(which) > 1 else (fn(),), ref, which) or "")
+    off = checked(label, sink, lambda: off_by(fn() if len(which) > 1 else (fn(),), ref, which, dtype) or "")
     if off is None:
         return None
     if off:
@@ -327,72 +325,6 @@ def measure(label: str, fn, ref, which, timer, repeats, failures, notes, ours: b
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return sec
-
-
-def block_sweep(case, ref, repeats: int, failures: list[str], timer=time_cuda) -> dict:
-    """The "segments" launches of FORWARD_SWEEP and SEGMENTS_SWEEP, each checked, then timed."""
-    from memlm.memory.fast import triton_bag
-
-    values, indices, weights, grad_out = (t.detach() for t in case)
-    tokens, reads = indices.shape
-    base_f = triton_bag.forward_launch(values.shape[1], reads, tokens, values.dtype)
-    base_s = triton_bag.segments_launch(values.shape[1], values.dtype)
-    nbytes = fwd_bytes((tokens, reads, *values.shape), values.dtype)
-    out = {"forward": [], "segments": [], "sort_ms": None, "elem_bytes": values.element_size()}
-    forward = [base_f] + [base_f._replace(block_b=bb, block_k=bk, num_warps=warps, num_stages=stages)
-                          for bb, bk, warps, stages in FORWARD_SWEEP]
-    for launch in dict.fromkeys(forward):  # the rule's default first, once
-        sec = measure(f"sweep forward {tuple(launch)}", lambda la=launch: triton_bag.bag_forward(
-            values, indices, weights, launch=la), ref, (0,), timer, repeats, failures, [], True)
-        if sec is not None:
-            out["forward"].append(dict(launch=list(launch), ms=sec * 1e3, gbs=nbytes / sec / 1e9))
-            print(f"sweep forward {tuple(launch)}: {sec * 1e3:.3f} ms, {nbytes / sec / 1e9:.0f} GB/s", flush=True)
-    sort = checked("sort", failures, lambda: timer(lambda: triton_bag.group_by_slot(indices, values.shape[0]),
-                                                   repeats))
-    out["sort_ms"] = None if sort is None else sort * 1e3
-    order, seg_start, _ = triton_bag.group_by_slot(indices, values.shape[0])
-    segments = [base_s] + [base_s._replace(block_b=bs, block_k=bk, num_warps=warps, num_stages=stages)
-                           for bs, bk, warps, stages in SEGMENTS_SWEEP]
-    for launch in dict.fromkeys(segments):
-        sec = measure(f"sweep segments {tuple(launch)}", lambda la=launch: triton_bag.segment_gradients(
-            values, grad_out, order, seg_start, None, weights, True, la), ref, (1, 2), timer, repeats, failures,
-            [], True)
-        if sec is not None:
-            out["segments"].append(dict(launch=list(launch), ms=sec * 1e3))
-            print(f"sweep segments {tuple(launch)}: {sec * 1e3:.3f} ms (after the sort)", flush=True)
-    return out
-
-
-def best_launches(sweep: dict) -> list[tuple[str, str, str]]:
-    """(pass, MEASURED key, Launch) of the sweep's fastest launches: what triton_bag.MEASURED would take."""
-    from memlm.memory.fast import triton_bag
-
-    out = []
-    for what in ("forward", "segments"):
-        if sweep[what]:
-            best = min(sweep[what], key=lambda s: s["ms"])
-            launch = triton_bag.Launch(*best["launch"])
-            out.append((what, f"triton_bag.MEASURED[({what!r}, {launch.block_d}, {sweep['elem_bytes']})]",
-                        repr(launch)))
-    return out
-
-
-def sweep_markdown(sweep: dict) -> list[str]:
-    """The sweep's tables and its fastest launches (what triton_bag.MEASURED would take)."""
-    lines = []
-    if sweep.get("forward"):
-        lines += ["", "Sweep of the \"segments\" forward, Launch(BLOCK_B, BLOCK_K, BLOCK_D, warps, stages); "
-                  "the first row is the rule's default:", "",
-                  "| launch | time | effective bandwidth |", "|---|---:|---:|"]
-        lines += [f"| {tuple(s['launch'])} | {s['ms']:.3f} ms | {s['gbs']:.0f} GB/s |" for s in sweep["forward"]]
-    if sweep.get("segments"):
-        sort = f"; the sort before it (group_by_slot) takes {sweep['sort_ms']:.3f} ms" if sweep.get("sort_ms") else ""
-        lines += ["", "Sweep of the \"segments\" backward kernel (both gradients), Launch(BLOCK_S, BLOCK_K, "
-                  f"BLOCK_D, warps, stages){sort}; the first row is the rule's default:", "",
-                  "| launch | time |", "|---|---:|"]
-        lines += [f"| {tuple(s['launch'])} | {s['ms']:.3f} ms |" for s in sweep["segments"]]
-    best = [f"- Fastest {what} launch: {launch} ({key})." for what, key, launch in best_launches(sweep)]
-    return lines + ([""] + best if best else [])
 
 
 def cpu_markdown(rows, shape, threads) -> str:
@@ -432,7 +364,10 @@ def gpu_markdown(rows, sweeps, shape) -> str:
         bw = f"{r['gbs']:.0f} GB/s" if r["gbs"] else "-"
         ratio = f"{ref[r['pass_']] / r['ms']:.2f}x" if r["pass_"] in ref else "-"
         lines.append(f"| {r['name']} | {r['pass_']} | {r['ms']:.3f} ms | {bw} | {ratio} |")
-    lines += sweep_markdown(sweeps) if sweeps else []
+    if sweeps:
+        from launch_sweep import sweep_markdown
+
+        lines += sweep_markdown(sweeps)
     return "\n".join(lines)
 
 
