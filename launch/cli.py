@@ -32,10 +32,16 @@ def _add_slurm_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time", default="", help="sbatch --time, e.g. 24:00:00 or 2-00:00:00")
     g.add_argument("--account", default="", help="sbatch --account")
     g.add_argument("--qos", default="", help="sbatch --qos")
-    g.add_argument("--cpus-per-task", type=int, default=0, help="sbatch --cpus-per-task (0: cluster default)")
-    g.add_argument("--port", type=int, default=29500, help="c10d rendezvous port on the first node (default 29500)")
+    g.add_argument("--cpus-per-task", type=int, default=0,
+                   help="CPUs per node for its torchrun agent and all its ranks, passed to sbatch and srun "
+                        "(default 0: whole nodes, sbatch --exclusive)")
+    g.add_argument("--mem", default="0", help="memory per node, e.g. 500G (default 0: all of the node's memory)")
+    g.add_argument("--port", type=int, default=0,
+                   help="c10d rendezvous port on the first node (default 0: 20000 + job id %% 10000)")
+    g.add_argument("--signal", default="USR1", choices=("USR1", "TERM"),
+                   help="the signal Slurm sends before the time limit: checkpoint + requeue (default USR1)")
     g.add_argument("--signal-seconds", type=int, default=120,
-                   help="SIGUSR1 this many seconds before the time limit: checkpoint + requeue (default 120)")
+                   help="how many seconds before the time limit the signal comes (default 120)")
     g.add_argument("--sbatch-arg", action="append", default=[], metavar="OPTION",
                    help="extra sbatch option, repeatable, e.g. --sbatch-arg=--constraint=h100")
     g.add_argument("--python", default=sys.executable, help="python on the nodes (default: this interpreter)")
@@ -81,8 +87,8 @@ def slurm_options(args: argparse.Namespace):
 
     return SlurmOptions(nodes=args.nodes, gpus_per_node=args.gpus_per_node, partition=args.partition,
                         time=args.time, account=args.account, qos=args.qos, cpus_per_task=args.cpus_per_task,
-                        port=args.port, max_restarts=args.max_restarts, signal_seconds=args.signal_seconds,
-                        sbatch_args=list(args.sbatch_arg), python=args.python)
+                        mem=args.mem, port=args.port, max_restarts=args.max_restarts, signal=args.signal,
+                        signal_seconds=args.signal_seconds, sbatch_args=list(args.sbatch_arg), python=args.python)
 
 
 @entry_point
