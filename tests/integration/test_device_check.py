@@ -40,6 +40,9 @@ def _load(name: str):
 kernels = _load("kernels")
 device_train = _load("device_train")
 gpu_speed = _load("gpu_speed")
+speed_kernels = _load("speed_kernels")
+speed_profile = _load("speed_profile")
+launch_sweep = _load("launch_sweep")
 
 
 def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
@@ -60,7 +63,8 @@ def test_script_is_valid_bash():
 def test_header_lists_every_section_with_its_rule():
     header = SCRIPT.read_text().split("set -uo pipefail")[0]
     for section in ("env", "kernel_tests", "kernel_bench", "mfu", "nosync", "compile_dense", "compile_memplus",
-                    "paths", "equivalence", "speed_kernels", "speed_train", "speed_profile"):
+                    "paths", "equivalence", "speed_kernels", "speed_sweep", "speed_train", "speed_profile",
+                    "speed_compiled"):
         assert f"#   {section} " in header, section
     assert header.count("FAIL:") >= 8  # a rule for each section (the two compile sections share one)
 
@@ -183,32 +187,160 @@ def test_speed_check_records_ours_as_failures_and_the_official_as_notes():
 
 
 def test_speed_goals_are_judged_not_failed():
-    rows = [dict(name="segments", pass_="fwd", ms=1.5, gbs=2900.0), dict(name="official", pass_="fwd", ms=1.4,
-                                                                         gbs=3100.0),
-            dict(name="segments", pass_="fwd+bwd", ms=5.0, gbs=None), dict(name="official", pass_="fwd+bwd", ms=9.0,
-                                                                           gbs=None)]
-    goals = gpu_speed.kernel_goals(rows)
-    assert goals["forward >= 3.0 TB/s"].startswith("not met")
+    def row(name, pass_, ms, gbs=None, dtype="bfloat16"):
+        return dict(dtype=dtype, case="uniform", name=name, pass_=pass_, ms=ms, gbs=gbs)
+
+    rows = [row("segments", "fwd", 1.5, 2900.0), row("official", "fwd", 1.4, 3100.0), row("segments", "fwd+bwd", 5.0),
+            row("official", "fwd+bwd", 9.0), row("segments", "fwd", 1.0, 9000.0, dtype="float32")]
+    goals = speed_kernels.kernel_goals(rows, None, "NVIDIA H200")
+    assert goals["forward >= 3.0 TB/s"].startswith("not met (2900")  # the bf16 row, not the fp32 one
     assert goals["fwd+bwd <= 6 ms"].startswith("met") and goals["fwd+bwd vs official"].startswith("met (1.80x)")
     assert goals["fwd vs official"].startswith("not met")
+    # Not an H200: the bar is 85% of this run's copy bandwidth.
+    h100 = speed_kernels.kernel_goals(rows, {"gbs": 3400.0}, "NVIDIA H100 80GB HBM3")
+    assert h100 == {**{k: v for k, v in goals.items() if not k.startswith("forward >=")},
+                    "forward >= 85% of the copy (3400 GB/s)": "met (2900 GB/s)"}
 
 
 class _Event:
-    def __init__(self, name, own, inclusive, parent=None):
-        self.name, self.cpu_parent = name, parent
-        self.self_cpu_time_total, self.cpu_time_total = own * 1e3, inclusive * 1e3
+    """A profiler FunctionEvent's fields that bench/speed_profile.py reads."""
+
+    def __init__(self, name, ms, parent=None, device=False, shapes=()):
+        from torch.autograd import DeviceType
+
+        self.name, self.cpu_parent, self.is_async = name, parent, False
+        self.device_type = DeviceType.CUDA if device else DeviceType.CPU
+        self.self_device_time_total = ms * 1e3  # microseconds, as the profiler gives them
+        self.self_cpu_time_total = 0.0
+        self.input_shapes = [list(s) for s in shapes]
 
 
-def test_profile_breakdown_counts_each_part_once():
-    step = _Event("train_step", 1.0, 10.0)
-    search = _Event("memlm::product_key_search", 1.0, 3.0, step)
-    inner = _Event("memlm::exact_subkey_scores", 2.0, 2.0, search)  # inside the search: not counted again
-    read = _Event("memlm::embedding_bag", 2.0, 2.0, step)
-    optim = _Event("Optimizer.step#AdamW.step", 4.0, 4.0)
-    parts = gpu_speed.profile_breakdown([step, search, inner, read, optim], device_time=False)
-    assert parts["search forward"] == 3.0 and parts["read forward"] == 2.0 and parts["read backward"] == 0.0
-    assert parts["optimizer step (all parameters, the value table's included)"] == 4.0
-    assert parts["total"] == 10.0 and parts["the rest"] == 1.0
+def _step_events():
+    """A Memory+ step as the profiler lists it: CPU ops (self device time = the
+    kernels each launched itself) and the same kernels again as device events,
+    plus one kernel no op claims. Times are binary fractions: sums are exact."""
+    table = (64, 8)
+    E = _Event
+    step = E("ProfilerStep", 0.0)
+    search = E("memlm::product_key_search", 1.0, step)
+    inner = E("memlm::exact_subkey_scores", 0.5, search)            # nested: the search's part, once
+    read = E("memlm::embedding_bag_into", 2.0, step)
+    node = E("autograd::engine::evaluate_function: GeneratedBackwardFor_memlm_embedding_bag_into_defaultBackward",
+             0.0, step)
+    accumulate = E("memlm::embedding_bag_accumulate_", 3.0, node)
+    autograd_sum = E("aten::add_", 4.0, node, shapes=[table, table])  # a table-sized add outside the read op
+    mm_node = E("autograd::engine::evaluate_function: GeneratedBackwardFor_memlm_exact_linear_defaultBackward",
+                0.0, step)
+    mm = E("aten::mm", 0.25, mm_node, shapes=[(4, 8), (8, 8)])
+    optim = E("Optimizer.step#TableAdamW.step", 0.0)
+    norm = E("aten::_foreach_norm", 0.75, optim)                        # the clip's norm inside the step
+    adamw = E("memlm::table_adamw_", 6.0, optim, shapes=[table])
+    attention = E("aten::_flash_attention_forward", 8.0, step)
+    cpu_ops = [step, search, inner, read, node, accumulate, autograd_sum, mm_node, mm, optim, norm, adamw, attention]
+    kernels = [E(f"kernel {e.name}", e.self_device_time_total / 1e3, device=True)
+               for e in cpu_ops if e.self_device_time_total]
+    return cpu_ops + kernels + [E("an unlinked memset", 0.5, device=True)], {table}
+
+
+def test_profile_counts_each_device_op_once_and_shares_sum_to_100_percent():
+    events, tables = _step_events()
+    parts, ops = speed_profile.split_device_time(events, tables)
+    assert parts["total"] == 26.0  # the device events' durations: 25.5 launched by ops + 0.5 unlinked
+    assert parts == {"search forward": 1.5, "search backward": 0.0, "read forward": 2.0, "read backward": 3.0,
+                     "exact fp32 projections": 0.25, "table gradient sum / zeroing": 4.0, "clipping / norm": 0.75,
+                     "optimizer step": 6.0, "the rest": 8.5, "total": 26.0}
+    shares = speed_profile.shares(parts)
+    assert sum(shares.values()) == 1.0 and set(shares) == set(parts) - {"total"}
+    assert ops["aten::add_ [table gradient sum / zeroing]"] == {"op": "aten::add_",
+                                                                "part": "table gradient sum / zeroing",
+                                                                "ms": 4.0, "calls": 1}
+    # Summing every event's self device time (kernels and the ops that launched them) counts each kernel twice.
+    assert sum(e.self_device_time_total for e in events) / 1e3 == 2 * 25.5 + 0.5
+
+
+def test_profile_of_a_dense_model_has_no_table_parts():
+    events, _ = _step_events()
+    parts, _ = speed_profile.split_device_time(events, set())
+    # No table: the add_ goes with the backward node it ran under.
+    assert parts["table gradient sum / zeroing"] == 0.0 and parts["read backward"] == 7.0 and parts["the rest"] == 8.5
+
+
+def test_profile_kernel_table_sums_device_events():
+    events, _ = _step_events()
+    table = speed_profile.kernel_table(events)
+    assert table[0] == {"kernel": "kernel aten::_flash_attention_forward", "ms": 8.0, "calls": 1}
+    assert sum(r["ms"] for r in table) == 26.0
+
+
+def test_sweep_reaches_maxnreg_and_one_warp_backward_and_no_duplicate_stages():
+    from memlm.memory.fast import triton_bag
+
+    base = triton_bag.Launch(1, 8, 1024, 4, 1)
+    forward = launch_sweep.candidates(base, launch_sweep.FORWARD_SWEEP)
+    backward = launch_sweep.candidates(triton_bag.Launch(8, 4, 1024, 8, 1), launch_sweep.SEGMENTS_SWEEP)
+    for launches in (forward, backward):
+        assert len(set(launches)) == len(launches)
+        assert {la.num_stages for la in launches} == {1}  # stages 2 and 3 compiled to stage 1's code
+        assert any(la.maxnreg for la in launches) and launches[0] in (base, backward[0])
+    assert any(la.num_warps == 1 for la in backward)
+
+
+def test_sweep_times_no_candidate_compiling_to_earlier_code():
+    """Two launches whose compiled code hashes alike: the second is recorded, not timed."""
+    from memlm.memory.fast import triton_bag
+
+    class Compiled:
+        def __init__(self, code):
+            self.asm = {"cubin": code}
+
+    class Jit:  # Triton's JITFunction cache: device -> (kernel cache, ...)
+        device_caches = {0: ({}, None)}
+
+    launches = [triton_bag.Launch(1, 8, 64, 4, 1), triton_bag.Launch(1, 8, 64, 4, 1, 255),
+                triton_bag.Launch(1, 16, 64, 4, 1)]
+    code = {launches[0]: b"A", launches[1]: b"A", launches[2]: b"B"}
+    timed = []
+
+    def call(launch):
+        Jit.device_caches[0][0][launch] = Compiled(code[launch])
+        return torch.zeros(1)
+
+    def measure(label, fn, *args):
+        timed.append(label)
+        return 1e-3
+
+    recorded = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch_sweep, "measure", measure)
+        rows = launch_sweep._run_candidates("forward", launches, call, Jit, None, (0,), None, 1, [], torch.float32,
+                                            0, recorded.append)
+    assert [r.get("same_code_as") for r in rows] == [None, list(launches[0]), None]
+    assert len(timed) == 2 and recorded[-1] == rows
+
+
+def test_best_launches_go_into_measured(monkeypatch):
+    from memlm.memory.fast import triton_bag
+
+    monkeypatch.setattr(triton_bag, "MEASURED", {})
+    sweep = {"dtype": "float32", "elem_bytes": 4,
+             "forward": [dict(launch=[1, 4, 1024, 8, 1, None], ms=2.0), dict(launch=[1, 16, 1024, 4, 1, 255], ms=1.5),
+                         dict(launch=[1, 16, 1024, 4, 1, 128], same_code_as=[1, 16, 1024, 4, 1, 255])],
+             "segments": [dict(launch=[8, 4, 1024, 1, 1, None], ms=3.0)]}
+    applied = launch_sweep.apply_best({"float32": sweep})
+    assert triton_bag.MEASURED == {("forward", 1024, 4): triton_bag.Launch(1, 16, 1024, 4, 1, 255),
+                                   ("segments", 1024, 4): triton_bag.Launch(8, 4, 1024, 1, 1, None)}
+    assert applied == ["forward float32: (1, 16, 1024, 4, 1, 255)", "segments float32: (8, 4, 1024, 1, 1, None)"]
+
+
+def test_recorder_writes_the_json_after_every_row(tmp_path):
+    path = tmp_path / "part.json"
+    record = gpu_speed.Recorder(path, {"part": "kernels"})
+    record("rows", {"ms": 1.0})
+    assert json.loads(path.read_text()) == {"part": "kernels", "rows": [{"ms": 1.0}]}
+    record("rows", {"ms": 2.0})
+    record("copy", {"gbs": 3.0})
+    assert json.loads(path.read_text()) == {"part": "kernels", "rows": [{"ms": 1.0}, {"ms": 2.0}],
+                                            "copy": {"gbs": 3.0}}
 
 
 def test_speed_parts_replace_only_their_own_part(tmp_path):
@@ -506,17 +638,63 @@ def test_dry_run_passes(tmp_path):
 
 @pytest.mark.slow
 def test_speed_dry_run_passes(tmp_path):
-    """Issue #39's device run (SECTIONS="env speed") on CPU: the kernels part
-    under the interpreter (with the official kernel when bench/official_kernel.sh
-    has copied it here), tiny train and profile parts; JSON and doc rows written."""
+    """Issue #49's device run (SECTIONS="env speed") on CPU: the kernels and the
+    sweep under the interpreter (with the official kernel when
+    bench/official_kernel.sh has copied it here), tiny train, profile and
+    compiled parts; JSON and doc rows written, the doc regenerated from the JSON."""
     result = _run(tmp_path, PYTHON=sys.executable, SECTIONS="env speed", DRY_RUN="1")
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert result.returncode == 0, summary + result.stdout[-3000:]
-    for part in ("kernels", "train", "profile"):
-        assert " ok " in _summary_line(tmp_path, f"speed_{part}"), summary
-        assert json.loads((tmp_path / "out" / f"speed_{part}.json").read_text())["dry_run"] is True
-    doc = (tmp_path / "out" / "benchmarks.md").read_text()
+    for section in ("speed_kernels", "speed_sweep", "speed_train", "speed_profile", "speed_compiled"):
+        assert " ok " in _summary_line(tmp_path, section), summary
+    out = tmp_path / "out"
+    for part in ("kernels", "sweep", "train", "profile"):
+        assert json.loads((out / f"speed_{part}.json").read_text())["dry_run"] is True
+    train = json.loads((out / "speed_train.json").read_text())
+    assert {(r["model"], r["mode"]) for r in train["results"]} == {
+        (m, mode) for m in ("dense", "memplus fp32", "memplus bf16") for mode in ("eager", "compiled")}
+    assert train["launches"][0].startswith("forward float32: (")  # the sweep's fastest, applied
+    kernels_json = json.loads((out / "speed_kernels.json").read_text())
+    assert {r["dtype"] for r in kernels_json["rows"]} == {"float32", "bfloat16"} and kernels_json["copy"]["gbs"] > 0
+    assert {r["case"] for r in kernels_json["rows"]} == {"uniform", "L2-resident", "hot slots"}
+    doc = (out / "benchmarks.md").read_text()
     section = doc.split("## GPU speed (bench/gpu_speed.py)", 1)[1]
-    assert section.count("DRY RUN on CPU") == 3
-    for name in ("segments", "by_slot", "atomic", "F.embedding_bag"):
+    assert section.count("DRY RUN on CPU") == 4
+    for name in ("segments", "by_slot", "atomic", "F.embedding_bag", "segments accumulate"):
         assert f"| {name}" in section, name
+    again = tmp_path / "again.md"
+    assert gpu_speed.main(["doc", str(out), "--doc", str(again)]) == 0
+    assert again.read_text().split("## GPU speed (bench/gpu_speed.py)", 1)[1] == section
+
+
+@pytest.mark.slow
+def test_wheels_for_another_python_are_refused_and_the_sections_needing_them_skipped(tmp_path):
+    """A GPU image without hydra, omegaconf and torchdata, and wheels built for
+    another Python: each wheel is tried alone and named as refused, env still
+    passes, every section needing the modules says SKIPPED and why, the
+    summary names them, and the exit status is 3 (nothing failed, some skipped)."""
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    other = f"cp{sys.version_info[0]}{sys.version_info[1] + 1}"
+    for name in ("hydra_core-1.3.8", "omegaconf-2.3.1", "torchdata-0.11.0"):
+        (wheels / f"{name}-{other}-{other}-manylinux_2_17_x86_64.whl").write_bytes(b"")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nfor m in ('hydra', 'omegaconf', 'torchdata'):\n"
+                                           "    sys.modules[m] = None  # the image lacks them\n")
+    sections = "env mfu speed_train speed_profile speed_compiled"
+    result = _run(tmp_path, PYTHON=sys.executable, SECTIONS=sections, DRY_RUN="1", WHEELS=str(wheels),
+                  PYTHONPATH=str(site))
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert result.returncode == 3, summary + result.stdout[-3000:]
+    version = ".".join(map(str, sys.version_info[:3]))
+    assert f"Python {version}" in result.stdout
+    assert result.stdout.count(f"wheel REFUSED on Python {version}: ") == 3 and "not a supported wheel" in result.stdout
+    assert " ok " in _summary_line(tmp_path, "env")
+    assert "training modules missing: hydra omegaconf torchdata" in _summary_line(tmp_path, "env")
+    for section in sections.split()[1:]:
+        line = _summary_line(tmp_path, section)
+        assert "SKIPPED" in line and f"needs hydra omegaconf torchdata: not importable on Python {version}" in line
+        assert "wheels refused: hydra_core-1.3.8-" in line, line
+    assert "skipped sections: 4: mfu speed_train speed_profile speed_compiled" in summary
+    assert "failed sections: 0" in summary
