@@ -17,7 +17,7 @@ DESCRIPTION = """Turn a memlm config (or a sweep of configs) into training proce
   python -m memlm.launch local --nproc 2 -- model=tiny data=synthetic steps=200
   python -m memlm.launch local --nproc 8 --nnodes 2 --rdzv-endpoint node0:29500 -- ...   (run on each node)
   python -m memlm.launch slurm --nodes 4 --gpus-per-node 8 --time 24:00:00 [--dry-run] -- model=1b memory=memplus
-  python -m memlm.launch sweep 'memory.n_keys=128,256' 'memory.knn=16,32' -- memory=memplus steps=500
+  python -m memlm.launch sweep 'memory.n_keys=128,256' 'memory.knn=16,32' -- memory=memplus memory.layers=[1]
   python -m memlm.launch sweep 'optim.lr=range(1,4)' --slurm --nodes 1 --gpus-per-node 8 -- ...
 
 Details: docs/launch.md. `<command> --help` lists each command's options.

@@ -2,7 +2,7 @@
 overrides, one run per point, run locally (one after another, or `--jobs N` at a time)
 or submitted to Slurm.
 
-    python -m memlm.launch sweep 'memory.n_keys=128,256' 'memory.knn=16,32' -- memory=memplus steps=500
+    python -m memlm.launch sweep 'memory.n_keys=128,256' 'memory.knn=16,32' -- memory=memplus memory.layers=[1]
 
 Sweep syntax is Hydra's own (parsed by its OverridesParser): `a,b,c`,
 `choice(a,b)`, `range(start,stop[,step])`, `glob(pattern)` for config groups

@@ -208,3 +208,83 @@ def test_one_point_sweep_is_labelled_by_its_arguments():
     assert [point_label(p, swept) for p in points] == ["memory.n_keys=32"]
     swept, points = expand(["memory.n_keys=32,64", "optim.lr=1e-3"])
     assert [point_label(p, swept) for p in points] == ["memory.n_keys=32", "memory.n_keys=64"]
+
+
+def test_a_base_value_every_point_overrides_does_not_refuse_the_sweep(recorded, tmp_path, capsys):
+    """The issue's sweep: the memplus preset's memory.knn=32 exceeds memory.n_keys=16, but every point sets
+    its own knn; each point is validated as composed, and an invalid one is named."""
+    base = ["--", "memory=memplus", "memory.layers=[1]", "memory.n_keys=16", "memory.eval_knn=8", "memory.k_dim=64",
+            "data=synthetic", "steps=20", "name=k2", f"dump_dir={tmp_path}"]
+    assert main(["sweep", "memory.knn=4,8", "--dry-run", *base]) == 0
+    assert [line.split("memory.knn=")[1].split()[0] for line in capsys.readouterr().out.splitlines()] == ["4", "8"]
+    assert main(["sweep", "memory.knn=4,32", "--dry-run", *base]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: invalid config value memory.knn=32"), err
+    assert err.endswith("(sweep point 2/2: memory.knn=32)"), err
+    assert multirun(["-m", "memory.knn=4,8", *base[1:]]) == 0  # memlm.train -m: the same points run
+    assert [[a for a in cmd if a.startswith("memory.knn=")] for cmd in recorded] == [["memory.knn=4"],
+                                                                                  ["memory.knn=8"]]
+    assert multirun(["-m", "memory.knn=4,32", *base[1:]]) == 2
+    assert "(sweep point 2/2: memory.knn=32)" in capsys.readouterr().err
+
+
+def test_memplus_on_a_shallow_model_names_memory_layers():
+    """memory=memplus spreads more layers than the default 2-block model has: the error says how to place them."""
+    from memlm.config.run import compose
+
+    with pytest.raises(ConfigError, match=r"memory.spread=\d+: an integer in \[0, 2\] \(model.n_layers=2\).*"
+                                          r"name the blocks with memory.layers=\[1\], or set memory.spread<=2"):
+        compose(["memory=memplus"])
+    assert compose(["memory=memplus", "memory.layers=[1]"]).memory.resolved_layers(2) == [1]
+
+
+# ---- every launch command of docs/launch.md, in a tiny form ---------------------------------------
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "launch.md"
+
+
+def _docs_commands() -> list[list[str]]:
+    """The `python -m memlm.launch` and `python -m memlm.train -m` commands of docs/launch.md's bash blocks,
+    as argument lists after `python -m` (continuation lines joined, comments dropped)."""
+    import shlex
+
+    blocks = re.findall(r"^```bash\n(.*?)^```", DOCS.read_text(), flags=re.S | re.M)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    words = [shlex.split(line, comments=True) for line in lines]
+    return [w[2:] for w in words if w[:3] in (["python", "-m", "memlm.launch"], ["python", "-m", "memlm.train"])]
+
+
+def test_every_launch_command_of_the_docs_runs(recorded, tmp_path, monkeypatch, capsys):
+    """Slurm commands and sweeps as dry runs, `local` with torchrun recorded instead of run; `...` (the
+    run's overrides) becomes the tiny run."""
+    monkeypatch.chdir(tmp_path)
+    commands = _docs_commands()
+    kinds = set()
+    for words in commands:
+        args = [a for w in words[1:] for a in (TINY if w == "..." else [w])]
+        before = len(recorded)
+        if words[0] == "memlm.train":
+            assert multirun(args) == 0, (words, capsys.readouterr().err)
+            kind, started = "train -m", len(recorded) - before
+            assert started == len(expand([a for a in args if a != "-m"])[1]) > 1, words  # one process per point
+        else:
+            kind = args[0]
+            if kind in ("slurm", "sweep") and "--dry-run" not in args:
+                args.insert(args.index("--"), "--dry-run")
+            assert main(args) == 0, (words, capsys.readouterr().err)
+            started = len(recorded) - before
+            assert started == (kind == "local"), words  # a dry run starts no process
+            if kind == "local":
+                assert recorded[-1][1:3] == ["-m", "torch.distributed.run"], recorded[-1]
+        kinds.add(kind)
+    assert kinds == {"local", "slurm", "sweep", "train -m"}, commands
+
+
+def test_the_docs_error_example_is_the_error(capsys):
+    """docs/launch.md shows the error of a world size memory_parallel does not divide, as printed."""
+    text = DOCS.read_text()
+    shown = text[text.index("$ python -m memlm.launch local --nproc 3"):]
+    command, message = shown.split("\n", 1)
+    message = " ".join(message[:message.index("```")].split())
+    assert main(command.split()[4:]) == 2
+    assert " ".join(capsys.readouterr().err.split()) == message
