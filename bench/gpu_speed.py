@@ -370,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=[*PARTS, "doc"])
     parser.add_argument("out_dir", nargs="?", type=Path, help="doc: the run's folder of JSON files")
-    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (kernels, sweep: TRITON_INTERPRET=1)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="tiny shapes on CPU (kernels, sweep: TRITON_INTERPRET=1)")
     parser.add_argument("--official", type=Path, help="kernels: folder holding the official xformer_embeddingbag.py")
     parser.add_argument("--repeats", type=int, help="kernels, sweep: timed calls per figure")
     parser.add_argument("--mode", choices=("eager", "compiled"), default="eager", help="train: eager or compiled")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 
 import torch
-
 from kernels import checked, fwd_bytes, measure, time_cuda
 
 # (BLOCK_B, BLOCK_K, num_warps, maxnreg) of the forward; (BLOCK_S, BLOCK_K, num_warps, maxnreg) of the backward.

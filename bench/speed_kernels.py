@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from kernels import checked, fwd_bytes, make_case, measure, reference
 
 # tokens, reads per token (heads x knn), slots, v_dim: the paper's read; the dry run's
@@ -153,7 +152,7 @@ def dtype_rows(dtype, shape, device, official, timer, repeats, failures, notes, 
         for variant, fn in make(case, official).items():
             ours = not (variant.startswith("official") or variant == "F.embedding_bag")
             # The comparison-only variants get a third of the timed calls (the run's minutes are few).
-            reps = repeats if variant.startswith(("segments", "official")) else max(1, repeats // 3)
+            reps = repeats if variant.startswith(("segments", "official")) else max(1, repeats // 3)  # as "repeats"
             sec = measure(f"{name} {pass_} {variant}", fn, ref, which, timer, reps, failures, notes, ours, dtype)
             if sec is None:
                 continue
@@ -202,6 +201,7 @@ def part_kernels(dry: bool, official_dir: Path | None, repeats: int, timer, reco
         (notes if dry else failures).append("the official kernel was not given (--official DIR: "
                                             "bench/official_kernel.sh makes it)")
     record("shape", list(shape))
+    record("repeats", [repeats, max(1, repeats // 3)])
     copy = checked("copy", failures, lambda: copy_baseline(device, timer, repeats, 1 << 20 if dry else COPY_BYTES))
     record("copy", copy)
     for dtype in DTYPES:
@@ -238,11 +238,13 @@ def kernel_goals(rows, copy: dict | None, device_name: str) -> dict:
 
 def kernels_markdown(result: dict, header: str) -> str:
     tokens, reads, slots, v_dim = result["shape"]
+    ours, others = result.get("repeats", ["?", "?"])
     rows = result.get("rows", [])
     lines = [header, "",
              f"{tokens:,} tokens x {reads} reads, {slots:,} slots, v_dim {v_dim}, fp32 weights; median of the "
-             "timed calls (15 for ours and the official kernel, 5 for the others); every variant checked against a float32 F.embedding_bag first. bwd: both gradients "
-             "from a given output gradient (sort included); fwd+bwd: through autograd. L2-resident: "
+             f"timed calls ({ours} for ours and the official kernel, {others} for the others); every variant "
+             "checked against a float32 F.embedding_bag first. bwd: both gradients from a given output gradient "
+             "(sort included); fwd+bwd: through autograd. L2-resident: "
              f"{L2_SLOTS:,} slots; hot slots: {HOT_SHARE:.0%} of the reads on {HOT_SLOTS} slots."]
     if result.get("copy"):
         c = result["copy"]
