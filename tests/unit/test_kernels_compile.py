@@ -48,9 +48,9 @@ CHILD = textwrap.dedent("""
                    K="i32", V="i32")
     def rows_consts(cfg, wide):
         return dict(BLOCK_B=cfg.block_b, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, WIDE=wide)
-    def seg_consts(cfg, dense, fuse, wide):
+    def seg_consts(cfg, dense, fuse, wide, accumulate=False):
         return dict(BLOCK_S=cfg.block_b, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, DENSE=dense, FUSE_W=fuse,
-                    WIDE=wide)
+                    WIDE=wide, ACCUMULATE=accumulate)
     new = {
         "rows_forward": (tb._rows_forward_kernel, rows_sig, rows_consts(fwd, False), fwd),
         "rows_forward_int64": (tb._rows_forward_kernel, dict(rows_sig, indices="*i64", stride_v="i64"),
@@ -59,6 +59,8 @@ CHILD = textwrap.dedent("""
                                   rows_consts(fwd96, False), fwd96),
         "segments_dense": (tb._segments_kernel, seg_sig, seg_consts(seg, True, True, False), seg),
         "segments_sparse": (tb._segments_kernel, seg_sig, seg_consts(seg, False, True, False), seg),
+        # The gradient buffer's walk (memory/fast/ops.py, grad_into): adds into the read rows.
+        "segments_accumulate": (tb._segments_kernel, seg_sig, seg_consts(seg, True, True, False, True), seg),
         "segments_unfused_int64": (tb._segments_kernel, dict(seg_sig, order="*i64", seg_start="*i64"),
                                    seg_consts(seg, True, False, True), seg),
     }
@@ -111,10 +113,11 @@ def test_kernels_compile_for_sm90_without_spills():
     report = json.loads(proc.stdout.split("REPORT ", 1)[1].splitlines()[0])
     scalar_loads = json.loads(proc.stdout.split("SCALAR ", 1)[1].splitlines()[0])
     # The new kernels read bf16 rows as 16-byte vectors (ld.global.v4), never one element at a time.
-    for name in ("rows_forward", "rows_forward_int64", "segments_dense", "segments_sparse"):
+    for name in ("rows_forward", "rows_forward_int64", "segments_dense", "segments_sparse", "segments_accumulate"):
         assert scalar_loads[name] == 0, (name, scalar_loads)
     assert set(report) == {"forward", "table_grad", "weight_grad", "atomic", "rows_forward", "rows_forward_int64",
-                           "rows_forward_fp32_v96", "segments_dense", "segments_sparse", "segments_unfused_int64"}
+                           "rows_forward_fp32_v96", "segments_dense", "segments_sparse", "segments_accumulate",
+                           "segments_unfused_int64"}
     for name, lines in report.items():
         for line in lines:  # "REG:64 STACK:0 SHARED:0 LOCAL:0 ...": STACK/LOCAL > 0 means spills
             fields = dict(item.split(":", 1) for item in line.split())
