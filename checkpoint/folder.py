@@ -24,6 +24,7 @@ import datetime
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,12 @@ META_TYPES = {"step": int, "world_size": int, "tokens": int, "scheduler": dict, 
 
 class CheckpointError(MemlmError, RuntimeError):
     """A checkpoint folder that is missing, half-written, damaged or refused (its message names the file)."""
+
+
+def missing_checkpoint(path: Path | str) -> CheckpointError:
+    """The one error of every command for a model path that does not exist (exit code 1, as any file
+    the user hands in that is missing)."""
+    return CheckpointError(f"no checkpoint at {path}: the directory does not exist")
 
 
 def step_of(name: str) -> int | None:
@@ -115,7 +122,7 @@ def read_meta(directory: Path) -> dict[str, Any]:
     directory = Path(directory)
     path = directory / META
     if not directory.is_dir():
-        raise CheckpointError(f"no checkpoint at {directory}: the directory does not exist")
+        raise missing_checkpoint(directory)
     if not path.is_file():
         raise CheckpointError(f"{directory} is not a complete checkpoint: {path} is missing")
     try:
@@ -174,15 +181,20 @@ def latest_checkpoint(root: Path) -> Path | None:
     left it between the two renames of a re-save, its `.old_` or complete
     `.tmp_` copy (same step); if `latest` is missing or dangling, the newest
     complete checkpoint. None when there is none."""
+    path = root / LATEST
     try:
-        name = (root / LATEST).read_text().strip()
+        name = path.read_text().strip()
     except (OSError, UnicodeDecodeError):
-        name = ""
-    if step_of(name) is not None and name.startswith(PREFIX):
+        name = None if not path.exists() else "<unreadable>"
+    if name is not None and step_of(name) is not None and name.startswith(PREFIX):
         for candidate in (root / name, root / f"{OLD}{name}", root / f"{TMP}{name}"):
             if (candidate / META).is_file():
                 return candidate
     found = complete_checkpoints(root)
+    if name is not None:  # a `latest` that names no complete checkpoint: said, not silently passed over
+        instead = f"reading the newest complete checkpoint, {found[0].name}" if found else "and there is none"
+        print(f"[checkpoint] warning: {path} names no complete checkpoint ({name[:60]!r}), {instead}",
+              file=sys.stderr, flush=True)
     return found[0] if found else None
 
 

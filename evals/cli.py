@@ -91,12 +91,12 @@ def check_paths(top: dict[str, str], samples: bool = False) -> None:
     (possibly long) model load: the checkpoint exists, out= is a .json file an
     export needs whose report files (`samples`: with the samples file) replace
     only an earlier report, with replace=true, the tokenizer file exists."""
+    from memlm.checkpoint.folder import missing_checkpoint
     from memlm.hf.load import is_export_dir
 
     checkpoint = Path(top["checkpoint"])
-    if not checkpoint.exists():
-        raise ConfigError("checkpoint", top["checkpoint"],
-                          "an existing checkpoint folder, run dump_dir or export folder")
+    if not checkpoint.exists():  # a missing input: exit 1 from every command (export, generate, slot_usage)
+        raise missing_checkpoint(checkpoint)
     export = is_export_dir(checkpoint)
     if top.get("replace", "false").lower() not in ("true", "false"):
         raise ConfigError("replace", top["replace"], "true or false")

@@ -41,11 +41,12 @@ def load(path: str | Path, device: str = "cpu", tokenizer: str | Path | None = N
     """(model in eval mode, Tokenizer) from a checkpoint folder, a `latest`
     file, a run's dump_dir or an export folder; `tokenizer` overrides the
     sentencepiece model the checkpoint names."""
+    from memlm.checkpoint.folder import missing_checkpoint
     from memlm.data.tokenizer import Tokenizer
     from memlm.hf.load import load_model
 
-    if not Path(path).exists():
-        raise ConfigError("checkpoint", str(path), "an existing checkpoint folder, run dump_dir or export folder")
+    if not Path(path).exists():  # a missing input: exit 1 from every command
+        raise missing_checkpoint(path)
     if tokenizer is not None and not Path(tokenizer).is_file():
         raise ConfigError("tokenizer", str(tokenizer), "an existing sentencepiece .model file")
     loaded = load_model(path, device)

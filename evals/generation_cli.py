@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from memlm.checkpoint.folder import missing_checkpoint
     from memlm.evals.cli import _device
     from memlm.evals.generation import check_request, generate, load
     from memlm.evals.sampling import Sampling
@@ -107,8 +108,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ConfigError("max_new_tokens", args.max_new_tokens, "an integer >= 1")
     device = _device(args.device)
-    if not Path(args.checkpoint).exists():
-        raise ConfigError("checkpoint", args.checkpoint, "an existing checkpoint folder, run dump_dir or export folder")
+    if not Path(args.checkpoint).exists():  # a missing input: exit 1 from every command
+        raise missing_checkpoint(args.checkpoint)
     print(f"[generate] loading {args.checkpoint} on {device}", file=sys.stderr, flush=True)
     model, tokenizer = load(args.checkpoint, device, args.tokenizer)
     check_request(model, args.max_new_tokens, args.batch_size, stop)

@@ -68,7 +68,6 @@ def test_cli_help_and_bad_input(run_dir, data_dir, tmp_path, capsys):
     assert "checkpoint=<path>" in capsys.readouterr().out
     cases = [
         (["tasks=[synthetic_qa]"], "checkpoint"),
-        ([f"checkpoint={tmp_path / 'nothing'}", "tasks=[synthetic_qa]"], "an existing checkpoint folder"),
         ([f"checkpoint={run_dir}", "tasks=[squad]"], "eval.tasks='squad': one of: nq_open"),
         ([f"checkpoint={run_dir}"], "tasks=[nq_open,mmlu]"),
         ([f"checkpoint={run_dir}", "tasks=[synthetic_qa]", "out=x.txt"], "a path ending in .json"),
@@ -83,6 +82,9 @@ def test_cli_help_and_bad_input(run_dir, data_dir, tmp_path, capsys):
     # memlm.train and memlm.launch (docs/errors.md).
     assert main([f"checkpoint={run_dir}", "tasks=[mmlu]", f"data_dir={data_dir}"]) == 1
     assert "mmlu/test" in capsys.readouterr().err
+    # So is a checkpoint that is not there, as from memlm.hf.export, memlm.generate and slot_usage.
+    assert main([f"checkpoint={tmp_path / 'nothing'}", "tasks=[synthetic_qa]"]) == 1
+    assert f"no checkpoint at {tmp_path / 'nothing'}" in capsys.readouterr().err
 
 
 def test_cli_eval_run_takes_the_runs_own_eval_settings(run_dir, tmp_path, capsys):
