@@ -88,7 +88,8 @@ def write_study(out: str, entities: int = 1000, new_entities: int = 200, rounds:
 
     tokenizer = os.path.join(out, "tokenizer.model")
     train_tokenizer(texts, tokenizer, vocab_size, character_coverage=1.0, input_sentence_size=0, seed=seed,
-                    num_threads=1, hard_vocab_limit=False)
+                    num_threads=1, hard_vocab_limit=False,
+                    keys={"vocab_size": "--vocab-size", "character_coverage": ""})
     manifest = {"entities": entities, "new_entities": new_entities, "rounds": rounds, "people": people,
                 "docs_per_person": docs_per_person, "qa_fraction": qa_fraction, "attributes": attributes,
                 "values": values, "vocab_size": vocab_size, "seed": seed,

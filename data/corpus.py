@@ -190,5 +190,6 @@ def _materialize(cfg: DataConfig, folder: str, names: tuple[str, ...], required:
                 docs = (json.loads(line)["text"] for line in fh)
                 # hard_vocab_limit=False: a small corpus may support fewer pieces than asked for.
                 train_tokenizer(docs, paths["tokenizer"], cfg.vocab_size, character_coverage=1.0,
-                                input_sentence_size=0, seed=seed, num_threads=1, hard_vocab_limit=False)
+                                input_sentence_size=0, seed=seed, num_threads=1, hard_vocab_limit=False,
+                                keys={"vocab_size": "data.vocab_size", "character_coverage": ""})
     return paths

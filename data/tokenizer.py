@@ -22,8 +22,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import itertools
 import os
 import random
+import re
 import sys
 from collections.abc import Iterable, Iterator
 
@@ -36,6 +38,10 @@ from memlm.files import atomic_write_bytes, check_output_file, check_output_path
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 # sentencepiece skips longer training lines; documents are fed line by line anyway.
 MAX_SENTENCE_BYTES = 16384
+MIN_VOCAB = 260  # 256 byte pieces + the 4 special ids
+# How train_tokenizer's errors name its settings unless the caller names them its own way.
+DEFAULT_KEYS = {"vocab_size": "vocab_size", "character_coverage": "character_coverage", "input": "docs",
+                "input_value": "(the documents given)"}
 
 
 class Tokenizer:
@@ -128,15 +134,45 @@ def train_tokenizer(
     seed: int = 0,
     num_threads: int = 1,
     hard_vocab_limit: bool = True,
+    keys: dict[str, str] | None = None,
 ) -> Tokenizer:
-    """Train a BPE byte-fallback model on the documents and write it atomically to `out` (.model)."""
-    if vocab_size < 260:
-        raise ConfigError("vocab_size", vocab_size, "at least 260 (256 byte pieces + 4 special tokens)")
+    """Train a BPE byte-fallback model on the documents and write it atomically to `out` (.model).
+
+    `keys` names the settings in the caller's words for its error lines (the CLI's `--vocab-size`,
+    a run's `data.vocab_size`; "input": what the documents came from)."""
+    keys = {**DEFAULT_KEYS, **(keys or {})}
+    if vocab_size < MIN_VOCAB:
+        raise ConfigError(keys["vocab_size"], vocab_size, f"at least {MIN_VOCAB} (256 byte pieces + 4 special tokens)")
     if not 0 < character_coverage <= 1:
-        raise ConfigError("character_coverage", character_coverage, "a number in (0, 1]")
+        raise ConfigError(keys["character_coverage"], character_coverage, "a number in (0, 1]")
+    lines = sample_lines(docs, input_sentence_size, shuffle, seed)
+    first = next(lines, None)
+    if first is None:  # sentencepiece would fail on an empty sentence list with its own traceback
+        raise ConfigError(keys["input"], keys["input_value"], "documents with text to train a tokenizer on: every "
+                          "line read is empty or whitespace only")
     buf = io.BytesIO()
+    try:
+        _train(itertools.chain([first], lines), buf, vocab_size, character_coverage, hard_vocab_limit, num_threads)
+    except RuntimeError as err:
+        needed = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", str(err))
+        if needed is None:
+            raise
+        chars = int(needed.group(2)) - MIN_VOCAB  # sentencepiece counts the byte and special pieces too
+        coverage = keys["character_coverage"]  # "": not a setting of the caller's
+        kept = (f"the {chars} characters that {coverage}={character_coverage:g} keeps whole (or a lower {coverage})"
+                if coverage else f"the text's {chars} distinct characters")
+        raise ConfigError(keys["vocab_size"], vocab_size, f"at least {needed.group(2)} for this text: {MIN_VOCAB} "
+                          f"byte and special pieces + {kept}") from None
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    atomic_write_bytes(out, buf.getvalue())
+    return Tokenizer(out)
+
+
+def _train(lines: Iterator[str], buf: io.BytesIO, vocab_size: int, character_coverage: float,
+           hard_vocab_limit: bool, num_threads: int) -> None:
+    """sentencepiece's trainer with memlm's fixed settings (module docstring)."""
     spm.SentencePieceTrainer.train(
-        sentence_iterator=sample_lines(docs, input_sentence_size, shuffle, seed),
+        sentence_iterator=lines,
         model_writer=buf,
         model_type="bpe",
         vocab_size=vocab_size,
@@ -154,9 +190,6 @@ def train_tokenizer(
         num_threads=num_threads,
         minloglevel=2,
     )
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    atomic_write_bytes(out, buf.getvalue())
-    return Tokenizer(out)
 
 
 @entry_point
@@ -196,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     with tqdm(iter_documents(paths, args.format, args.text_field, args.on_error, stats),
               desc="reading documents", unit="doc", file=sys.stderr) as docs:  # closed before an error line
         tok = train_tokenizer(docs, args.out, args.vocab_size, args.character_coverage, args.input_sentence_size,
-                              not args.no_shuffle, args.seed, args.threads)
+                              not args.no_shuffle, args.seed, args.threads,
+                              keys={"vocab_size": "--vocab-size", "character_coverage": "--character-coverage",
+                                    "input": "--input", "input_value": " ".join(args.input)})
     print(f"trained {tok.path}: vocab {tok.vocab_size}, sha256 {tok.sha256[:16]}..., "
           f"from {len(paths)} files: {stats.summary()}")
     return 0

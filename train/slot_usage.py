@@ -34,11 +34,14 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from memlm.config.run import Config, compose
+from memlm.config.keys import unknown_key_error
+from memlm.config.run import GROUPS, Config, compose
 from memlm.distributed.env import seed_everything
 from memlm.distributed.memory_hooks import init_value_tables
 from memlm.errors import ConfigError, entry_point
+from memlm.files import check_output_file
 from memlm.finetune.background import (
     FILE,
     collect,
@@ -49,7 +52,6 @@ from memlm.finetune.background import (
     save_usage,
     value_tables,
 )
-from memlm.files import check_output_file
 from memlm.hf.importer import check_import_source, import_init
 from memlm.hf.load import data_config, load_model
 from memlm.hf.source import ModelSource, model_source
@@ -76,13 +78,44 @@ def _data_overridden(overrides: list[str]) -> bool:
     return any(o.split("=", 1)[0].lstrip("+~") in ("data", "experiment") or o.startswith("data.") for o in overrides)
 
 
+def check_override_keys(overrides: list[str], name: str) -> None:
+    """Before the load: each override of a checkpoint's config is key=value of a known key that
+    the count reads (data.*, seed); any other, which the checkpoint's model would ignore, is refused."""
+    for override in overrides:
+        key, sep, value = override.lstrip("+~").partition("=")
+        if not sep:
+            raise ConfigError("overrides", override, "key=value (e.g. data.micro_batch=8)")
+        if key in GROUPS:
+            raise ConfigError(key, value, f"{key}.* keys: a checkpoint's saved config takes key=value changes, not "
+                              f"a preset of configs/{key}/ (e.g. data.kind=..., data.sources=...)")
+    if (unknown := unknown_key_error(overrides, Config, GROUPS)) is not None:
+        raise unknown
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if not (key.startswith("data.") or key == "seed"):
+            raise ConfigError(key, value, f"data.* or seed: {name} is a checkpoint, whose model (model.*, memory.*, "
+                              "finetune.*) is the one it saved, so slot_usage counts its reads over the data you "
+                              "name and would ignore this key (for another model, name its checkpoint or export)")
+
+
+def saved_with_overrides(saved: Config, overrides: list[str]) -> Config:
+    """A checkpoint's saved config with `overrides` (checked by check_override_keys) applied, validated."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(saved), OmegaConf.from_dotlist(overrides))
+    except OmegaConfBaseException as err:  # a value of the wrong type: one line naming the key
+        key = getattr(err, "full_key", "") or "overrides"
+        value = dict(o.lstrip("+~").split("=", 1) for o in overrides).get(key, overrides)
+        raise ConfigError(key, value, f"a value of the key's type (OmegaConf: {str(err).splitlines()[0]})") from None
+    cfg = OmegaConf.to_object(merged)
+    cfg.validate()
+    return cfg
+
+
 def _checkpoint_model(name: str, overrides: list[str]):
     """A checkpoint's model and its run's config, with `overrides` applied to that config."""
+    check_override_keys(overrides, name)
     loaded = load_model(name)
-    cfg = loaded.config
-    if overrides:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cfg), OmegaConf.from_dotlist(overrides)))
-        cfg.validate()
+    cfg = saved_with_overrides(loaded.config, overrides) if overrides else loaded.config
     loader = build_train_loader(cfg, ONE_PROCESS, "train")
     return loaded.model, cfg, loader, loaded.step, loaded.source / FILE
 
