@@ -107,12 +107,25 @@ WHEELS="${WHEELS:-$REPO_ROOT/.whl}"
 PYVER="$("$PY" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null || echo "unknown (no $PY)")"
 echo "python: $PY, Python $PYVER" | tee "$OUT/wheels.log"
 refused=()
+# install_wheel WHL: pip into the site folder; without pip, a pure-Python wheel
+# is unpacked there (a wheel is a zip of the installed files). Prints pip's error.
+HOW="pip"
+"$PY" -m pip --version >/dev/null 2>&1 || HOW="unpacked: $PY has no pip"
+install_wheel() {
+    if [ "$HOW" = pip ]; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$PKG_DIR/site" "$1" 2>&1
+    elif [[ "$1" == *-none-any.whl ]]; then
+        "$PY" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$1" "$PKG_DIR/site" 2>&1
+    else
+        echo "ERROR: no pip for $PY, and not a pure-Python wheel"
+        return 1
+    fi
+}
 if [ -d "$WHEELS" ]; then
     for whl in "$WHEELS"/*.whl; do
         [ -e "$whl" ] || continue
-        if pip_out="$("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target "$PKG_DIR/site" "$whl" 2>&1)"; then
-            echo "wheel installed: $(basename "$whl")" | tee -a "$OUT/wheels.log"
+        if pip_out="$(install_wheel "$whl")"; then
+            echo "wheel installed ($HOW): $(basename "$whl")" | tee -a "$OUT/wheels.log"
         else
             refused+=("$(basename "$whl")")
             echo "wheel REFUSED on Python $PYVER: $(basename "$whl"): $(grep -m 1 ERROR <<<"$pip_out" || tail -n 1 <<<"$pip_out")" \
@@ -205,8 +218,8 @@ env_report() {
         || missing+=("torch/memlm")
     "$PY" -c "import triton; print('triton', triton.__version__)" || { echo "triton: not importable"; [ "$DRY_RUN" = "1" ] || missing+=(triton); }
     for mod in hydra omegaconf torchdata numpy sentencepiece; do
-        if "$PY" -c "import $mod" 2>/dev/null; then
-            echo "$mod: ok"
+        if where="$("$PY" -c "import $mod; print($mod.__file__)" 2>/dev/null)"; then
+            echo "$mod: ok ($where)"
         else
             echo "$mod: MISSING (bench/device_wheels.sh)"
             case $mod in hydra|omegaconf|torchdata) absent+=("$mod") ;; esac

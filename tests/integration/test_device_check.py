@@ -698,3 +698,26 @@ def test_wheels_for_another_python_are_refused_and_the_sections_needing_them_ski
         assert "wheels refused: hydra_core-1.3.8-" in line, line
     assert "skipped sections: 4: mfu speed_train speed_profile speed_compiled" in summary
     assert "failed sections: 0" in summary
+
+
+@pytest.mark.slow
+def test_without_pip_pure_wheels_are_unpacked(tmp_path):
+    """A Python without pip: a pure-Python wheel is unpacked into the site
+    folder, a binary one is refused and named."""
+    import zipfile
+
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "fakemod-1.0-py3-none-any.whl", "w") as whl:
+        whl.writestr("fakemod/__init__.py", "WHERE = __file__\n")
+    (wheels / "fakebin-1.0-cp312-cp312-manylinux_2_17_x86_64.whl").write_bytes(b"")
+    python = tmp_path / "python"
+    python.write_text("#!/usr/bin/env bash\n"
+                      'if [ "${1:-}" = "-m" ] && [ "${2:-}" = "pip" ]; then\n'
+                      '    echo "No module named pip" >&2; exit 1\nfi\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    _run(tmp_path, PYTHON=str(python), SECTIONS="env", DRY_RUN="1", WHEELS=str(wheels))
+    log = (tmp_path / "out" / "wheels.log").read_text()
+    assert f"wheel installed (unpacked: {python} has no pip): fakemod-1.0-py3-none-any.whl" in log, log
+    assert "wheel REFUSED on Python" in log and "fakebin-1.0-cp312" in log and "not a pure-Python wheel" in log
