@@ -68,6 +68,7 @@ from memlm.memory import sparse_adamw
 from memlm.memory.tables import value_pools
 from memlm.model import Transformer
 from memlm.plan.cost import HBM_HEADROOM, Layout, activation_bytes, comm_volume, gpu_spec, step_time
+from memlm.plan.table_traffic import expected_rows, step_table_bytes
 from memlm.train.optim import build_optimizer
 from memlm.train.trainer import accumulation_steps
 
@@ -271,7 +272,22 @@ def plan(cfg: Config, world: int, rank: int = 0, gpu: str = "H200", gpus_per_nod
         # env.local_world_size: the trainer's view); auto takes the one of least seconds.
         "value_layouts": value_layouts_of(cfg, world, env.local_world_size),
         "tokens_per_step": layout.tokens * layout.accum * world,
+        "table_step_bytes": _table_step_bytes(layout),
     }
+
+
+def _table_step_bytes(layout: Layout) -> dict[str, int]:
+    """This rank's value-table traffic per optimizer step (plan/table_traffic.py),
+    for its columns of the tables, reads spread evenly over the rows."""
+    v = layout.values
+    if v is None or v.sparse_updates:
+        return {}
+    cols = v.v_dim // layout.memory_parallel
+    # Each micro-batch's reads of a layer: the memory-parallel group's tokens (memory/... reads them all).
+    reads = layout.tokens * layout.memory_parallel * v.reads_per_token
+    per_table = step_table_bytes(v.rows, cols, v.value_bytes, v.reads * layout.accum // v.tables,
+                                 expected_rows(reads, v.rows))
+    return {k: n * v.tables for k, n in per_table.items()}
 
 
 def _state_step(optimizer: torch.optim.Optimizer) -> None:

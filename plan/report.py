@@ -66,9 +66,23 @@ def format_plan(p: dict[str, Any]) -> str:
         f"memory read {t['memory_read_s']:.4f}, optimizer {t['optimizer_s']:.4f}, memory comm "
         f"{t['memory_comm_s']:.4f}, value reduce {t['value_reduce_s']:.4f}",
         f"  step {t['step_s']:.4f} s, {t['tokens_per_s']:,.0f} tokens/s per GPU, MFU {t['mfu']:.1%}",
+        *format_table_traffic(p),
         *format_value_layouts(p),
     ]
     return "\n".join(lines)
+
+
+def format_table_traffic(p: dict[str, Any]) -> list[str]:
+    """The value tables' bytes per optimizer step on this rank (plan/table_traffic.py), [] without them."""
+    t = p.get("table_step_bytes") or {}
+    if not t:
+        return []
+    return [
+        "value-table traffic per optimizer step on this rank (plan/table_traffic.py):",
+        f"  backward adds into the gradient buffer {size_text(t['backward_accumulate']).strip()} (read rows), "
+        f"clip norm {size_text(t['clip_norm']).strip()}, AdamW with the clip and the buffer's zeroing "
+        f"{size_text(t['optimizer']).strip()}",
+    ]
 
 
 VALUE_COLUMNS = ("memory_parallel", "replicas", "memory all-to-all", "value-grad all-reduce",

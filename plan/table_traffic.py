@@ -5,6 +5,7 @@
     passes.total, passes.by_op                        # table-sized tensors the step's ops took or returned
 
     step_table_bytes(n_slots=2**20, v_dim=1024, table_bytes=4, layers=3)   # the planner's bytes per step
+    expected_rows(reads=16384 * 128, n_slots=2**20)  # distinct rows a layer's reads touch, reads spread evenly
 
 A pass is one table-sized tensor (the table, its gradient buffer, an AdamW
 moment) that an op takes or returns: an upper bound on what the op moves
@@ -25,6 +26,7 @@ gradients and no separate clip multiply.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import torch
@@ -85,3 +87,10 @@ def step_table_bytes(n_slots: int, v_dim: int, table_bytes: int, layers: int,
         # ... and the AdamW op reads p, g, m, v and writes p, m, v and g (zeroed).
         "optimizer": 4 * table + 4 * moment,
     }
+
+
+def expected_rows(reads: int, n_slots: int) -> int:
+    """Distinct rows `reads` uniform reads of `n_slots` touch, on average: N (1 - (1 - 1/N)^reads)."""
+    if n_slots <= 0:
+        return 0
+    return round(n_slots * -math.expm1(reads * math.log1p(-1.0 / n_slots))) if n_slots > 1 else min(1, reads)

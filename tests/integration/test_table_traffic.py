@@ -55,3 +55,18 @@ def test_the_counter_sees_an_autograd_sum(tmp_path):
         trainer.train_step(read=False)
     assert passes.by_op["aten::add"] + passes.by_op["aten::add_"] >= 2 * 3 - 2
     assert passes.total > floor_passes(3)
+
+
+def test_the_scaling_plan_states_the_planners_bytes():
+    """docs/scaling-plan.md's 373m fp32 row is what the planner prints."""
+    from pathlib import Path
+
+    from memlm.plan.planner import plan, planning_config
+    from memlm.plan.report import size_text
+
+    cfg, shape = planning_config(["model=373m", "memory=memplus"])
+    t = plan(cfg, 1, shape=shape)["table_step_bytes"]
+    row = "| 373m, fp32 | " + " | ".join(size_text(t[k]).split(" (")[0].strip() for k in
+                                           ("backward_accumulate", "clip_norm", "optimizer")) + " |"
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "scaling-plan.md").read_text()
+    assert row in doc
