@@ -25,6 +25,8 @@ Details: docs/launch.md. `<command> --help` lists each command's options.
 
 
 def _add_slurm_options(p: argparse.ArgumentParser) -> None:
+    from memlm.launch.slurm import PORT_BASE, PORT_SPAN, SIGNALS
+
     g = p.add_argument_group("Slurm")
     g.add_argument("--nodes", type=int, default=1, help="nodes (one torchrun agent each; default 1)")
     g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node = ranks per node (default 8)")
@@ -37,9 +39,9 @@ def _add_slurm_options(p: argparse.ArgumentParser) -> None:
                         "(default 0: whole nodes, sbatch --exclusive)")
     g.add_argument("--mem", default="0", help="memory per node, e.g. 500G (default 0: all of the node's memory)")
     g.add_argument("--port", type=int, default=0,
-                   help="c10d rendezvous port on the first node (default 0: 20000 + job id %% 10000)")
-    g.add_argument("--signal", default="USR1", choices=("USR1", "TERM"),
-                   help="the signal Slurm sends before the time limit: checkpoint + requeue (default USR1)")
+                   help=f"c10d rendezvous port on the first node (default 0: {PORT_BASE} + job id %% {PORT_SPAN})")
+    g.add_argument("--signal", default=SIGNALS[0], choices=SIGNALS,
+                   help=f"the signal Slurm sends before the time limit: checkpoint + requeue (default {SIGNALS[0]})")
     g.add_argument("--signal-seconds", type=int, default=120,
                    help="how many seconds before the time limit the signal comes (default 120)")
     g.add_argument("--sbatch-arg", action="append", default=[], metavar="OPTION",

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from memlm.errors import ConfigError
 from memlm.launch.validate import LaunchError, check_positive, compose_for_launch, has_key
+from memlm.train.preemption import PREEMPTION_SIGNALS
 
 # Not part of the code: environments, outputs, caches and VCS data (.gitignore's list).
 SNAPSHOT_EXCLUDE = (".venv", "runs", "data_cache", "__pycache__", ".git", "build", "dist", "*.egg-info",
@@ -36,8 +37,8 @@ SNAPSHOT_EXCLUDE = (".venv", "runs", "data_cache", "__pycache__", ".git", "build
 _TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}){0,2})$")
 _HYDRA_SAFE = re.compile(r"^[A-Za-z0-9_./+:-]+$")
 _MEM = re.compile(r"^\d+[KMGT]?$")  # sbatch --mem: a size in MB, or with a K/M/G/T suffix
-# The signals the batch script traps and forwards: the trainer stops on both (PREEMPTION_SIGNALS).
-SIGNALS = ("USR1", "TERM")
+# The signals the batch script traps and forwards (USR1, TERM): those the trainer stops on.
+SIGNALS = tuple(s.name.removeprefix("SIG") for s in PREEMPTION_SIGNALS)
 # --port 0: each job's rendezvous port is PORT_BASE + job id % PORT_SPAN (below Linux's ephemeral
 # ports, 32768+), so two jobs sharing a node do not meet at one port.
 PORT_BASE, PORT_SPAN = 20000, 10000
@@ -56,7 +57,7 @@ class SlurmOptions:
     mem: str = "0"  # memory per node (sbatch --mem); 0 -> all of the node's memory
     port: int = 0  # c10d rendezvous port on the first node; 0 -> derived from the job id
     max_restarts: int = 0  # torchrun elastic restarts inside one job
-    signal: str = "USR1"  # the signal Slurm sends before the time limit: checkpoint, then requeue
+    signal: str = SIGNALS[0]  # the signal Slurm sends before the time limit (USR1): checkpoint, then requeue
     signal_seconds: int = 120  # how long before the time limit
     sbatch_args: list[str] = field(default_factory=list)  # extra `#SBATCH` options, e.g. --constraint=h100
     python: str = sys.executable  # the interpreter on the nodes (same path on a shared filesystem)
@@ -187,9 +188,9 @@ def render_script(overrides: Sequence[str], first: Sequence[str], requeued: Sequ
     cpus = str(opts.cpus_per_task) if opts.cpus_per_task else "$SLURM_CPUS_ON_NODE"
     cpus_note = "--cpus-per-task" if opts.cpus_per_task else "every CPU of the node: an --exclusive job"
     sig = opts.signal
-    # scancel sends SIGTERM too: a TERM warning requeues only a job Slurm still counts as running.
-    requeue_if = ('[ "$STOP_SIGNAL" = USR1 ]' if sig == "USR1" else
-                  '[ "$STOP_SIGNAL" = TERM ] && scontrol show job "$SLURM_JOB_ID" | grep -q "JobState=RUNNING"')
+    requeue_if = f'[ "$STOP_SIGNAL" = {sig} ]'
+    if sig == "TERM":  # scancel sends SIGTERM too: requeue only a job Slurm still counts as running
+        requeue_if += ' && scontrol show job "$SLURM_JOB_ID" | grep -q "JobState=RUNNING"'
     return f"""#!/bin/bash
 # memlm training job, written by `python -m memlm.launch slurm` on {time.strftime('%Y-%m-%d %H:%M:%S')}.
 # Submit it again as is with: sbatch {launch_dir}/job.sbatch
