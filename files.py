@@ -1,4 +1,4 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half of one.
+"""Writing files safely: atomically, only where a command may write, with manifests of what it wrote.
 
     from memlm.files import atomic_write_bytes, atomic_write_json, atomic_write_text, atomic_output
     atomic_write_json(run_dir / "summary.json", summary, indent=2)
@@ -7,7 +7,8 @@
     with atomic_output_dir(out_dir) as tmp:            # a whole folder (an export)
         save_file(state, str(tmp / "model.safetensors"))
 
-Every write goes to a private temporary name in the same directory (so the
+A reader sees the old file or the new one, never half of one. Every write
+goes to a private temporary name in the same directory (so the
 rename never crosses file systems; the name holds the PID and a random part,
 so processes that write the same file at once never share a temporary), is
 flushed and fsync'ed, and then renamed over the target with `os.replace`
@@ -29,7 +30,7 @@ checks its target with these before it writes anything; OutputError, one line,
 exit 2: the path is the fix):
 
     check_output_path(out_dir, {checkpoint: "the checkpoint it exports"})  # not an input, no run folder
-    check_output_file(out, "slot-usage file", is_slot_usage)                 # replaces only its own kind
+    check_output_file(out, "slot-usage file", is_usage_file)                 # replaces only its own kind
     manifest = folder_manifest(out_dir)                                      # {name: {"size", "crc32"}}
     foreign_files(out_dir, manifest), changed_files(out_dir, manifest)       # what it did not write
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -142,33 +143,38 @@ def read_manifest(directory: str | Path) -> dict[str, dict[str, int]]:
 
 
 _VERIFIED: dict[Path, tuple] = {}  # export folder -> the stat of its files when last verified
+SETTLED_S = 2.0  # a file last written this long before a check is remembered as checked (racy-git rule)
 
 
 def _signature(directory: Path, files: dict[str, Any]) -> tuple:
-    """What a change to the export's files would change: each one's size, mtime and inode."""
+    """What a change to the export's files would change: each one's size, mtime, ctime and inode."""
     signature = []
     for name in [MANIFEST_NAME, *sorted(files)]:
         try:
             st = os.stat(directory / name)
         except OSError:
             return ()
-        signature.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
+        signature.append((name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
     return tuple(signature)
 
 
 def verify_export(directory: str | Path) -> None:
     """Check every file of an export against its manifest (ExportError naming the first that is
-    missing, truncated or corrupted). Hashed once per process while no file changes."""
+    missing, truncated or corrupted). An export checked in this process is not hashed again while
+    its files keep their stat; only files written SETTLED_S before the check are remembered, so
+    a write within the clock's resolution of the check cannot hide (the racy-git rule)."""
     directory = Path(directory)
     files = read_manifest(directory)
     key, signature = directory.resolve(), _signature(directory, files)
     if signature and _VERIFIED.get(key) == signature:
         return
+    checked_at = time.time_ns()
     for name, entry in files.items():
         fault = entry_fault(directory / name, entry)
         if fault is not None:
             raise ExportError(f"export file {directory / name} {fault}; {REWRITE}")
-    _VERIFIED[key] = signature
+    if signature and all(checked_at - mtime > SETTLED_S * 1e9 for _, _, mtime, _, _ in signature):
+        _VERIFIED[key] = signature
 
 
 @contextmanager

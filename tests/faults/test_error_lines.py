@@ -178,7 +178,7 @@ def _every_main(files) -> list[tuple[str, list[str], int, str]]:
     return [
         ("memlm.train.cli", ["stpes=1"], USAGE_EXIT, "unknown key stpes"),
         ("memlm.evals.cli", [f"checkpoint={files['bad_json']}", "tasks=[synthetic_qa]",
-                             f"out={root / 'x.json'}"], FAULT_EXIT, "is not readable JSON"),
+                             f"out={root / 'x.json'}"], FAULT_EXIT, "bad_json/memlm_config.json has 9 bytes"),
         ("memlm.evals.generation_cli", [str(files["missing_weights"]), "--prompt", "x"], FAULT_EXIT, "is missing"),
         ("memlm.hf.export", [str(root / "nowhere"), str(root / "never")], FAULT_EXIT, "cannot export"),
         ("memlm.train.slot_usage", [str(files["good"]), "--batches", "0"], USAGE_EXIT, "--batches"),
