@@ -30,7 +30,6 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable, Sequence
 
-
 # The signals a training run checkpoints and stops on (the trainer's handler).
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
