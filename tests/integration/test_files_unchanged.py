@@ -27,8 +27,8 @@ import torch
 from cli import run_main
 from launch_helpers import TINY
 
-from memlm.hf import from_pretrained
 from memlm.files import OutputError
+from memlm.hf import from_pretrained
 from memlm.hf.export import export, main
 from memlm.hf.pretrained import CONFIG_NAME
 
