@@ -217,8 +217,9 @@ def claim_out_dir(out_dir: Path, checkpoint: Path, run: str, overwrite: bool) ->
 
 
 def carry_over(old: Path, new: Path, names: list[str]) -> None:
-    """Copy the user's files `names` from the earlier export `old` into the new export `new`
-    (links as links); one the new export also wrote is refused (nothing is replaced)."""
+    """Put the user's files `names` of the earlier export `old` into the new export `new`: a hard
+    link (no copy of a large `.git/`; the old folder goes only after the swap), else a copy; links
+    stay links. One the new export also wrote is refused (nothing is replaced)."""
     for name in names:
         source, target = old / name, new / name
         if os.path.lexists(target):
@@ -227,7 +228,10 @@ def carry_over(old: Path, new: Path, names: list[str]) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         if source.is_symlink():
             os.symlink(os.readlink(source), target)
-        else:
+            continue
+        try:
+            os.link(source, target)
+        except OSError:  # a file system without hard links
             shutil.copy2(source, target)
 
 
