@@ -63,7 +63,7 @@ class _ColumnParallelBag(torch.autograd.Function):
     row gradient (sparse COO, (N, v/P)) goes to `sink(grad)`."""
 
     @staticmethod
-    def forward(ctx, table, local_values, indices, weights, group, kernel, sink):
+    def forward(ctx, table, local_values, indices, weights, group, kernel, sink, grad_into=None):
         # local_values: (N, v/P); indices, weights: (B, K) for this rank's tokens.
         p = dist.get_world_size(group)
         all_idx = _all_gather_rows(indices, group)  # (P*B, K)
@@ -77,7 +77,10 @@ class _ColumnParallelBag(torch.autograd.Function):
         with torch.enable_grad():
             values = local_values.detach().requires_grad_(needs_values)
             w = all_w.detach().requires_grad_(ctx.needs_input_grad[3])
-            part = ops.embedding_bag(values, all_idx, w, sparse=sink is not None, kernel=kernel)  # (P*B, v/P)
+            # grad_into: the shard of the table's gradient buffer (memlm.memory.table_grads): the
+            # backward adds my columns' gradient there instead of returning it.
+            part = ops.embedding_bag(values, all_idx, w, sparse=sink is not None, kernel=kernel,
+                                     grad_into=grad_into)  # (P*B, v/P)
         ctx.graph = (part, values, w) if part.requires_grad else None
         # Row block j of `part` holds rank j's tokens: send it there. What comes
         # back is, per source rank i, my tokens' column slice i.
@@ -101,7 +104,8 @@ class _ColumnParallelBag(torch.autograd.Function):
         send = torch.cat(grad_out.contiguous().chunk(p, dim=1), dim=0)  # (P*B, v/P)
         grad_part = _all_to_all_rows(send, ctx.group)  # my columns, every group token
         wanted = [t for t in (values, w) if t.requires_grad]
-        grads = torch.autograd.grad(part, wanted, grad_part)
+        # allow_unused: a read into a gradient buffer gives the shard no gradient.
+        grads = torch.autograd.grad(part, wanted, grad_part, allow_unused=True)
         grad_values = grads[0] if values.requires_grad else None
         grad_w = None
         if w.requires_grad:
@@ -112,7 +116,7 @@ class _ColumnParallelBag(torch.autograd.Function):
             if grad_values is not None:
                 ctx.sink(grad_values)
             grad_values = None
-        return None, grad_values, None, grad_w, None, None, None
+        return None, grad_values, None, grad_w, None, None, None, None
 
 
 class ColumnParallelReader:
@@ -132,11 +136,13 @@ class ColumnParallelReader:
             sink = functools.partial(add_local_sparse_grad, table)
             return _ColumnParallelBag.apply(table, local, indices, weights, self.group, kernel, sink)
         local = table.to_local() if isinstance(table, DTensor) else table
+        buffer = pool.gradient_buffer()  # the table's gradient buffer, or None
+        into = buffer.to_local() if isinstance(buffer, DTensor) else buffer  # my columns of it
         if dist.get_world_size(self.group) == 1:
-            return ops.embedding_bag(local, indices, weights, kernel=kernel)
+            return ops.embedding_bag(local, indices, weights, kernel=kernel, grad_into=into)
         if not torch.is_grad_enabled():
             return _inference_read(local, indices, weights, self.group, kernel)
-        return _ColumnParallelBag.apply(None, local, indices, weights, self.group, kernel, None)
+        return _ColumnParallelBag.apply(None, local, indices, weights, self.group, kernel, None, into)
 
 
 def _inference_read(local: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,

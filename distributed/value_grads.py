@@ -12,7 +12,10 @@ world size (every rank's loss is a mean over its own tokens).
 Dense gradients: a post-accumulate-grad hook on each table starts an async
 all-reduce as soon as autograd has written the table's gradient of the last
 micro-batch, so it runs while the backward of the blocks below the first
-memory layer still computes. `reduce_dtype="bf16"` sends a bf16 copy (half
+memory layer still computes. A table whose reads add into its gradient
+buffer (memlm.memory.table_grads: memlm's optimizers keep one) never goes
+through autograd's accumulation, so no hook fires and `finish()` starts the
+all-reduce after the backward: no overlap, one collective as before. `reduce_dtype="bf16"` sends a bf16 copy (half
 the bytes; the sum is rounded to bf16, about 3 significant digits) and
 writes the result back in the table's dtype.
 
