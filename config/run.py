@@ -90,11 +90,17 @@ class ParallelConfig:
     # any world size), then shards it; sharded: initialize each shard in place
     # on the device (for models too large for host memory).
     init: str = "full"
+    # Seconds a collective waits for a peer rank before the run stops with one line naming this key
+    # (the process group's timeout, gloo and NCCL; memlm.distributed.env, docs/errors.md).
+    timeout_s: int = 600
 
     def validate(self, prefix: str = "parallel") -> None:
         mp = self.memory_parallel
         if mp != "auto" and (isinstance(mp, bool) or not isinstance(mp, int) or mp < 1):
             raise ConfigError(f"{prefix}.memory_parallel", mp, "auto or an integer >= 1")
+        if self.timeout_s < 1:
+            raise ConfigError(f"{prefix}.timeout_s", self.timeout_s, "an integer >= 1 (seconds a collective waits "
+                              "for a peer rank)")
         choices = {
             "fsdp": ("full", "hybrid"),
             "activation_checkpoint": ("none", "full", "selective"),

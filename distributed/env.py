@@ -86,10 +86,11 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
-def init_distributed(device: str = "auto", backend: str | None = None) -> DistEnv:
+def init_distributed(device: str = "auto", backend: str | None = None, timeout_s: int | None = None) -> DistEnv:
     """Join torchrun's process group (none for one process) and return this process's DistEnv.
     `backend`: the group's backend, when not process_group_backend's for the device (the
-    evals exchange Python objects only: gloo on GPUs too). ProcessGroup calls it and closes the group."""
+    evals exchange Python objects only: gloo on GPUs too). `timeout_s`: how long a collective
+    waits for a peer (parallel.timeout_s; None: torch's default). ProcessGroup calls it and closes the group."""
     die_with_launcher()
     rank, world = launcher_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -105,7 +106,9 @@ def init_distributed(device: str = "auto", backend: str | None = None) -> DistEn
         dev = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         backend = backend or process_group_backend(use_cuda)
-        dist.init_process_group(backend=backend, device_id=dev if use_cuda and "nccl" in backend else None)
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend=backend, device_id=dev if use_cuda and "nccl" in backend else None,
+                                timeout=timeout)
     return DistEnv(rank, world, local_rank, local_world, dev)
 
 
@@ -113,9 +116,27 @@ END_BARRIER_TIMEOUT = datetime.timedelta(seconds=300)  # a peer alive but not ar
 
 
 class PeerLostError(MemlmError):
-    """This rank ended well, but a peer did not meet it at the end of the run."""
+    """A peer rank was lost: it did not meet this rank at the end of the run, or a collective
+    with it failed mid-run (it died, or did not answer within the group's timeout)."""
 
     same_on_every_rank = False
+
+
+# What torch's collectives raise when a peer is gone: the c10d errors, and gloo's transport
+# failures, which reach Python as a RuntimeError naming gloo's source file.
+_LOST_PEER = re.compile(r"gloo/transport|Connection (?:reset|closed) by peer|Timed out waiting|"
+                        r"NCCL communicator was aborted|ncclRemoteError|Watchdog caught collective")
+
+
+def lost_peer(err: BaseException, timeout_s: int | None) -> PeerLostError | None:
+    """The one-line error for a collective that failed mid-run because a peer was lost, else None."""
+    if not (isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and _LOST_PEER.search(str(err)))):
+        return None
+    reason = re.sub(r"^\[[^\]]*\] ?", "", " ".join(str(err).split()))  # gloo's source location
+    reason = reason.split(" This is typically caused")[0]  # gloo's generic advice
+    wait = f"parallel.timeout_s={timeout_s} s" if timeout_s is not None else "torch's default timeout"
+    return PeerLostError(f"a collective with the other ranks failed mid-run: a peer rank failed or died (its log "
+                         f"says why), or did not answer within {wait}: {reason}")
 
 
 class ProcessGroup:
@@ -149,9 +170,10 @@ class ProcessGroup:
 
     current: ProcessGroup | None = None  # the group a command has open (current_env)
 
-    def __init__(self, device: str = "auto", backend: str | None = None):
+    def __init__(self, device: str = "auto", backend: str | None = None, timeout_s: int | None = None):
         self.device = device
         self.backend = backend
+        self.timeout_s = timeout_s  # a collective's wait for a peer (parallel.timeout_s); None: torch's default
         self.env: DistEnv | None = None
         self._opened = False  # this object joined the default group (and so destroys it)
         self._barrier_group = None  # the end barrier's gloo group, its timeout END_BARRIER_TIMEOUT
@@ -161,13 +183,17 @@ class ProcessGroup:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(ended_well=exc_type is None)
+        distributed = self.env is not None and self.env.distributed
+        lost = lost_peer(exc, self.timeout_s) if exc is not None and distributed else None
+        if lost is not None:  # one line naming the wait, not a collective's traceback
+            raise lost from exc
 
     def open(self) -> DistEnv:
         if ProcessGroup.current is not None:  # inside another command's group (a test's ranks): its env, its close
             self.env = ProcessGroup.current.env
             return self.env
         joined_before = dist.is_initialized()
-        self.env = init_distributed(self.device, self.backend)
+        self.env = init_distributed(self.device, self.backend, self.timeout_s)
         self._opened = dist.is_initialized() and not joined_before
         if self.env.distributed:  # gloo's sends wait for the group's timeout, not monitored_barrier's
             self._barrier_group = dist.new_group(backend="gloo", timeout=END_BARRIER_TIMEOUT)

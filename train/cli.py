@@ -52,6 +52,6 @@ def main(argv: list[str] | None = None) -> int:
 
     # A bad value, data record, checkpoint or eval file, a busy dump_dir, a loss that stayed
     # non-finite: a MemlmError, one line (entry_point); the group ends as ProcessGroup says.
-    with ProcessGroup(cfg.device):
+    with ProcessGroup(cfg.device, timeout_s=cfg.parallel.timeout_s):  # a lost peer: PeerLostError, one line
         Trainer(cfg).fit()
     return 0
