@@ -48,14 +48,19 @@ def save_usage(path: Path, counts: dict[str, torch.Tensor], tokens: int, source:
     tmp.replace(path)
 
 
-def is_usage_file(path: Path) -> bool:
-    """Whether `path` is a file save_usage wrote (its metadata names the tokens counted and the source)."""
+def usage_metadata(path: Path) -> dict[str, str]:
+    """What save_usage recorded with the counts ({"tokens", "source"}); {} for a file it did not write."""
     try:
         with safe_open(str(path), framework="pt") as fh:
             metadata = fh.metadata() or {}
     except (SafetensorError, OSError):
-        return False
-    return "tokens" in metadata and "source" in metadata
+        return {}
+    return metadata if "tokens" in metadata and "source" in metadata else {}
+
+
+def is_usage_file(path: Path) -> bool:
+    """Whether `path` is a file save_usage wrote (its metadata names the tokens counted and the source)."""
+    return bool(usage_metadata(path))
 
 
 def load_usage(path: str | Path, layers: dict[str, int]) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@
     mode.fresh_on_init(key)                    # init_from: tensors a run of this mode starts fresh
     state = mode.export_state(state, cfg)      # what an export folds in (lora: merged adapters)
     mode.lr(cfg), mode.describe(cfg)           # its learning rate, its setting in words (study reports)
+    mode.lr_settings(cfg)                      # {key: value} of the learning rates it trains with
 
 - full: every parameter (pretraining, or a full fine-tune).
 - memory: only the sparse tables (memlm.memory.tables: value pools, PEER's
@@ -50,6 +51,10 @@ Config = Any  # memlm.config.run.Config, which imports this module
 
 class NoStepHook:
     """The step hook of a mode that changes nothing between backward and optimizer step."""
+
+    def describe(self) -> str | None:
+        """A line for the run's start (what the hook reads), or None."""
+        return None
 
     def start_step(self) -> None:
         pass
@@ -111,6 +116,14 @@ class Mode:
         """The base learning rate of what the mode trains."""
         return cfg.optim.lr
 
+    def lr_settings(self, cfg: Config) -> dict[str, float]:
+        """{key: value} of every learning rate the mode trains with (a non-finite stop names them):
+        optim.lr, and memory.value_lr for a model with value tables (they keep their own)."""
+        settings = {"optim.lr": cfg.optim.lr}
+        if cfg.memory.kind in table_kinds():
+            settings["memory.value_lr"] = cfg.memory.value_lr
+        return settings
+
     def describe(self, cfg: Config) -> str:
         return f"AdamW lr {self.lr(cfg):g}"
 
@@ -139,6 +152,9 @@ class Memory(Mode):
 
     def lr(self, cfg: Config) -> float:
         return cfg.memory.value_lr
+
+    def lr_settings(self, cfg: Config) -> dict[str, float]:
+        return {"memory.value_lr": cfg.memory.value_lr}
 
     def describe(self, cfg: Config) -> str:
         return f"{cfg.finetune.optimizer} lr {self.lr(cfg):g}"
@@ -202,6 +218,9 @@ class Lora(Mode):
 
     def export_state(self, state: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Tensor]:
         return merge_lora_state(state, cfg.finetune.lora_alpha / cfg.finetune.lora_rank)
+
+    def lr_settings(self, cfg: Config) -> dict[str, float]:
+        return {"optim.lr": cfg.optim.lr}
 
     def describe(self, cfg: Config) -> str:
         return f"rank {cfg.finetune.lora_rank}, {super().describe(cfg)}"

@@ -1,6 +1,7 @@
 """finetune=sparse: which rows of each value table a step may change.
 
     hook = SlotSelection(model, cfg, background_path, distributed)   # once the model is sharded
+    hook.describe()         # the run's start line: the background file it ranks against
     hook.start_step()       # before the step's first forward
     hook.after_backward()   # after the backward, before clipping: only the selected rows keep a gradient
 
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memlm.finetune.background import StepReads, load_usage, memory_layers, value_tables
+from memlm.finetune.background import StepReads, load_usage, memory_layers, usage_metadata, value_tables
 from memlm.memory.slot_selection import restrict_table_grad_, slot_scores, top_slots
 
 
@@ -28,12 +29,20 @@ class SlotSelection:
     def __init__(self, model: nn.Module, cfg, path: Path, distributed: bool):
         self.top_t, self.ranking, self.distributed = cfg.finetune.top_t, cfg.finetune.ranking, distributed
         self.layers = memory_layers(model)
+        self.path = Path(path)
         background = load_usage(path, {name: layer.usage.n_slots for name, layer in self.layers.items()})
         # One entry per table: a pool shared by several layers (Memory+) is ranked on their summed reads.
         device = next(iter(self.layers.values())).usage.counts.device
         self.tables = [(self.layers[names[0]].values.weight, names, sum(background[n] for n in names).to(device))
                        for names in value_tables(self.layers).values()]
         self._reads = StepReads(self.layers)
+
+    def describe(self) -> str:
+        """The line a run prints at its start: which background file ranks the slots, and what it counted."""
+        meta = usage_metadata(self.path)
+        counted = f" ({int(meta['tokens']):,} tokens through {meta['source']})" if meta else ""
+        return (f"finetune=sparse: background slot usage from {self.path}{counted}, "
+                f"top_t {self.top_t:,} by {self.ranking}")
 
     def start_step(self) -> None:
         self._reads.start()

@@ -2,6 +2,7 @@
 
     ok = step_ok(loss, grad_norm, value_grad_norm)     # (,) bool on the device
     step_if_finite(optimizer, ok)                      # no change at all when not ok
+    guard = StepGuard(max_nonfinite_steps, print, lower=lower_hint(mode_of(cfg), cfg))
     guard.record(step, lr, loss, grad_norm, value_grad_norm, ok)
     ...
     metrics = guard.read()   # at logging / checkpoint / last steps: the one host read
@@ -38,6 +39,13 @@ class NonFiniteLossError(MemlmError, RuntimeError):
     """The loss stayed NaN/inf for train.max_nonfinite_steps steps in a row (the message says what to lower)."""
 
 
+def lower_hint(mode, cfg) -> str:
+    """The learning rates a run of `cfg` trains with, as the stop names them: "memory.value_lr (now 300:
+    what finetune=memory trains with)" (`mode`: memlm.finetune.modes.mode_of(cfg))."""
+    named = " or ".join(f"{key} (now {value:g}" for key, value in mode.lr_settings(cfg).items())
+    return f"{named}: what finetune={mode.name} trains with)"
+
+
 def step_ok(*values: torch.Tensor) -> torch.Tensor:
     """(,) bool device tensor: every value is finite (no host read)."""
     return torch.stack([torch.isfinite(v.detach().float()).all() for v in values]).all()
@@ -64,9 +72,10 @@ class StepGuard:
     """Per-step statistics kept on the device until `read()`, and the
     non-finite bookkeeping applied when they reach the host."""
 
-    def __init__(self, max_nonfinite_steps: int, announce, nonfinite_total: int = 0):
+    def __init__(self, max_nonfinite_steps: int, announce, nonfinite_total: int = 0, lower: str = "optim.lr"):
         self.max_nonfinite_steps = max_nonfinite_steps
         self.announce = announce  # called with each console line (the main rank prints)
+        self.lower = lower  # what the stop tells the user to lower: the learning rates the run trains with
         self.nonfinite_total = nonfinite_total
         self.nonfinite_run = 0  # consecutive skipped steps, as of the last read
         self._skipped_unreported = 0  # skipped steps since the last metrics report
@@ -103,7 +112,7 @@ class StepGuard:
             if self.nonfinite_run >= self.max_nonfinite_steps:
                 raise NonFiniteLossError(
                     f"{self.nonfinite_run} consecutive non-finite losses or gradient norms (last at step {step}, "
-                    f"read at step {steps[-1][0]}); stopping. Lower optim.lr, check the data, "
+                    f"read at step {steps[-1][0]}); stopping. Lower {self.lower}, check the data, "
                     "or raise max_nonfinite_steps."
                 )
         loss, gnorm, vnorm, _ = rows[-1]

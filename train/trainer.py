@@ -48,10 +48,10 @@ from memlm.train.loss import chunked_cross_entropy
 from memlm.train.metrics import MetricsLogger, check_tensorboard
 from memlm.train.optim import build_optimizer, build_scheduler
 from memlm.train.preemption import install_preemption_handler
-from memlm.train.preflight import check_eval_inputs, check_init_from
+from memlm.train.preflight import check_eval_inputs, check_init_from, check_wandb_login
 from memlm.train.profiling import StepProfiler
 from memlm.train.progress import Progress
-from memlm.train.step_guard import NonFiniteLossError, StepGuard, step_if_finite, step_ok
+from memlm.train.step_guard import NonFiniteLossError, StepGuard, lower_hint, step_if_finite, step_ok
 from memlm.train.summary import run_summary, summary_line, write_summary
 
 __all__ = ["NonFiniteLossError", "Trainer", "accumulation_steps"]
@@ -98,6 +98,7 @@ class Trainer:
             val_loader = self._default_loader("val")
         self.val_loader = val_loader
         check_eval_inputs(cfg)
+        check_wandb_login(cfg)  # wandb.init comes after the run folder is made
         self.init_source = check_init_from(cfg)  # what init_from names, read once (memlm.hf.source)
         if self.env.is_main:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
@@ -109,11 +110,13 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg, self.env.device)
         # What the fine-tune mode does between backward and step (sparse: the rows that may change)
         self.finetune = mode_of(cfg).step_hook(self.model, cfg, self.env.distributed, self.init_source)
+        if (line := self.finetune.describe()) is not None:  # sparse: the background file it ranks against
+            self._print_main(f"[train] {line}")
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.step = 0
         self.tokens = 0
         # Per-step loss, norms and the skip flag stay on the device until a read.
-        self.guard = StepGuard(cfg.max_nonfinite_steps, self._print_main)
+        self.guard = StepGuard(cfg.max_nonfinite_steps, self._print_main, lower=lower_hint(mode_of(cfg), cfg))
         self.checkpointer = Checkpointer(self.dump_dir, cfg.checkpoint)
         self.evaluation = Evaluation(cfg, self.env, self.model, self._autocast)
         self.checkpointer.recover()  # finish or undo a save a kill interrupted, before choosing one

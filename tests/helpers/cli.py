@@ -24,7 +24,7 @@ class Result:
 
 
 def run_main(module: str, *argv: str, capsys) -> Result:
-    main = importlib.import_module(MAINS[module]).main
+    main = importlib.import_module(MAINS.get(module, module)).main  # or a module path: memlm.train.slot_usage
     capsys.readouterr()  # drop what the test printed before
     try:
         code = main(list(argv))
