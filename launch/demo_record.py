@@ -90,13 +90,18 @@ def run_demo(commit: str, seed: int, native: bool) -> dict:
             raise DemoRecordError(f"the demo at seed={seed} exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
         if native and KERNEL_MISSING in proc.stderr:
             raise DemoRecordError("MEMLM_NATIVE_TOPK=1 but the kernel did not build: the run would be torch.topk's")
-        run = clone / "runs" / "demo"
-        summary = json.loads((run / "summary.json").read_text())
-        evals = json.loads((run / "evals" / f"{summary['step']}.json").read_text())["results"]
-    return {"commit": commit, "seed": seed, "native": native,
-            **{name: evals[task]["exact_match"] for name, task in TASKS.items()},
-            "final_loss": summary["final_loss"], "val_loss": summary.get("val_loss"), "evals": evals,
+        figures = run_figures(clone / "runs" / "demo")
+    return {"commit": commit, "seed": seed, "native": native, **figures,
             "seconds": round(seconds, 1), "load_before": round(load, 2), "table": results_table(proc.stdout)}
+
+
+def run_figures(run: Path) -> dict:
+    """A finished demo run's figures, from its summary.json: the exact match of each of TASKS,
+    final and validation loss, every eval metric."""
+    summary = json.loads((run / "summary.json").read_text())
+    evals = summary["evals"]
+    return {**{name: evals[task]["exact_match"] for name, task in TASKS.items()},
+            "final_loss": summary["final_loss"], "val_loss": summary.get("val_loss"), "evals": evals}
 
 
 def same_figures(a: dict, b: dict) -> bool:
