@@ -2,8 +2,9 @@
 
 Rank r takes examples r::world_size. Every rank computes one record per
 example it owns; the records are gathered (torch.distributed.all_gather_object)
-back into dataset order and aggregated the same way as in one process, so the
-numbers do not depend on the number of ranks.
+back into dataset order and aggregated the same way as in one process. A
+record's log-likelihood may differ from one process's in its last digits: the
+rank batches the example with other neighbours (docs/evals.md, "Distributed").
 """
 
 from __future__ import annotations
