@@ -12,11 +12,16 @@ PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 
 setup: $(STAMP)
 
+# A line per stage: the installs take minutes and pip --quiet prints nothing meanwhile.
 $(STAMP): pyproject.toml $(CONSTRAINTS)
+	@echo "[setup] 1/3 creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "[setup] 2/3 installing torch (the largest download; a few minutes)"
 	$(BIN)/python -m pip install --quiet $(PIP_C) torch
+	@echo "[setup] 3/3 installing memlm and its dependencies"
 	$(BIN)/python -m pip install --quiet $(PIP_C) -e '.[dev,lmeval]'
 	@touch $(STAMP)
+	@echo "[setup] done: activate it with . $(VENV)/bin/activate"
 
 demo: $(STAMP)
 	$(BIN)/python -m memlm.launch.demo $(ARGS)
