@@ -6,14 +6,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from memlm.distributed.value_layout import GPUS
 from memlm.errors import entry_point
 from memlm.plan import planner
 from memlm.plan.cost import gpu_spec
-from memlm.plan.fit import fit, fit_candidates, fit_knobs, format_fit, paper_table, with_layout
+from memlm.plan.fit import fit, fit_candidates, fit_knobs, format_fit, layout_overrides, paper_table, with_layout
 from memlm.plan.planner import check_args, plan, planning_config
 from memlm.plan.report import format_plan, format_shape
+
+
+class Progress:
+    """--fit's line per layout planned, on stderr (a plan takes seconds; --fit plans up to dozens)."""
+
+    def __init__(self):
+        self.start, self.done = time.perf_counter(), 0
+
+    def __call__(self, p: dict) -> None:
+        self.done += 1
+        verdict = f"fits, {p['time']['step_s']:.3g} s/step" if p["fits"] else "does not fit"
+        print(f"[fit] layout {self.done}: {layout_overrides(p)}: {verdict} ({time.perf_counter() - self.start:.0f} s)",
+              file=sys.stderr, flush=True)
 
 
 @entry_point
@@ -47,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"memory_parallel {', '.join(map(str, fit_candidates(cfg, args.world)))} x fsdp "
                   f"{'/'.join(modes)}, each at the first activation_checkpoint of "
                   f"{'/'.join(checkpoints)} that fits\n{format_shape(shape)}", flush=True)
-        plans = fit(cfg, args.world, args.gpu, args.gpus_per_node, modes, checkpoints, shape)
+        plans = fit(cfg, args.world, args.gpu, args.gpus_per_node, modes, checkpoints, shape, Progress())
     else:
         plans = [plan(cfg, args.world, args.rank, args.gpu, args.gpus_per_node, shape)]
     if args.json:

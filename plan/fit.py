@@ -9,6 +9,7 @@ checkpointing that fits) and rank the ones that fit, fastest first.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 from memlm.config.run import Config, compose
@@ -39,12 +40,14 @@ def with_layout(cfg: Config, memory_parallel: int, fsdp: str, checkpoint: str) -
 
 
 def fit(cfg: Config, world: int, gpu: str = "H200", gpus_per_node: int = 8, fsdp_modes: tuple[str, ...] = (),
-        checkpoints: tuple[str, ...] = (), shape: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        checkpoints: tuple[str, ...] = (), shape: dict[str, Any] | None = None,
+        on_plan: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """The plans of every layout tried: each candidate memory_parallel
     (smallest first) x each of `fsdp_modes`, at the first of `checkpoints` that
     fits (more recompute is never faster) or, when none does, at each of them.
     Empty `fsdp_modes` / `checkpoints`: the config's own. Without value tables
-    memory_parallel changes nothing, so only the first candidate is planned."""
+    memory_parallel changes nothing, so only the first candidate is planned.
+    `on_plan(plan)`: called as each layout's plan is done (the CLI's progress lines)."""
     fsdp_modes = fsdp_modes or (cfg.parallel.fsdp,)
     checkpoints = checkpoints or (cfg.parallel.activation_checkpoint,)
     check_args(with_layout(cfg, 1, cfg.parallel.fsdp, cfg.parallel.activation_checkpoint), world, 0,
@@ -55,6 +58,8 @@ def fit(cfg: Config, world: int, gpu: str = "H200", gpus_per_node: int = 8, fsdp
             for checkpoint in checkpoints:
                 layout = with_layout(cfg, p, mode, checkpoint)
                 plans.append(plan(layout, world, 0, gpu, gpus_per_node, shape))
+                if on_plan is not None:
+                    on_plan(plans[-1])
                 if plans[-1]["fits"]:
                     break
         if plans[-1]["slots"] == 0:
