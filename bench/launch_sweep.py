@@ -8,7 +8,8 @@ Every candidate is checked against the float32 reference first, then timed.
 A candidate whose compiled code is identical to an earlier one's (Triton's
 cache gives the same cubin) is not timed again: it is recorded as "same code
 as" that launch. The candidates vary BLOCK_B (BLOCK_S), BLOCK_K, num_warps
-and maxnreg (the registers a thread may use: None = the compiler's choice);
+maxnreg (the registers a thread may use: None = the compiler's choice) and,
+for the backward, busiest_first (the longest segments first, one per program);
 BLOCK_D is the rule's (whole rows) and num_stages 1 (the kernels prefetch by
 hand: 2 and 3 compiled to the same code). The backward includes 1-warp
 programs.
@@ -21,19 +22,21 @@ import hashlib
 import torch
 from kernels import checked, fwd_bytes, measure, time_cuda
 
-# (BLOCK_B, BLOCK_K, num_warps, maxnreg) of the forward; (BLOCK_S, BLOCK_K, num_warps, maxnreg) of the backward.
+# (BLOCK_B, BLOCK_K, num_warps, maxnreg) of the forward; (BLOCK_S, BLOCK_K, num_warps, maxnreg,
+# busiest_first) of the backward.
 FORWARD_SWEEP = ((1, 4, 4, None), (1, 8, 4, None), (1, 16, 4, None), (1, 8, 8, None), (1, 16, 8, None),
                  (2, 8, 4, None), (1, 8, 2, None), (1, 8, 4, 128), (1, 16, 4, 128), (1, 16, 8, 128),
                  (1, 16, 4, 255), (1, 32, 4, 255))
-SEGMENTS_SWEEP = ((8, 4, 4, None), (4, 4, 4, None), (16, 4, 4, None), (32, 4, 4, None), (8, 2, 4, None),
-                  (8, 8, 4, None), (8, 4, 2, None), (8, 4, 8, None), (16, 2, 2, None),
-                  (8, 4, 1, None), (16, 4, 1, None), (32, 2, 1, None), (8, 4, 4, 128), (8, 4, 1, 255))
+SEGMENTS_SWEEP = ((8, 4, 4, None, False), (4, 4, 4, None, False), (16, 4, 4, None, False), (32, 4, 4, None, False),
+                  (8, 2, 4, None, False), (8, 8, 4, None, False), (8, 4, 2, None, False), (8, 4, 8, None, False),
+                  (16, 2, 2, None, False), (8, 4, 1, None, False), (16, 4, 1, None, False), (32, 2, 1, None, False),
+                  (8, 4, 4, 128, False), (8, 4, 1, 255, False), (8, 4, 4, None, True), (8, 4, 1, None, True))
 
 
 def candidates(base, sweep) -> list:
     """The rule's launch `base` first, then each of `sweep` on its BLOCK_D; repeats dropped."""
-    out = [base] + [base._replace(block_b=b, block_k=k, num_warps=w, num_stages=1, maxnreg=r)
-                    for b, k, w, r in sweep]
+    fields = ("block_b", "block_k", "num_warps", "maxnreg", "busiest_first")
+    out = [base] + [base._replace(num_stages=1, **dict(zip(fields, c))) for c in sweep]
     return list(dict.fromkeys(out))
 
 
@@ -155,9 +158,9 @@ def sweep_markdown(result: dict) -> list[str]:
     """One dtype's sweep tables and its fastest launches."""
     lines = []
     dtype = result.get("dtype", "")
-    for what, title in (("forward", "forward, Launch(BLOCK_B, BLOCK_K, BLOCK_D, warps, stages, maxnreg)"),
+    for what, title in (("forward", "forward, Launch(BLOCK_B, BLOCK_K, BLOCK_D, warps, stages, maxnreg, -)"),
                         ("segments", "backward (both gradients, after the sort), Launch(BLOCK_S, BLOCK_K, "
-                                     "BLOCK_D, warps, stages, maxnreg)")):
+                                     "BLOCK_D, warps, stages, maxnreg, busiest first)")):
         rows = result.get(what) or []
         if not rows:
             continue

@@ -41,6 +41,7 @@ GOAL_FWD_COPY_SHARE = 0.85
 GOAL_FWD_BWD_MS = 6.0
 ALGORITHM_NOTE = {"segments": "the default: whole rows; blocked by-slot walk, weights' gradient fused",
                   "segments accumulate": "the default in training: added into the table's gradient buffer",
+                  "segments busiest-first": "the longest segments first, one per program",
                   "by_slot": "the first kernels", "atomic": "the first forward, atomic table gradient"}
 
 
@@ -93,7 +94,14 @@ def backward_variants(case, official) -> dict:
         buffer.zero_()  # one read's gradient: the buffer starts at zero (a table-sized memset, timed with it)
         return buffer, triton_bag.accumulate_gradients(values, buffer, indices, weights, grad_out)
 
+    busiest = triton_bag.segments_launch(values.shape[1], values.dtype)._replace(busiest_first=True)
+
+    def busiest_first():
+        order, seg_start, _ = triton_bag.group_by_slot(indices, values.shape[0])
+        return triton_bag.segment_gradients(values, grad_out, order, seg_start, None, weights, True, busiest)
+
     fns = {"segments": lambda: triton_bag.gradients(values, indices, weights, grad_out),
+           "segments busiest-first": busiest_first,
            "segments accumulate": accumulate,
            "segments sparse": lambda: triton_bag.gradients(values, indices, weights, grad_out, sparse=True),
            "by_slot": lambda: bag_variants.gradients_by_slot(values, indices, weights, grad_out),
@@ -175,7 +183,7 @@ def dtype_rows(dtype, shape, device, official, timer, repeats, failures, notes, 
     case = hot_case(shape, dtype, device)
     ref = reference(case)
     for variant, fn in backward_variants(case, None).items():
-        if variant not in ("segments", "segments accumulate", "atomic"):
+        if variant not in ("segments", "segments busiest-first", "segments accumulate", "atomic"):
             continue
         sec = measure(f"{name} bwd {variant} hot", fn, ref, (1, 2), timer, repeats, failures, notes, True, dtype)
         if sec is not None:

@@ -66,6 +66,9 @@ class Launch(NamedTuple):
     num_warps: int
     num_stages: int
     maxnreg: int | None = None  # registers per thread (Triton's maxnreg); None: the compiler's choice
+    # Backward only: programs take the segments longest first, one of the longest per
+    # program (a stable argsort of the segment lengths first); else in slot order.
+    busiest_first: bool = False
 
 
 # Launches measured on a GPU, keyed (pass, BLOCK_D, table element bytes), pass
@@ -113,11 +116,12 @@ def _rows_forward_kernel(values, stride_v, indices, weights, out, B, K, V,
 
 @triton.jit
 def _segments_kernel(grad_out, values, stride_v, order, seg_start, slots, weights, grad_rows, stride_r, grad_w,
-                     S, K, V,
+                     seg_order, S, K, V,
                      BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                      DENSE: tl.constexpr, FUSE_W: tl.constexpr, WIDE: tl.constexpr,
-                     ACCUMULATE: tl.constexpr):
-    # Program (p, c) owns segments [p * BLOCK_S, +BLOCK_S) of the sorted reads,
+                     ACCUMULATE: tl.constexpr, ORDERED: tl.constexpr):
+    # Program (p, c) owns segments [p * BLOCK_S, +BLOCK_S) of the sorted reads (ORDERED:
+    # segments seg_order[p + j * programs], j < BLOCK_S: the longest first, one per program),
     # columns [c * BLOCK_D, +BLOCK_D); segment s = reads order[seg_start[s]:seg_start[s+1]]
     # (flat ids bag * K + k), all of slot s (DENSE) or slots[s]. It writes row s of
     # grad_rows and, with FUSE_W (one column block covers V), grad_w of those reads.
@@ -127,8 +131,19 @@ def _segments_kernel(grad_out, values, stride_v, order, seg_start, slots, weight
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)         # (BD,)
     cmask = cols < V
     js0 = tl.arange(0, BLOCK_K)                                       # (BK,)
-    first = tl.program_id(0).to(tl.int64) * BLOCK_S                 # int64 segment ids: seg * stride
-    for seg in range(first, tl.minimum(first + BLOCK_S, S)):
+    if ORDERED:
+        lo = tl.program_id(0).to(tl.int64)                            # int64 segment ids: seg * stride
+        hi = S
+        step = tl.num_programs(0).to(tl.int64)
+    else:
+        lo = tl.program_id(0).to(tl.int64) * BLOCK_S
+        hi = tl.minimum(lo + BLOCK_S, S)
+        step = 1
+    for i in range(lo, hi, step):
+        if ORDERED:
+            seg = tl.load(seg_order + i).to(tl.int64)
+        else:
+            seg = i
         start = tl.load(seg_start + seg)
         end = tl.load(seg_start + seg + 1)
         acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -379,11 +394,14 @@ def segment_gradients(values: torch.Tensor, grad_out: torch.Tensor, order: torch
         return rows, (grad_w.zero_() if fuse else None)
     wide = _wide(bags * v_dim, bags * reads)
     grid = (triton.cdiv(segments, cfg.block_b), triton.cdiv(v_dim, cfg.block_d))
+    # busiest_first: segment ids by decreasing length (stable: ties in slot order).
+    seg_order = torch.argsort(seg_start.diff(), descending=True, stable=True) if cfg.busiest_first else seg_start
     _segments_kernel[grid](grad_out, values, values.stride(0), order, seg_start,
                            seg_start if slots is None else slots, weights, rows, rows.stride(0),
-                           grad_w if fuse else weights, segments, reads, v_dim,
+                           grad_w if fuse else weights, seg_order, segments, reads, v_dim,
                            BLOCK_S=cfg.block_b, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d,
                            DENSE=slots is None, FUSE_W=fuse, WIDE=wide, ACCUMULATE=into is not None,
+                           ORDERED=cfg.busiest_first,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
     return rows, grad_w
 
@@ -477,14 +495,16 @@ def gradients(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
 
 
 def accumulate_gradients(values: torch.Tensor, into: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                         grad_out: torch.Tensor, need_weights: bool = True) -> torch.Tensor | None:
+                         grad_out: torch.Tensor, need_weights: bool = True,
+                         launch: Launch | None = None) -> torch.Tensor | None:
     """The table's gradient of one read added into `into` (its (N, V)
     gradient buffer: every read of a step accumulates there, rows not read
     are not touched), and the weights' gradient (B, K) if `need_weights`.
     The "segments" walk over a dense grouping: no sync, no atomics, each
     row summed in (bag, read) order, so two runs are bitwise equal."""
     order, seg_start, _ = group_by_slot(indices, values.shape[0], dense=True)
-    _, grad_weights = segment_gradients(values, grad_out, order, seg_start, None, weights, need_weights, into=into)
+    _, grad_weights = segment_gradients(values, grad_out, order, seg_start, None, weights, need_weights, launch,
+                                        into=into)
     if need_weights and grad_weights is None:  # V wider than one column block
         grad_weights = weight_grad(values, indices, grad_out, weights.dtype, None, _block_d(values.shape[1]))
     return grad_weights

@@ -325,11 +325,12 @@ def test_best_launches_go_into_measured(monkeypatch):
     sweep = {"dtype": "float32", "elem_bytes": 4,
              "forward": [dict(launch=[1, 4, 1024, 8, 1, None], ms=2.0), dict(launch=[1, 16, 1024, 4, 1, 255], ms=1.5),
                          dict(launch=[1, 16, 1024, 4, 1, 128], same_code_as=[1, 16, 1024, 4, 1, 255])],
-             "segments": [dict(launch=[8, 4, 1024, 1, 1, None], ms=3.0)]}
+             "segments": [dict(launch=[8, 4, 1024, 1, 1, None, False], ms=3.0)]}
     applied = launch_sweep.apply_best({"float32": sweep})
     assert triton_bag.MEASURED == {("forward", 1024, 4): triton_bag.Launch(1, 16, 1024, 4, 1, 255),
                                    ("segments", 1024, 4): triton_bag.Launch(8, 4, 1024, 1, 1, None)}
-    assert applied == ["forward float32: (1, 16, 1024, 4, 1, 255)", "segments float32: (8, 4, 1024, 1, 1, None)"]
+    assert applied == ["forward float32: (1, 16, 1024, 4, 1, 255, False)",
+                       "segments float32: (8, 4, 1024, 1, 1, None, False)"]
 
 
 def test_recorder_writes_the_json_after_every_row(tmp_path):

@@ -44,13 +44,13 @@ CHILD = textwrap.dedent("""
     rows_sig = dict(values="*bf16", stride_v="i32", indices="*i32", weights="*fp32", out="*bf16", B="i32", K="i32",
                     V="i32")
     seg_sig = dict(grad_out="*bf16", values="*bf16", stride_v="i32", order="*i32", seg_start="*i32",
-                   slots="*i64", weights="*fp32", grad_rows="*bf16", stride_r="i32", grad_w="*fp32", S="i32",
-                   K="i32", V="i32")
+                   slots="*i64", weights="*fp32", grad_rows="*bf16", stride_r="i32", grad_w="*fp32",
+                   seg_order="*i64", S="i32", K="i32", V="i32")
     def rows_consts(cfg, wide):
         return dict(BLOCK_B=cfg.block_b, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, WIDE=wide)
-    def seg_consts(cfg, dense, fuse, wide, accumulate=False):
+    def seg_consts(cfg, dense, fuse, wide, accumulate=False, ordered=False):
         return dict(BLOCK_S=cfg.block_b, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, DENSE=dense, FUSE_W=fuse,
-                    WIDE=wide, ACCUMULATE=accumulate)
+                    WIDE=wide, ACCUMULATE=accumulate, ORDERED=ordered)
     new = {
         "rows_forward": (tb._rows_forward_kernel, rows_sig, rows_consts(fwd, False), fwd),
         "rows_forward_int64": (tb._rows_forward_kernel, dict(rows_sig, indices="*i64", stride_v="i64"),
@@ -61,6 +61,8 @@ CHILD = textwrap.dedent("""
         "segments_sparse": (tb._segments_kernel, seg_sig, seg_consts(seg, False, True, False), seg),
         # The gradient buffer's walk (memory/fast/ops.py, grad_into): adds into the read rows.
         "segments_accumulate": (tb._segments_kernel, seg_sig, seg_consts(seg, True, True, False, True), seg),
+        # The busiest-first order (Launch.busiest_first): the longest segments first.
+        "segments_busiest_first": (tb._segments_kernel, seg_sig, seg_consts(seg, True, True, False, True, True), seg),
         "segments_unfused_int64": (tb._segments_kernel, dict(seg_sig, order="*i64", seg_start="*i64"),
                                    seg_consts(seg, True, False, True), seg),
     }
@@ -113,11 +115,12 @@ def test_kernels_compile_for_sm90_without_spills():
     report = json.loads(proc.stdout.split("REPORT ", 1)[1].splitlines()[0])
     scalar_loads = json.loads(proc.stdout.split("SCALAR ", 1)[1].splitlines()[0])
     # The new kernels read bf16 rows as 16-byte vectors (ld.global.v4), never one element at a time.
-    for name in ("rows_forward", "rows_forward_int64", "segments_dense", "segments_sparse", "segments_accumulate"):
+    for name in ("rows_forward", "rows_forward_int64", "segments_dense", "segments_sparse", "segments_accumulate",
+                 "segments_busiest_first"):
         assert scalar_loads[name] == 0, (name, scalar_loads)
     assert set(report) == {"forward", "table_grad", "weight_grad", "atomic", "rows_forward", "rows_forward_int64",
                            "rows_forward_fp32_v96", "segments_dense", "segments_sparse", "segments_accumulate",
-                           "segments_unfused_int64"}
+                           "segments_busiest_first", "segments_unfused_int64"}
     for name, lines in report.items():
         for line in lines:  # "REG:64 STACK:0 SHARED:0 LOCAL:0 ...": STACK/LOCAL > 0 means spills
             fields = dict(item.split(":", 1) for item in line.split())

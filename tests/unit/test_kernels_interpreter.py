@@ -25,7 +25,7 @@ if torch.cuda.is_available():
     pytest.skip("CUDA present: the kernel tests run the compiled kernels directly", allow_module_level=True)
 
 TESTS = Path(__file__).resolve().parent
-FILES = ("test_kernels_triton.py", "test_kernels_variants.py")
+FILES = ("test_kernels_triton.py", "test_kernels_variants.py", "test_kernels_launches.py")
 
 
 def test_triton_kernels_under_interpreter():
