@@ -54,10 +54,10 @@ from collections.abc import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.optim.adamw import adamw
 
 from memlm.memory.fast.hugepages import advise_huge_pages
-from memlm.memory.fast.table_step import table_adamw_
+from memlm.memory.fast.table_step import DENSE_CHUNK_ELEMENTS, table_adamw_
+from memlm.memory.fast.table_step import adamw_update as _adamw  # torch's functional AdamW, one update
 from memlm.memory.table_grads import TABLES, TableGradients
 
 
@@ -84,10 +84,6 @@ class RowOptimizer(TableGradients, torch.optim.Optimizer):
 
     # Honours `self.found_inf` (as torch.amp.GradScaler expects of fused optimizers).
     _step_supports_amp_scaling = True
-
-    def __init__(self, params, defaults: dict):
-        super().__init__(params, defaults)
-        self.attach_table_buffers()
 
     def after_zero_grad(self) -> None:
         for group in self.param_groups:
@@ -222,8 +218,6 @@ def table_grad(param: torch.Tensor) -> torch.Tensor | None:
 # Rows per gather/update/scatter chunk of a sparse update (512 rows of 512
 # floats: 1 MB per tensor).
 ROW_CHUNK = 512
-# Largest float32 copy of a low-precision table a dense update makes (16 MB).
-DENSE_CHUNK_ELEMENTS = 1 << 22
 
 
 def moment_dtype(param_dtype: torch.dtype) -> torch.dtype:
@@ -243,36 +237,6 @@ def _zeros_like_table(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     buf = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
     advise_huge_pages(local_tensor(buf))  # before the first write
     return buf.zero_()
-
-
-def _adamw(p, grad, m, v, steps_before: torch.Tensor, group: dict, found_inf: torch.Tensor | None = None) -> None:
-    """One AdamW update of (p, m, v) in place, the step after `steps_before`
-    (a (,) tensor, not modified), through torch's functional AdamW: the fused
-    kernel where the device has one (one pass over the four tensors; it skips
-    the update when found_inf is 1), the plain single-tensor code otherwise
-    (then a skipped update is undone with torch.where). A parameter stored
-    narrower than its moments (a bf16 table) is updated on a float32 copy,
-    rounded back once (a skipped update rounds back to the same values)."""
-    if p.dtype != m.dtype:
-        wide = p.to(m.dtype)
-        _adamw(wide, grad.to(m.dtype), m, v, steps_before, group, found_inf)
-        p.copy_(wide)
-        return
-    beta1, beta2 = group["betas"]
-    fused = p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16)
-    # The functional API counts the step itself (in place): pass a copy of the previous count.
-    step_before = steps_before.detach().to(p.device if fused else "cpu", torch.float32, copy=True)
-    kwargs = dict(amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-    if fused or found_inf is None:
-        adamw([p], [grad], [m], [v], [], [step_before], foreach=False, fused=fused,
-              found_inf=found_inf if fused else None, **kwargs)
-        return
-    old = [t.clone() for t in (p, m, v)]
-    adamw([p], [grad], [m], [v], [], [step_before], foreach=False, fused=False, **kwargs)
-    skip = found_inf.to(p.device) > 0
-    for new, before in zip((p, m, v), old):
-        new.copy_(torch.where(skip, before, new))
 
 
 def sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

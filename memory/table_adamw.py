@@ -29,7 +29,6 @@ class TableAdamW(TableGradients, torch.optim.AdamW):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
-        self.attach_table_buffers()
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -8,8 +8,11 @@
     opt.zero_grad()                           # dense gradients dropped; table buffers kept (already zero)
 
 A param group marked `TABLES` (the optimizer's value group when the reads'
-gradients are dense) keeps one gradient buffer per table, from the
-optimizer's construction on: `p.grad`, zeroed in place, never set to None.
+gradients are dense) keeps one gradient buffer per table: `p.grad`, zeroed
+in place and never set to None once autograd has made it (the first step's
+backward). Not made at construction: a checkpoint loader that finds no
+optimizer state and no gradients runs a zero step to create the state
+(torch.distributed.checkpoint's `_init_optim_state`), and a buffer would stop it.
 A read of a `ValuePool` adds its rows there (memory/values.py,
 `gradient_buffer`), so a step makes no dense per-read gradient and autograd
 sums none; other tables (PEER's) get theirs from autograd, which adds into
@@ -37,15 +40,6 @@ CLIP_COEF = "clip_coef"
 class TableGradients:
     """Mixed into a torch.optim.Optimizer subclass (before it in the bases):
     buffers kept for `TABLES` groups, `take_clip_coefficient` for the step."""
-
-    def attach_table_buffers(self) -> None:
-        """Give each table of a `TABLES` group a zero gradient buffer (call at the end of __init__)."""
-        self._tables_zero = True
-        for group in self.param_groups:
-            if group.get(TABLES):
-                for p in group["params"]:
-                    if p.requires_grad and p.grad is None:
-                        p.grad = torch.zeros_like(p)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         tables_zero = getattr(self, "_tables_zero", False)

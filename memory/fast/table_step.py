@@ -22,7 +22,7 @@ traffic on it is what the clip multiply, AdamW and the zeroing of the buffer
 add up to. On CUDA it is one Triton kernel: p, g, m, v read once, p, m, v
 written once and g zeroed, the clip coefficient applied in registers. On CPU
 the op is the reference: the clip multiply (skipped without a coefficient),
-torch's fused AdamW (memlm.memory.sparse_adamw._adamw) and the zeroing, in
+torch's fused AdamW (`adamw_update`) and the zeroing, in
 three passes; for float32 tables it equals the clip-then-AdamW arithmetic of
 torch.nn.utils.clip_grads_with_norm_ and torch.optim.AdamW(fused=True) bit
 for bit. The Triton kernel is tested against it under TRITON_INTERPRET=1.
@@ -33,11 +33,14 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.optim.adamw import adamw
 
 from memlm.memory.fast.ops import _triton_runs_on  # one definition of where Triton runs
 
 # Elements per Triton program.
 BLOCK = 1024
+# Largest float32 copy of a low-precision table a dense update makes (16 MB).
+DENSE_CHUNK_ELEMENTS = 1 << 22
 
 
 def table_adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, steps_before: torch.Tensor,
@@ -69,18 +72,15 @@ def _(p, g, m, v, steps_before, coef, found_inf, lr, beta1, beta2, eps, weight_d
 
 
 def _reference_step(p, g, m, v, steps_before, coef, found_inf, lr, beta1, beta2, eps, weight_decay) -> None:
-    # torch's AdamW, fused where the device has it (memory/sparse_adamw.py)
-    from memlm.memory.sparse_adamw import DENSE_CHUNK_ELEMENTS, _adamw
-
     if coef is not None:
         g.mul_(coef.to(g.device, g.dtype))
     group = {"betas": (beta1, beta2), "lr": lr, "eps": eps, "weight_decay": weight_decay}
     if p.dtype == m.dtype or p.dim() == 0:
-        _adamw(p, g, m, v, steps_before, group, found_inf)
+        adamw_update(p, g, m, v, steps_before, group, found_inf)
     else:  # a bf16 table: through float32 rows, a chunk at a time (views: in place)
         rows = max(1, DENSE_CHUNK_ELEMENTS // max(1, p[0].numel()))
         for part in (slice(start, start + rows) for start in range(0, p.shape[0], rows)):
-            _adamw(p[part], g[part], m[part], v[part], steps_before, group, found_inf)
+            adamw_update(p[part], g[part], m[part], v[part], steps_before, group, found_inf)
     g.zero_()
 
 
@@ -104,3 +104,34 @@ def _triton_step(p, g, m, v, steps_before, coef, found_inf, lr, beta1, beta2, ep
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def adamw_update(p, grad, m, v, steps_before: torch.Tensor, group: dict,
+                 found_inf: torch.Tensor | None = None) -> None:
+    """One AdamW update of (p, m, v) in place, the step after `steps_before`
+    (a (,) tensor, not modified), through torch's functional AdamW: the fused
+    kernel where the device has one (one pass over the four tensors; it skips
+    the update when found_inf is 1), the plain single-tensor code otherwise
+    (then a skipped update is undone with torch.where). A parameter stored
+    narrower than its moments (a bf16 table) is updated on a float32 copy,
+    rounded back once (a skipped update rounds back to the same values)."""
+    if p.dtype != m.dtype:
+        wide = p.to(m.dtype)
+        adamw_update(wide, grad.to(m.dtype), m, v, steps_before, group, found_inf)
+        p.copy_(wide)
+        return
+    beta1, beta2 = group["betas"]
+    fused = p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    # The functional API counts the step itself (in place): pass a copy of the previous count.
+    step_before = steps_before.detach().to(p.device if fused else "cpu", torch.float32, copy=True)
+    kwargs = dict(amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+    if fused or found_inf is None:
+        adamw([p], [grad], [m], [v], [], [step_before], foreach=False, fused=fused,
+              found_inf=found_inf if fused else None, **kwargs)
+        return
+    old = [t.clone() for t in (p, m, v)]
+    adamw([p], [grad], [m], [v], [], [step_before], foreach=False, fused=False, **kwargs)
+    skip = found_inf.to(p.device) > 0
+    for new, before in zip((p, m, v), old):
+        new.copy_(torch.where(skip, before, new))
