@@ -1,0 +1,172 @@
+"""Engram: hashed n-gram memory with a context-aware gate, a module that stands alone in any model.
+
+From "Conditional Memory via Scalable Lookup" (DeepSeek-AI and Peking University, 2026),
+written from its equations (docs/memory.md, "Engram (standalone module)"):
+
+    from memlm.memory.engram import Engram
+    from memlm.memory.engram_vocab import canonical_map
+    engram = Engram(dim=512, token_map=canonical_map(pieces), layer=1)   # pieces: the tokenizer's, in id order
+    h = h + engram(h, tokens)   # h (B, T, 512) the residual stream before attention, tokens (B, T) int64
+    rows = engram.hash(tokens)  # (B, T, H) int64, H = (max_order - 1) * heads: known before the forward
+    h = h + engram(h, rows=rows)                 # the same output from rows computed ahead
+
+Per position t (E = H * head_dim; memlm.memory.engram_hash gives the rows):
+    e_t = concat_j table[rows[t, j]]                       # (E,)   the memory vector, heads concatenated
+    k_t, v_t = W_k e_t, W_v e_t                            # (dim,) each, no bias
+    a_t = sigmoid(ssqrt(<norm_k(k_t), norm_h(h_t)> / sqrt(dim)))   # scalar gate (signed_sqrt below)
+    u_t = a_t * v_t                                        # (dim,) the gated value
+    y_t = u_t + silu(sum_j w[:, j] * norm_c(u)_{t - (w-1-j) * dil})   # depthwise causal conv, zeros before 0
+    returns y (B, T, dim): the caller adds it to the residual stream
+norm_*: RMSNorm with a learned weight (eps: the dtype's). dil defaults to max_order.
+
+The n-gram tables are one (sum of the heads' primes, head_dim) parameter in
+`EngramTables` (`param_category = "memory"`, memlm.memory.tables finds it); the
+hasher's per-head offsets address it. One tensor is what the table machinery
+shares with Memory+'s pool: one gather, one sparse row update, one column split.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memlm.memory.engram_hash import NgramHash
+from memlm.memory.engram_vocab import check_canonical_map
+
+SSQRT_EPS = 1e-6  # |x| is clamped here inside the gate's signed square root: a finite slope at 0
+MAX_SEED = 2**64
+
+
+def engram_size_problem(dim: int, max_order: int, heads: int, head_dim: int, rows_per_head: int | Sequence[int],
+                        kernel_size: int, dilation: int, seed: int, layer: int) -> tuple[str, object, str] | None:
+    """The first invalid size of an Engram layer as (key, value, what is valid), or None.
+    `rows_per_head`: one size for every order, or one per order 2..max_order."""
+    if type(max_order) is not int or not 2 <= max_order <= 8:
+        return "max_order", max_order, "an integer in [2, 8] (n-gram orders 2..max_order)"
+    for key, value, low in (("dim", dim, 1), ("heads", heads, 1), ("head_dim", head_dim, 1),
+                            ("kernel_size", kernel_size, 1), ("dilation", dilation, 1), ("layer", layer, 0)):
+        if type(value) is not int or value < low:
+            return key, value, f"an integer >= {low}"
+    one_per_order = isinstance(rows_per_head, (list, tuple)) and len(rows_per_head) == max_order - 1
+    sizes = [rows_per_head] if type(rows_per_head) is int else rows_per_head if one_per_order else [None]
+    if any(type(r) is not int or r < 2 for r in sizes):
+        return "rows_per_head", rows_per_head, \
+            f"an integer >= 2 (every order), or one per n-gram order 2..{max_order} ({max_order - 1} of them)"
+    if type(seed) is not int or not 0 <= seed < MAX_SEED:
+        return "seed", seed, "an integer in [0, 2**64)"
+    return None
+
+
+def signed_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """sign(x) * sqrt(max(|x|, SSQRT_EPS)): 0 at 0, slope at most 1 / (2 sqrt(SSQRT_EPS)) = 500."""
+    return torch.sign(x) * torch.sqrt(x.abs().clamp_min(SSQRT_EPS))
+
+
+class EngramTables(nn.Module):
+    """Every head's n-gram table in one (n_rows, head_dim) parameter; row = head offset + hashed id."""
+
+    # memlm.memory.tables: a sparse table (rows get a gradient only when read).
+    param_category = "memory"
+
+    def __init__(self, n_rows: int, head_dim: int):
+        super().__init__()
+        self.n_rows, self.head_dim = n_rows, head_dim
+        self.weight = nn.Parameter(torch.empty(n_rows, head_dim))
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.head_dim**-0.5)  # each row of unit expected norm
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (B, T, H) int64 -> e (B, T, H * head_dim): the heads' rows concatenated."""
+        return F.embedding(rows, self.weight).flatten(-2)
+
+
+class Engram(nn.Module):
+    """Hashed n-gram memory gated by the hidden state (module docstring). Output: the residual delta."""
+
+    def __init__(self, dim: int, token_map: torch.Tensor, layer: int, seed: int = 0, max_order: int = 3,
+                 heads: int = 8, head_dim: int = 64, rows_per_head: int | Sequence[int] | None = None,
+                 kernel_size: int = 4, dilation: int | None = None):
+        super().__init__()
+        token_map = check_canonical_map(token_map, "token_map")
+        if rows_per_head is None:  # five times the canonical vocabulary per head, as the public demo sizes it
+            rows_per_head = 5 * (int(token_map.max()) + 1)
+        dilation = max_order if dilation is None else dilation
+        problem = engram_size_problem(dim, max_order, heads, head_dim, rows_per_head, kernel_size, dilation,
+                                      seed, layer)
+        if problem is not None:
+            key, value, valid = problem
+            raise ValueError(f"{key}={value!r} is invalid: {valid}")
+        if isinstance(rows_per_head, int):
+            rows_per_head = [rows_per_head] * (max_order - 1)
+        self.dim, self.head_dim, self.kernel_size, self.dilation = dim, head_dim, kernel_size, dilation
+        self.hash = NgramHash(token_map, max_order, heads, rows_per_head, seed, layer)
+        self.n_heads = len(self.hash.head_rows)  # H = (max_order - 1) * heads
+        self.mem_dim = self.n_heads * head_dim  # E
+        self.tables = EngramTables(self.hash.n_rows, head_dim)
+        self.w_k = nn.Linear(self.mem_dim, dim, bias=False)
+        self.w_v = nn.Linear(self.mem_dim, dim, bias=False)
+        self.norm_k = nn.Parameter(torch.empty(dim))  # RMSNorm weights: the key, the hidden state, the conv input
+        self.norm_h = nn.Parameter(torch.empty(dim))
+        self.norm_c = nn.Parameter(torch.empty(dim))
+        self.conv = nn.Parameter(torch.empty(dim, kernel_size))  # depthwise taps; [:, -1] is position t itself
+        self._init_dense()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re-)initialize everything, e.g. after `to_empty()` (like torch.nn layers, also at construction)."""
+        self.hash.init_buffers()
+        self.tables.init_weights()
+        self._init_dense()
+
+    @torch.no_grad()
+    def _init_dense(self) -> None:
+        for lin in (self.w_k, self.w_v):
+            nn.init.normal_(lin.weight, mean=0.0, std=self.mem_dim**-0.5)
+        for norm in (self.norm_k, self.norm_h, self.norm_c):
+            nn.init.ones_(norm)
+        nn.init.zeros_(self.conv)  # y = u at step 0: the convolution starts as no change
+
+    def forward(self, h: torch.Tensor, tokens: torch.Tensor | None = None, *,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """h (B, T, dim), and tokens (B, T) or their rows (B, T, H) -> y (B, T, dim)."""
+        if (tokens is None) == (rows is None):
+            raise ValueError("Engram needs exactly one of tokens= (B, T) and rows= (B, T, H) from engram.hash")
+        if rows is None:
+            rows = self.hash(tokens)
+        if h.dim() != 3 or h.shape[-1] != self.dim or tuple(rows.shape) != (*h.shape[:2], self.n_heads):
+            raise ValueError(f"h {tuple(h.shape)} with rows {tuple(rows.shape)} is invalid: "
+                             f"h (B, T, dim={self.dim}) and rows (B, T, H={self.n_heads}) of the same B, T")
+        e = self.tables(rows)  # (B, T, E)
+        k, v = self.w_k(e), self.w_v(e)  # (B, T, dim) each
+        eps = torch.finfo(h.dtype).eps
+        dot = (F.rms_norm(k, (self.dim,), self.norm_k, eps) * F.rms_norm(h, (self.dim,), self.norm_h, eps)).sum(-1)
+        gate = torch.sigmoid(signed_sqrt(dot / math.sqrt(self.dim)))  # (B, T)
+        u = gate.unsqueeze(-1) * v  # (B, T, dim)
+        return u + F.silu(self._causal_conv(F.rms_norm(u, (self.dim,), self.norm_c, eps)))
+
+    def _causal_conv(self, x: torch.Tensor) -> torch.Tensor:
+        """Depthwise causal dilated conv over T: out_t = sum_j conv[:, j] * x_{t - (w-1-j) * dil} (zeros before 0).
+        Written as w shifted multiply-adds, tap 0 first: the reference's order (conv1d rounds differently)."""
+        seq = x.shape[1]
+        out = None
+        for j in range(self.kernel_size):
+            back = (self.kernel_size - 1 - j) * self.dilation
+            shifted = F.pad(x, (0, 0, back, 0))[:, :seq] if back else x  # x_{t - back}, (B, T, dim)
+            term = self.conv[:, j] * shifted
+            out = term if out is None else out + term
+        return out
+
+    def flops_per_token(self) -> int:
+        """W_k and W_v (2 * E * dim each), the gate's dot, the conv taps; the table is not computed over."""
+        return 4 * self.mem_dim * self.dim + 2 * self.dim + 2 * self.kernel_size * self.dim
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, heads={self.n_heads}, head_dim={self.head_dim}, " \
+               f"kernel_size={self.kernel_size}, dilation={self.dilation}"
