@@ -163,10 +163,6 @@ class Engram(nn.Module):
             out = term if out is None else out + term
         return out
 
-    def flops_per_token(self) -> int:
-        """W_k and W_v (2 * E * dim each), the gate's dot, the conv taps; the table is not computed over."""
-        return 4 * self.mem_dim * self.dim + 2 * self.dim + 2 * self.kernel_size * self.dim
-
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.n_heads}, head_dim={self.head_dim}, " \
                f"kernel_size={self.kernel_size}, dilation={self.dilation}"
