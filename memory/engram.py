@@ -21,8 +21,8 @@ norm_*: RMSNorm with a learned weight (eps: the dtype's). dil defaults to max_or
 
 The n-gram tables are one (sum of the heads' primes, head_dim) parameter in
 `EngramTables` (`param_category = "memory"`, memlm.memory.tables finds it); the
-hasher's per-head offsets address it. One tensor is what the table machinery
-shares with Memory+'s pool: one gather, one sparse row update, one column split.
+hasher's per-head offsets address it. One tensor, like Memory+'s value pool:
+one gather for all heads, one sparse row update, one column split.
 """
 
 from __future__ import annotations
