@@ -18,9 +18,10 @@ speed_train, speed_profile and speed_compiled (SECTIONS="env speed"):
   FAIL: one of ours raises or is off the reference, or (on a GPU)
   --official is missing.
 - sweep (bench/launch_sweep.py): the "segments" launches at both dtypes,
-  maxnreg and 1-warp backward programs included; the fastest of each pass
-  and dtype is what the training parts run with (--sweep: triton_bag.MEASURED
-  in their process). FAIL: a candidate raises or is off the reference.
+  maxnreg, 1-warp and busiest-first backward programs included; the fastest
+  of each pass and dtype is what the training parts run with (--sweep: as
+  memory.triton_forward / triton_backward overrides, so each run's
+  config.yaml records them). FAIL: a candidate raises or is off the reference.
 - train: the 373M model, bf16 compute, 8 x 2,048 tokens: dense, Memory+
   with an fp32 table and with a bf16 table (1M slots, 3 layers sharing one
   pool); --mode eager or compiled (parallel.compile=true); tokens/s, MFU,
@@ -62,9 +63,9 @@ from report import machine_line, write_section  # noqa: E402
 
 TITLE = "## GPU speed (bench/gpu_speed.py)"
 GOAL_TOKENS_RATIO = 0.9
-# The training runs: (name, overrides added to the variant's).
-TRAIN_RUNS = (("dense", "dense", []), ("memplus fp32", "memplus", []),
-              ("memplus bf16", "memplus", ["memory.value_dtype=bf16"]))
+# The training runs: (name, variant, the table's dtype (its sweep's launches), overrides added to the variant's).
+TRAIN_RUNS = (("dense", "dense", None, []), ("memplus fp32", "memplus", "float32", []),
+              ("memplus bf16", "memplus", "bfloat16", ["memory.value_dtype=bf16"]))
 HEADINGS = {"kernels": "Kernels", "sweep": "Launch sweep", "train": "Training step", "profile": "Profile"}
 
 
@@ -142,15 +143,16 @@ def _first_line(err: Exception) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
-def apply_sweep(path: Path | None, record) -> None:
-    """The sweep's fastest launches into triton_bag.MEASURED (this process), recorded as "launches"."""
-    from launch_sweep import apply_best
+def sweep_launches(path: Path | None, dtype: str | None) -> list[str]:
+    """The sweep's fastest launches for a `dtype` table as config overrides
+    (memory.triton_forward / triton_backward: recorded in the run's config.yaml);
+    [] (the rule's or measured launches) without a sweep, a table, or timings."""
+    from launch_sweep import config_overrides
 
-    if path is None or not path.exists():
-        record("launches", ["the rule's (no sweep given)" if path is None else f"the rule's ({path} missing)"])
-        return
-    sweeps = json.loads(path.read_text()).get("sweeps", {})
-    record("launches", apply_best(sweeps) or ["the rule's (the sweep timed nothing)"])
+    if path is None or dtype is None or not path.exists():
+        return []
+    result = json.loads(path.read_text()).get("sweeps", {}).get(dtype)
+    return config_overrides(result) if result else []
 
 
 # ------------------------------------------------------------------ kernels and sweep
@@ -202,17 +204,19 @@ def part_train(args, record) -> dict:
     """373M dense and Memory+ (fp32 and bf16 tables) in one mode; results appended to the JSON's."""
     import device_train as dt
 
-    apply_sweep(args.sweep, record)
     variants = dt._variants(args.dry_run)
-    failures = []
+    failures, launches = [], record.data.get("launches", {})
     with tempfile.TemporaryDirectory() as tmp:
-        for label, variant, extra in TRAIN_RUNS:
+        for label, variant, dtype, extra in TRAIN_RUNS:
             try:
                 _free()
                 if args.mode == "compiled":
                     torch._dynamo.reset()
                 compiled = ["parallel.compile=true"] if args.mode == "compiled" else []
-                trainer = dt._trainer([*variants[variant], *extra, *compiled], f"{tmp}/{label.replace(' ', '-')}")
+                launches[label] = sweep_launches(args.sweep, dtype)
+                record("launches", launches)
+                trainer = dt._trainer([*variants[variant], *extra, *launches[label], *compiled],
+                                      f"{tmp}/{label.replace(' ', '-')}")
                 start = time.perf_counter()
                 trainer.train_step(read=False)  # compiles when compiled
                 dt._sync(trainer.env.device)
@@ -256,16 +260,17 @@ def part_profile(args, record) -> dict:
     import speed_profile as sp
     from torch.profiler import ProfilerActivity, profile
 
-    apply_sweep(args.sweep, record)
     cuda = torch.cuda.is_available() and not args.dry_run
     variants = dt._variants(args.dry_run)
     failures, steps = [], {}
+    launches = {"memplus": sweep_launches(args.sweep, "float32"), "dense": []}
+    record("launches", launches)
     record("steps", steps)
     with tempfile.TemporaryDirectory() as tmp:
         for variant in ("memplus", "dense"):
             try:
                 _free()
-                trainer = dt._trainer(variants[variant], f"{tmp}/{variant}")
+                trainer = dt._trainer([*variants[variant], *launches[variant]], f"{tmp}/{variant}")
                 for _ in range(2):
                     trainer.train_step(read=False)
                 dt._sync(trainer.env.device)
@@ -318,8 +323,10 @@ def train_md(result: dict) -> str:
     lines = [header(result, f"`{model}`, random tokens, the real Trainer; Memory+ adds `{memplus}` (fp32 table "
                             "unless bf16); mean step time over the timed steps after warm-up; compiled = "
                             "`parallel.compile=true` (its first step includes the compilation); peak memory "
-                            "reset between models."),
-             f"Read kernels' launches: {'; '.join(result.get('launches', []))}.", "",
+                            "reset between models."), "",
+             "Read kernels' launches (the sweep's fastest, as config values): " + "; ".join(
+                 f"{k}: `{' '.join(v)}`" if v else f"{k}: the rule's" for k, v in result.get("launches", {}).items())
+             + ".", "",
              "| model | mode | step | tokens/s | TFLOP/s | MFU | peak memory | first step |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in result.get("results", []):

@@ -46,8 +46,10 @@ TITLE = "## Kernels (bench/kernels.py)"
 # tokens, reads per token (heads x knn), slots, v_dim
 CPU_SHAPE = (2048, 128, 65536, 256)
 GPU_SHAPE = (16384, 128, 1 << 20, 1024)
-# "triton": the default algorithm of memory/fast/triton_bag.py; "triton-<algorithm>": another one.
+# "triton": memory/fast/triton_bag.py's read; "triton-by_slot", "triton-atomic": the first kernels
+# (bench/bag_variants.py).
 GPU_KERNELS = ("triton", "triton-by_slot", "triton-atomic", "torch", "F.embedding_bag")
+FIRST_KERNELS = {"triton-by_slot": "embedding_bag_by_slot", "triton-atomic": "embedding_bag_atomic"}
 # Largest passing max |kernel - float32 reference| / max |reference|, per table
 # dtype: float32 accumulation-order noise, and bf16's 8-bit significand (output
 # and table gradient rounded to bf16: ~0.4% of a value, a few of them summed).
@@ -66,17 +68,16 @@ def make_case(shape, dtype, device, seed=0):
 
 
 def read(name, values, indices, weights, sparse=False):
-    """The read (B, v_dim) by kernel `name`: "F.embedding_bag", "triton" (the
-    default algorithm), "triton-<algorithm>" (triton_bag.ALGORITHMS), or a
-    memory.kernel value of ops.embedding_bag."""
+    """The read (B, v_dim) by kernel `name`: "F.embedding_bag", one of the
+    first kernels ("triton-by_slot", "triton-atomic": dense gradients only), or
+    a memory.kernel value of ops.embedding_bag ("triton", "torch", ...)."""
     if name == "F.embedding_bag":
         return F.embedding_bag(indices, values, per_sample_weights=weights.to(values.dtype), mode="sum",
                                sparse=sparse)
-    if name.startswith("triton"):
-        from memlm.memory.fast.triton_bag import embedding_bag_triton
+    if name in FIRST_KERNELS:
+        import bag_variants
 
-        algo = name.split("-", 1)[1] if "-" in name else None
-        return embedding_bag_triton(values, indices, weights, sparse=sparse, algorithm=algo)
+        return getattr(bag_variants, FIRST_KERNELS[name])(values, indices, weights)
     return ops.embedding_bag(values, indices, weights, sparse=sparse, kernel=name)
 
 

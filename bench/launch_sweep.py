@@ -2,7 +2,7 @@
 
     result = sweep(case, ref, repeats, failures, timer, record)     # {"forward": [...], "segments": [...], ...}
     best_launches(result)          # {"forward": Launch, "segments": Launch}: the fastest checked candidate
-    apply_best(sweep_json)         # triton_bag.MEASURED takes them (this process only)
+    config_overrides(result)       # the same as memory.triton_forward / triton_backward overrides
 
 Every candidate is checked against the float32 reference first, then timed.
 A candidate whose compiled code is identical to an earlier one's (Triton's
@@ -103,14 +103,14 @@ def _run_candidates(what, launches, call, jit_fn, ref, which, timer, repeats, fa
 def sweep(case, ref, repeats: int, failures: list[str], timer=time_cuda, record=lambda part, value: None) -> dict:
     """The forward and backward ("segments") candidates at `case`, each checked then timed.
     record(part, value) is called as rows finish (a caller writes its JSON there)."""
-    from memlm.memory.fast import triton_bag
+    from memlm.memory.fast import launches, triton_bag
 
     values, indices, weights, grad_out = (t.detach() for t in case)
     tokens, reads = indices.shape
     dtype = values.dtype
     out = {"forward": [], "segments": [], "sort_ms": None, "elem_bytes": values.element_size(),
            "dtype": str(dtype).split(".")[-1]}
-    base_f = triton_bag.forward_launch(values.shape[1], reads, tokens, dtype)
+    base_f = launches.forward_launch(values.shape[1], reads, tokens, dtype)
     out["forward"] = _run_candidates(
         "forward", candidates(base_f, FORWARD_SWEEP),
         lambda la: triton_bag.bag_forward(values, indices, weights, launch=la), triton_bag._rows_forward_kernel,
@@ -120,7 +120,7 @@ def sweep(case, ref, repeats: int, failures: list[str], timer=time_cuda, record=
                                                    repeats))
     out["sort_ms"] = None if sort is None else sort * 1e3
     order, seg_start, _ = triton_bag.group_by_slot(indices, values.shape[0])
-    base_s = triton_bag.segments_launch(values.shape[1], dtype)
+    base_s = launches.segments_launch(values.shape[1], dtype)
     out["segments"] = _run_candidates(
         "segments", candidates(base_s, SEGMENTS_SWEEP),
         lambda la: triton_bag.segment_gradients(values, grad_out, order, seg_start, None, weights, True, la),
@@ -131,27 +131,27 @@ def sweep(case, ref, repeats: int, failures: list[str], timer=time_cuda, record=
 
 def best_launches(result: dict) -> dict:
     """{"forward" | "segments": Launch} of the fastest timed candidate of each pass."""
-    from memlm.memory.fast import triton_bag
+    from memlm.memory.fast.launches import Launch
 
     best = {}
     for what in ("forward", "segments"):
         timed = [r for r in result.get(what) or [] if "ms" in r]
         if timed:
-            best[what] = triton_bag.Launch(*min(timed, key=lambda r: r["ms"])["launch"])
+            best[what] = Launch(*min(timed, key=lambda r: r["ms"])["launch"])
     return best
 
 
-def apply_best(sweeps: dict) -> list[str]:
-    """Put each dtype's fastest launches into triton_bag.MEASURED (this process);
-    `sweeps`: {dtype name: sweep result}. Returns what was applied, as text."""
-    from memlm.memory.fast import triton_bag
+def config_overrides(result: dict) -> list[str]:
+    """The fastest launches of one dtype's sweep as the run's config values
+    (memory.triton_forward / memory.triton_backward: LAUNCH_FIELDS in order)."""
+    from memlm.memory.fast.launches import LAUNCH_FIELDS
 
-    applied = []
-    for result in sweeps.values():
-        for what, launch in best_launches(result).items():
-            triton_bag.MEASURED[(what, launch.block_d, result["elem_bytes"])] = launch
-            applied.append(f"{what} {result['dtype']}: {tuple(launch)}")
-    return applied
+    keys = {"forward": "memory.triton_forward", "segments": "memory.triton_backward"}
+    out = []
+    for what, launch in best_launches(result).items():
+        values = [int(getattr(launch, f) or 0) for f in LAUNCH_FIELDS]  # maxnreg None -> 0, busiest_first -> 0/1
+        out.append(f"{keys[what]}=[{','.join(map(str, values))}]")
+    return out
 
 
 def sweep_markdown(result: dict) -> list[str]:
@@ -177,8 +177,9 @@ def sweep_markdown(result: dict) -> list[str]:
     best = best_launches(result)
     if best:
         lines += [""] + [f"- Fastest {what} launch, {dtype}: {tuple(launch)} "
-                         f"(triton_bag.MEASURED[({what!r}, {launch.block_d}, {result['elem_bytes']})])."
+                         f"(launches.MEASURED[({what!r}, {launch.block_d}, {result['elem_bytes']})])."
                          for what, launch in best.items()]
+        lines += [f"- As the run's config, {dtype} table: `{' '.join(config_overrides(result))}`."]
     return lines
 
 

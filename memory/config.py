@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memlm.errors import ConfigError
+from memlm.memory.fast.launches import ALGORITHMS as TRITON_ALGORITHMS
+from memlm.memory.fast.launches import launch_problem
 from memlm.memory.fast.ops import KERNELS
 
 # memory.value_dtype choices; memlm.memory.values.VALUE_DTYPES maps them to torch dtypes.
@@ -95,6 +97,12 @@ class MemoryConfig:
     balance_loss_coef: float = 0.0
     sparse_updates: bool = False
     kernel: str = "auto"  # auto | triton | torch
+    # The Triton read (memory/fast/launches.py), set for the process when the model is
+    # built: its algorithm, and each pass's launch, [] = measured or the rule, else
+    # [block_b, block_k, num_warps, num_stages, maxnreg (0: the compiler's), busiest_first (0/1)].
+    triton_algorithm: str = "segments"
+    triton_forward: list[int] = field(default_factory=list)
+    triton_backward: list[int] = field(default_factory=list)
     # Optional knn schedule (memory/schedule.py): the training knn moves linearly
     # from knn_schedule_start to knn over the first knn_schedule_steps steps.
     # 0 -> no schedule (knn from the first step).
@@ -146,9 +154,14 @@ class MemoryConfig:
                 f"{prefix}.layers", list(self.layers),
                 f"memory.kind={self.kind!r} needs at least one layer: set memory.layers or memory.spread",
             )
-        for key, choices in (("placement", PLACEMENTS), ("gate", GATES), ("kernel", KERNELS)):
+        for key, choices in (("placement", PLACEMENTS), ("gate", GATES), ("kernel", KERNELS),
+                             ("triton_algorithm", TRITON_ALGORITHMS)):
             if getattr(self, key) not in choices:
                 raise ConfigError(f"{prefix}.{key}", getattr(self, key), f"one of: {', '.join(choices)}")
+        for key in ("triton_forward", "triton_backward"):
+            problem = launch_problem(getattr(self, key))
+            if problem:
+                raise ConfigError(f"{prefix}.{key}", list(getattr(self, key)), problem)
         if self.kind in PRODUCT_KEY_KINDS:
             self._validate_product_key_memory(prefix)
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from memlm.memory.config import MemoryConfig
+from memlm.memory.fast.launches import configure as configure_triton_read
 from memlm.memory.layers import Memory, MemoryPlus, ProductKeyMemory
 from memlm.memory.values import VALUE_DTYPES, ValuePool
 from memlm.model.ffn import FFNContext, SwiGLU, register_ffn
@@ -65,6 +66,7 @@ def _value_pool(ctx: FFNContext, cfg: MemoryConfig, v_dim: int) -> ValuePool | N
 
 def _build(ctx: FFNContext, kind: str) -> MemoryFFN:
     cfg = ctx.memory if ctx.memory is not None else MemoryConfig(kind=kind)
+    configure_triton_read(cfg.triton_algorithm, cfg.triton_forward, cfg.triton_backward)  # the process's launches
     dim = ctx.args.dim
     v_dim = cfg.v_dim or dim
     common = dict(

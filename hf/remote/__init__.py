@@ -63,7 +63,8 @@ MEMORY_SWITCHES = ("w_bias",)
 MEMORY_LAYER_CHOICE = ("kind", "layers", "spread")
 MEMORY_TRAINING_ONLY = (
     "value_lr", "value_weight_decay", "value_init_scale", "value_grad_clip", "value_grad_reduce_dtype",
-    "balance_loss_coef", "sparse_updates", "kernel", "knn_schedule_start", "knn_schedule_steps",
+    "balance_loss_coef", "sparse_updates", "kernel", "triton_algorithm", "triton_forward", "triton_backward",
+    "knn_schedule_start", "knn_schedule_steps",
 )
 # FFN kinds the modeling file implements (tests check this against memlm's registry).
 REMOTE_KINDS = ("dense", "memory", "memplus", "moe", "peer")

@@ -5,6 +5,7 @@ done the way a training step can afford.
   with its kernels (torch, Triton) and the table gradient as rows.
 - bag_grad.py: the read's CPU backward, computed by destination slot.
 - triton_bag.py: the CUDA read and its gradients in Triton.
+- launches.py: how each Triton pass launches (the run's config, measured, or a rule).
 - search.py / search_grad.py: the product-key top-k and its custom autograd
   (the gradient touches only the selected sub-keys).
 - native_topk.py + topk_rows.c: a C top-k of many short CPU rows.

@@ -4,6 +4,7 @@
 
     out = bag_forward(values, indices, weights)                          # (B, V), the table's dtype
     grad_values, grad_weights = gradients(values, indices, weights, grad_out)   # (N, V), (B, K)
+    grad_weights = accumulate_gradients(values, grad_buffer, indices, weights, grad_out)  # adds into the buffer
 
 Reached through `memlm.memory.fast.ops.embedding_bag(..., kernel="triton")` (or
 `auto` on CUDA), which validates the inputs first; the launchers here assume
@@ -11,69 +12,36 @@ valid inputs: a table with unit column stride, contiguous (B, K) indices
 (int32 or int64) and weights, indices in [0, N). Everything accumulates in
 float32 whatever the table dtype.
 
-Algorithms (`ALGORITHMS`; a name picks the kernels of both passes):
-- "segments" (the default by construction; issue #39): forward by whole
-  rows: one program per block of BLOCK_B bags and BLOCK_D >= v_dim columns
-  (one column block up to MAX_BLOCK_D), BLOCK_K rows gathered per step and
-  the next step's indices loaded before this step's rows are summed.
-  Backward: a stable sort of the B*K reads groups them by slot (torch ops),
-  then one program per block of BLOCK_S consecutive segments walks each
-  segment in (bag, read) order: it sums w * grad_out[bag] into the slot's
-  row (written once; an empty segment only writes its zero row) and, from
-  the same grad_out rows and the slot's value row (read once per slot, not
-  once per read), writes each read's weight gradient. No atomics: two runs
-  give bitwise-equal gradients.
-- "by_slot" (the first kernels, kept for the side-by-side comparison):
-  forward by tiles, one program per (bag, 256 columns) and 16 rows a step;
-  table gradient one program per (segment, 256 columns); weight gradient
-  one program per (bag, block of reads), every read's value row read again.
-- "atomic" (comparison only, not deterministic): the first forward and
-  weight gradient; the table gradient adds w * grad_out[bag] into a float32
-  copy of the table with atomics.
+The algorithm, "segments" (memory/fast/launches.py's ALGORITHMS; issue #39):
+forward by whole rows: one program per block of BLOCK_B bags and
+BLOCK_D >= v_dim columns (one column block up to MAX_BLOCK_D), BLOCK_K rows
+gathered per step and the next step's indices loaded before this step's rows
+are summed. Backward: a stable sort of the B*K reads groups them by slot
+(torch ops), then one program per block of BLOCK_S segments walks each
+segment in (bag, read) order: it sums w * grad_out[bag] into the slot's row
+(written once, or added into the table's gradient buffer; an empty segment
+writes its zero row, or leaves the buffer's) and, from the same grad_out rows
+and the slot's value row (read once per slot, not once per read), writes
+each read's weight gradient. No atomics: two runs give bitwise-equal
+gradients. The segments go to programs in slot order, or longest first
+(Launch.busiest_first: a few hot slots then start first, one per program).
 
-Which algorithm runs: the `algorithm` argument, else $MEMLM_TRITON_BAG, else
-"segments". Launch configurations come from `forward_launch` /
-`segments_launch`: a table of measured entries (`MEASURED`, empty until a GPU
-run fills it; bench/gpu_speed.py sweeps the candidates) over a rule derived
-from the hardware's shape (16-byte vector loads, one warp per 32 lanes),
-not from a measurement. The CUDA default is settled by the device run.
+Launches come from memory/fast/launches.py (the run's config, a measured
+table, or a rule); `launch=` overrides them (bench/gpu_speed.py's sweep). The
+first kernels ("by_slot", "atomic") are kept for comparison in
+bench/bag_variants.py.
 """
 
 from __future__ import annotations
-
-import os
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-ALGORITHMS = ("segments", "by_slot", "atomic")
-DEFAULT_ALGORITHM = "segments"
-ALGORITHM_ENV = "MEMLM_TRITON_BAG"
-# Widest column block of one program (whole rows up to this v_dim).
-MAX_BLOCK_D = 2048
+from memlm.memory.fast.launches import Launch, block_d, forward_launch, next_pow2, segments_launch
+
 # Offsets at or beyond this need int64 arithmetic.
 INT32_LIMIT = 2**31
-
-
-class Launch(NamedTuple):
-    """One kernel launch's blocks and Triton options."""
-
-    block_b: int  # forward: bags per program; backward: segments per program (BLOCK_S)
-    block_k: int  # rows gathered per step
-    block_d: int  # columns per program (power of two)
-    num_warps: int
-    num_stages: int
-    maxnreg: int | None = None  # registers per thread (Triton's maxnreg); None: the compiler's choice
-    # Backward only: programs take the segments longest first, one of the longest per
-    # program (a stable argsort of the segment lengths first); else in slot order.
-    busiest_first: bool = False
-
-
-# Launches measured on a GPU, keyed (pass, BLOCK_D, table element bytes), pass
-# "forward" or "segments". Empty: no GPU has measured them yet (bench/gpu_speed.py).
-MEASURED: dict[tuple[str, int, int], Launch] = {}
 
 
 # ---------------------------------------------------------------- "segments"
@@ -178,61 +146,6 @@ def _segments_kernel(grad_out, values, stride_v, order, seg_start, slots, weight
             tl.store(grad_rows + seg * stride_r + cols, acc.to(grad_rows.dtype.element_ty), mask=cmask)
 
 
-# ------------------------------------------------- "by_slot" and "atomic" (the first kernels)
-@triton.jit
-def _bag_forward_kernel(values, stride_v, indices, weights, out, K, V,
-                        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-    bag = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    cmask = cols < V  # V need not be a power of two (e.g. 96)
-    acc = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < K
-        # int64 addresses: slot * stride overflows int32 beyond 2G entries.
-        idx = tl.load(indices + bag * K + ks, mask=kmask, other=0).to(tl.int64)
-        w = tl.load(weights + bag * K + ks, mask=kmask, other=0.0).to(tl.float32)
-        rows = tl.load(values + idx[:, None] * stride_v + cols[None, :],
-                       mask=kmask[:, None] & cmask[None, :], other=0.0)
-        acc += tl.sum(rows.to(tl.float32) * w[:, None], axis=0)
-    tl.store(out + bag * V + cols, acc.to(out.dtype.element_ty), mask=cmask)
-
-
-@triton.jit
-def _grad_by_slot_kernel(grad_out, order, seg_start, weights, grad_rows, stride_r, K, V,
-                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-    # Program p owns segment [seg_start[p], seg_start[p+1]) of the sorted reads
-    # and writes row p of grad_rows; order[j] is the flat (bag * K + k) read.
-    p = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    cmask = cols < V
-    start = tl.load(seg_start + p)
-    end = tl.load(seg_start + p + 1)
-    acc = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    for j0 in range(start, end, BLOCK_K):
-        js = j0 + tl.arange(0, BLOCK_K)
-        jmask = js < end
-        read = tl.load(order + js, mask=jmask, other=0).to(tl.int64)
-        w = tl.load(weights + read, mask=jmask, other=0.0).to(tl.float32)
-        bag = read // K
-        g = tl.load(grad_out + bag[:, None] * V + cols[None, :],
-                    mask=jmask[:, None] & cmask[None, :], other=0.0)
-        acc += tl.sum(g.to(tl.float32) * w[:, None], axis=0)
-    tl.store(grad_rows + p * stride_r + cols, acc.to(grad_rows.dtype.element_ty), mask=cmask)
-
-
-@triton.jit
-def _grad_atomic_kernel(grad_out, indices, weights, grad_acc, K, V, BLOCK_V: tl.constexpr):
-    bag = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    cmask = cols < V
-    g = tl.load(grad_out + bag * V + cols, mask=cmask, other=0.0).to(tl.float32)
-    for k in range(0, K):
-        idx = tl.load(indices + bag * K + k).to(tl.int64)
-        w = tl.load(weights + bag * K + k).to(tl.float32)
-        tl.atomic_add(grad_acc + idx * V + cols, g * w, mask=cmask)
-
-
 @triton.jit
 def _weight_grad_kernel(values, stride_v, indices, grad_out, grad_w, K, V,
                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -251,77 +164,17 @@ def _weight_grad_kernel(values, stride_v, indices, grad_out, grad_w, K, V,
     tl.store(grad_w + bag * K + ks, acc.to(grad_w.dtype.element_ty), mask=kmask)
 
 
-# ------------------------------------------------------------ launch choices
-def resolve_algorithm(algorithm: str | None) -> str:
-    """`algorithm`, else $MEMLM_TRITON_BAG, else DEFAULT_ALGORITHM; checked."""
-    name = algorithm or os.environ.get(ALGORITHM_ENV) or DEFAULT_ALGORITHM
-    if name not in ALGORITHMS:
-        source = "algorithm" if algorithm else ALGORITHM_ENV
-        raise ValueError(f"{source} must be one of {ALGORITHMS}, got {name!r}")
-    return name
-
-
-def _block_d(v_dim: int) -> int:
-    return min(triton.next_power_of_2(max(v_dim, 1)), MAX_BLOCK_D)
-
-
-def _pow2_at_most(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
-
-
-def _warps(block_d: int, elem_bytes: int) -> int:
-    """One lane per 16-byte vector of a row; a warp per 32 lanes, 1 to 8."""
-    lanes = max(1, block_d * elem_bytes // 16)
-    return max(1, min(8, lanes // 32))
-
-
-def forward_launch(v_dim: int, reads: int, bags: int, dtype: torch.dtype) -> Launch:
-    """The "segments" forward's launch: measured (MEASURED) or by rule: whole
-    rows, a warp per 32 16-byte lanes, several bags per program when a row
-    leaves lanes idle, and ~16 KB of rows gathered per step."""
-    size = torch.empty((), dtype=dtype).element_size()
-    bd = _block_d(v_dim)
-    known = MEASURED.get(("forward", bd, size))
-    if known is not None:
-        return known
-    warps = _warps(bd, size)
-    lanes = max(1, bd * size // 16)
-    bb = min(max(1, 32 * warps // lanes), triton.next_power_of_2(max(bags, 1)))
-    bk = _pow2_at_most(max(1, min(16, 16384 // (bb * bd * size))))
-    return Launch(bb, min(bk, triton.next_power_of_2(max(reads, 1))), bd, warps, 1)
-
-
-def segments_launch(v_dim: int, dtype: torch.dtype) -> Launch:
-    """The "segments" backward's launch: measured (MEASURED) or by rule: whole
-    rows, 8 segments per program, 4 reads a step (a segment holds B*K/N reads
-    on average: ~2 at the paper's shape)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    bd = _block_d(v_dim)
-    known = MEASURED.get(("segments", bd, size))
-    if known is not None:
-        return known
-    return Launch(8, 4, bd, _warps(bd, size), 1)
-
-
+# ------------------------------------------------------------ launchers
 def _wide(*extents: int) -> bool:
     """Whether an offset can reach 2**31 (then int64 address math)."""
     return max(extents) >= INT32_LIMIT
 
 
-def _blocks(reads: int, v_dim: int, block_k: int | None = None, block_v: int | None = None) -> tuple[int, int]:
-    """The first kernels' (BLOCK_K, BLOCK_V): rows gathered per step and
-    columns per program. A 16 x 256 tile keeps 16 row loads in flight per
-    program; small problems get smaller blocks so masked lanes do not dominate."""
-    bk = block_k or min(16, triton.next_power_of_2(max(reads, 1)))
-    bv = block_v or min(256, triton.next_power_of_2(max(v_dim, 1)))
-    return bk, bv
-
-
 # ---------------------------------------------------------------- forward
 def bag_forward(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                algorithm: str | None = None, launch: Launch | None = None) -> torch.Tensor:
+                launch: Launch | None = None) -> torch.Tensor:
     """(N, V), (B, K), (B, K) -> (B, V) in the table's dtype. `launch`
-    overrides the "segments" forward's configuration (bench/gpu_speed.py's sweep)."""
+    overrides the forward's (bench/gpu_speed.py's sweep)."""
     bags, reads = indices.shape
     v_dim = values.shape[1]
     out = torch.empty(bags, v_dim, dtype=values.dtype, device=values.device)
@@ -329,11 +182,6 @@ def bag_forward(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tens
         return out
     if reads == 0:
         return out.zero_()
-    if resolve_algorithm(algorithm) != "segments":
-        bk, bv = _blocks(reads, v_dim)
-        _bag_forward_kernel[(bags, triton.cdiv(v_dim, bv))](values, values.stride(0), indices, weights, out,
-                                                            reads, v_dim, BLOCK_K=bk, BLOCK_V=bv)
-        return out
     cfg = launch or forward_launch(v_dim, reads, bags, values.dtype)
     wide = _wide(values.shape[0] * values.stride(0), bags * reads, bags * v_dim)
     grid = (triton.cdiv(bags, cfg.block_b), triton.cdiv(v_dim, cfg.block_d))
@@ -406,42 +254,12 @@ def segment_gradients(values: torch.Tensor, grad_out: torch.Tensor, order: torch
     return rows, grad_w
 
 
-def table_grad_rows(grad_out: torch.Tensor, order: torch.Tensor, seg_start: torch.Tensor,
-                    weights: torch.Tensor, reads: int, dtype: torch.dtype,
-                    block_k: int | None = None, block_v: int | None = None) -> torch.Tensor:
-    """The first kernel ("by_slot"): one row per segment, sum of weights *
-    grad_out over the segment's reads, one program per (segment, column block)."""
-    segments = seg_start.numel() - 1
-    v_dim = grad_out.shape[1]
-    rows = torch.empty(segments, v_dim, dtype=dtype, device=grad_out.device)
-    if segments == 0 or v_dim == 0:
-        return rows
-    bk, bv = _blocks(reads, v_dim, block_k, block_v)
-    grid = (segments, triton.cdiv(v_dim, bv))
-    _grad_by_slot_kernel[grid](grad_out, order, seg_start, weights, rows, rows.stride(0), reads, v_dim,
-                               BLOCK_K=bk, BLOCK_V=bv)
-    return rows
-
-
-def table_grad_atomic(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                      grad_out: torch.Tensor, block_v: int | None = None) -> torch.Tensor:
-    """Dense table gradient with float32 atomics (benchmark comparison)."""
-    bags, reads = indices.shape
-    v_dim = values.shape[1]
-    acc = torch.zeros(values.shape, dtype=torch.float32, device=values.device)
-    if bags and reads and v_dim:
-        _, bv = _blocks(reads, v_dim, None, block_v)
-        grid = (bags, triton.cdiv(v_dim, bv))
-        _grad_atomic_kernel[grid](grad_out, indices, weights, acc, reads, v_dim, BLOCK_V=bv)
-    return acc.to(values.dtype)
-
-
 def weight_grad(values: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
                 dtype: torch.dtype, block_k: int | None = None, block_v: int | None = None) -> torch.Tensor:
     """(B, K): dot(values[indices[b, k]], grad_out[b]), one program per (bag,
-    block of reads); the "segments" algorithm uses it only where it cannot
-    fuse (the table needs no gradient, or V spans several column blocks),
-    with whole-row blocks."""
+    block of BLOCK_K reads, default up to 16), BLOCK_V columns a step (default
+    whole rows); used only where the segments walk cannot fuse it (the table
+    needs no gradient, or V spans several column blocks)."""
     bags, reads = indices.shape
     v_dim = values.shape[1]
     grad_w = torch.empty(bags, reads, dtype=dtype, device=values.device)
@@ -449,7 +267,7 @@ def weight_grad(values: torch.Tensor, indices: torch.Tensor, grad_out: torch.Ten
         return grad_w
     if v_dim == 0:
         return grad_w.zero_()
-    bk, bv = _blocks(reads, v_dim, block_k, block_v)
+    bk, bv = block_k or min(16, next_pow2(reads)), block_v or block_d(v_dim)
     grid = (bags, triton.cdiv(reads, bk))
     _weight_grad_kernel[grid](values, values.stride(0), indices, grad_out, grad_w, reads, v_dim,
                               BLOCK_K=bk, BLOCK_V=bv)
@@ -464,34 +282,19 @@ def _as_table_gradient(rows: torch.Tensor, slots: torch.Tensor | None, shape: to
 
 
 def gradients(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor,
-              sparse: bool = False, need_values: bool = True, need_weights: bool = True,
-              algorithm: str | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+              sparse: bool = False, need_values: bool = True,
+              need_weights: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(table gradient or None, weights' gradient or None) of one read. The
     table's is dense (N, V), or with `sparse` a coalesced COO tensor of the
     rows read; both hold the same numbers bit for bit (same segments, same
     summation order). grad_out (B, V) contiguous."""
-    algorithm = resolve_algorithm(algorithm)
-    bags, reads = indices.shape
-    v_dim = values.shape[1]
-    grad_values = grad_weights = None
-    if algorithm == "segments" and need_values:
-        order, seg_start, slots = group_by_slot(indices, values.shape[0], dense=not sparse)
-        rows, grad_weights = segment_gradients(values, grad_out, order, seg_start, slots, weights, need_weights)
-        grad_values = _as_table_gradient(rows, slots, values.shape)
-        if need_weights and grad_weights is None:  # V wider than one column block
-            grad_weights = weight_grad(values, indices, grad_out, weights.dtype, None, _block_d(v_dim))
-        return grad_values, grad_weights
-    if need_weights:
-        blocks = (None, _block_d(v_dim)) if algorithm == "segments" else (None, None)
-        grad_weights = weight_grad(values, indices, grad_out, weights.dtype, *blocks)
-    if need_values:
-        if algorithm == "atomic" and not sparse:
-            grad_values = table_grad_atomic(values, indices, weights, grad_out)
-        else:  # atomics have no sparse variant: a sparse result needs the grouping anyway
-            order, seg_start, slots = group_by_slot(indices, values.shape[0], dense=not sparse)
-            rows = table_grad_rows(grad_out, order, seg_start, weights, reads, values.dtype)
-            grad_values = _as_table_gradient(rows, slots, values.shape)
-    return grad_values, grad_weights
+    if not need_values:
+        return None, (weight_grad(values, indices, grad_out, weights.dtype) if need_weights else None)
+    order, seg_start, slots = group_by_slot(indices, values.shape[0], dense=not sparse)
+    rows, grad_weights = segment_gradients(values, grad_out, order, seg_start, slots, weights, need_weights)
+    if need_weights and grad_weights is None:  # V wider than one column block
+        grad_weights = weight_grad(values, indices, grad_out, weights.dtype)
+    return _as_table_gradient(rows, slots, values.shape), grad_weights
 
 
 def accumulate_gradients(values: torch.Tensor, into: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
@@ -506,38 +309,5 @@ def accumulate_gradients(values: torch.Tensor, into: torch.Tensor, indices: torc
     _, grad_weights = segment_gradients(values, grad_out, order, seg_start, None, weights, need_weights, launch,
                                         into=into)
     if need_weights and grad_weights is None:  # V wider than one column block
-        grad_weights = weight_grad(values, indices, grad_out, weights.dtype, None, _block_d(values.shape[1]))
+        grad_weights = weight_grad(values, indices, grad_out, weights.dtype)
     return grad_weights
-
-
-def table_grad(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor,
-               sparse: bool = False, algorithm: str | None = None) -> torch.Tensor:
-    """The table's gradient alone (see `gradients`)."""
-    return gradients(values, indices, weights, grad_out, sparse, True, False, algorithm)[0]
-
-
-class TritonEmbeddingBag(torch.autograd.Function):
-    """The read with Triton forward and backward. Inputs as `bag_forward`."""
-
-    @staticmethod
-    def forward(ctx, values, indices, weights, sparse, algorithm):
-        ctx.save_for_backward(values, indices, weights)
-        ctx.sparse, ctx.algorithm = sparse, algorithm
-        return bag_forward(values, indices, weights, algorithm)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        values, indices, weights = ctx.saved_tensors
-        grad_values, grad_weights = gradients(values, indices, weights, grad_out.contiguous(), ctx.sparse,
-                                              ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.algorithm)
-        return grad_values, None, grad_weights, None, None
-
-
-def embedding_bag_triton(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                         sparse: bool = False, algorithm: str | None = None) -> torch.Tensor:
-    """The Triton read without input validation (memory.fast.ops validates)."""
-    algorithm = resolve_algorithm(algorithm)
-    needs_grad = torch.is_grad_enabled() and (values.requires_grad or weights.requires_grad)
-    if not needs_grad:
-        return bag_forward(values, indices, weights, algorithm)
-    return TritonEmbeddingBag.apply(values, indices, weights, sparse, algorithm)

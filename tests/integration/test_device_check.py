@@ -318,19 +318,25 @@ def test_sweep_times_no_candidate_compiling_to_earlier_code():
     assert len(timed) == 2 and recorded[-1] == rows
 
 
-def test_best_launches_go_into_measured(monkeypatch):
-    from memlm.memory.fast import triton_bag
+def test_best_launches_become_the_runs_config_values(tmp_path):
+    """The sweep's fastest timed launch of each pass, as the memory.triton_* overrides
+    the training parts compose (so each run's config.yaml records them)."""
+    from memlm.config.run import compose
+    from memlm.memory.fast import launches
 
-    monkeypatch.setattr(triton_bag, "MEASURED", {})
     sweep = {"dtype": "float32", "elem_bytes": 4,
              "forward": [dict(launch=[1, 4, 1024, 8, 1, None], ms=2.0), dict(launch=[1, 16, 1024, 4, 1, 255], ms=1.5),
                          dict(launch=[1, 16, 1024, 4, 1, 128], same_code_as=[1, 16, 1024, 4, 1, 255])],
-             "segments": [dict(launch=[8, 4, 1024, 1, 1, None, False], ms=3.0)]}
-    applied = launch_sweep.apply_best({"float32": sweep})
-    assert triton_bag.MEASURED == {("forward", 1024, 4): triton_bag.Launch(1, 16, 1024, 4, 1, 255),
-                                   ("segments", 1024, 4): triton_bag.Launch(8, 4, 1024, 1, 1, None)}
-    assert applied == ["forward float32: (1, 16, 1024, 4, 1, 255, False)",
-                       "segments float32: (8, 4, 1024, 1, 1, None, False)"]
+             "segments": [dict(launch=[8, 4, 1024, 1, 1, None, True], ms=3.0)]}
+    overrides = launch_sweep.config_overrides(sweep)
+    assert overrides == ["memory.triton_forward=[1,16,4,1,255,0]", "memory.triton_backward=[8,4,1,1,0,1]"]
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"sweeps": {"float32": sweep}}))
+    assert gpu_speed.sweep_launches(path, "float32") == overrides
+    assert gpu_speed.sweep_launches(path, "bfloat16") == gpu_speed.sweep_launches(path, None) == []
+    cfg = compose(["memory=memplus", *overrides])
+    assert (cfg.memory.triton_forward, cfg.memory.triton_backward) == ([1, 16, 4, 1, 255, 0], [8, 4, 1, 1, 0, 1])
+    assert launches.launch_problem(cfg.memory.triton_forward) is None
 
 
 def test_recorder_writes_the_json_after_every_row(tmp_path):
@@ -654,7 +660,9 @@ def test_speed_dry_run_passes(tmp_path):
     train = json.loads((out / "speed_train.json").read_text())
     assert {(r["model"], r["mode"]) for r in train["results"]} == {
         (m, mode) for m in ("dense", "memplus fp32", "memplus bf16") for mode in ("eager", "compiled")}
-    assert train["launches"][0].startswith("forward float32: (")  # the sweep's fastest, applied
+    # The sweep's fastest, as config values of the Memory+ runs.
+    assert train["launches"]["dense"] == [] and train["launches"]["memplus fp32"][0].startswith(
+        "memory.triton_forward=[") and train["launches"]["memplus bf16"][1].startswith("memory.triton_backward=[")
     kernels_json = json.loads((out / "speed_kernels.json").read_text())
     assert {r["dtype"] for r in kernels_json["rows"]} == {"float32", "bfloat16"} and kernels_json["copy"]["gbs"] > 0
     assert {r["case"] for r in kernels_json["rows"]} == {"uniform", "L2-resident", "hot slots"}

@@ -30,12 +30,14 @@ CHILD = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from memlm.memory.fast import triton_bag as tb
+    sys.path.insert(0, "bench")
+    import bag_variants as first  # the first kernels, kept for comparison
 
     if "constexprs" not in inspect.signature(ASTSource).parameters:
         print("UNSUPPORTED ASTSource API of triton " + triton.__version__)
         sys.exit(0)
     target = GPUTarget("cuda", 90, 32)
-    blocks = dict(zip(("BLOCK_K", "BLOCK_V"), tb._blocks(128, 1024)))
+    blocks = dict(zip(("BLOCK_K", "BLOCK_V"), first._blocks(128, 1024)))
     # The "segments" kernels at their default launches for the paper's read
     # (16,384 bags x 128 reads, v_dim 1024, bf16), and for an fp32 table of v_dim 96.
     fwd = tb.forward_launch(1024, 128, 16384, torch.bfloat16)
@@ -67,13 +69,13 @@ CHILD = textwrap.dedent("""
                                    seg_consts(seg, True, False, True), seg),
     }
     kernels = {
-        "forward": (tb._bag_forward_kernel, dict(values="*bf16", stride_v="i32", indices="*i32",
+        "forward": (first._bag_forward_kernel, dict(values="*bf16", stride_v="i32", indices="*i32",
                     weights="*fp32", out="*bf16", K="i32", V="i32"), blocks),
-        "table_grad": (tb._grad_by_slot_kernel, dict(grad_out="*bf16", order="*i64", seg_start="*i64",
+        "table_grad": (first._grad_by_slot_kernel, dict(grad_out="*bf16", order="*i64", seg_start="*i64",
                        weights="*fp32", grad_rows="*bf16", stride_r="i32", K="i32", V="i32"), blocks),
         "weight_grad": (tb._weight_grad_kernel, dict(values="*bf16", stride_v="i32", indices="*i64",
                         grad_out="*bf16", grad_w="*fp32", K="i32", V="i32"), blocks),
-        "atomic": (tb._grad_atomic_kernel, dict(grad_out="*fp32", indices="*i64", weights="*fp32",
+        "atomic": (first._grad_atomic_kernel, dict(grad_out="*fp32", indices="*i64", weights="*fp32",
                    grad_acc="*fp32", K="i32", V="i32"), {"BLOCK_V": blocks["BLOCK_V"]}),
     }
     kernels = {name: (fn, sig, consts, None) for name, (fn, sig, consts) in kernels.items()}

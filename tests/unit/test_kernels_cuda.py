@@ -3,6 +3,7 @@ kernels, no interpreter). bench/device_check.sh runs these on a lent GPU."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 import torch.nn.functional as F  # noqa: E402
 
 from memlm.memory.fast import ops, triton_bag  # noqa: E402
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _atomic_read(values, indices, weights):
+    """bench/bag_variants.py's atomic read (the first kernels, comparison only)."""
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("bench_bag_variants", BENCH / "bag_variants.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.embedding_bag_atomic(values, indices, weights)
 
 
 def _case(n, v, bags, reads, dtype, hot=None, seed=0):
@@ -34,7 +46,10 @@ def _grads(values, indices, weights, grad_out, **kw):
     if kw.pop("reference", False):
         out = F.embedding_bag(indices, v.float(), per_sample_weights=w, mode="sum")
         return (out, *torch.autograd.grad(out, (v, w), grad_out))
-    out = triton_bag.embedding_bag_triton(v, indices, w, **kw)
+    if kw.pop("atomic", False):
+        out = _atomic_read(v, indices, w)
+    else:
+        out = ops.embedding_bag(v, indices, w, kernel="triton", **kw)
     return (out, *torch.autograd.grad(out, (v, w), grad_out.to(out.dtype)))
 
 
@@ -59,7 +74,7 @@ def test_hot_slots_deterministic_and_atomic_agrees():
     first, second = _grads(*case), _grads(*case)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
-    atomic = _grads(*case, algorithm="atomic")
+    atomic = _grads(*case, atomic=True)
     assert _rel_err(atomic[1], first[1]) < 1e-5
     sparse = _grads(*case, sparse=True)
     assert torch.equal(sparse[1].to_dense(), first[1])

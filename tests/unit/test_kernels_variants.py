@@ -1,7 +1,7 @@
-"""Every Triton read algorithm (memory/fast/triton_bag.py: "segments", the
-default; "by_slot" and "atomic", the first kernels) against a float32
-F.embedding_bag, pass by pass: forward, table gradient dense and sparse,
-weights' gradient. Issue #39's CPU must-show.
+"""Every Triton read (memory/fast/triton_bag.py's "segments"; the first
+kernels "by_slot" and "atomic", kept for comparison in bench/bag_variants.py)
+against a float32 F.embedding_bag, pass by pass: forward, table gradient
+dense and sparse, weights' gradient. Issue #39's CPU must-show.
 
 Like tests/unit/test_kernels_triton.py: compiled kernels on CUDA, or Triton's
 interpreter on CPU when the process starts with TRITON_INTERPRET=1
@@ -21,11 +21,34 @@ if not INTERPRET and not torch.cuda.is_available():
                 "runs this file that way on CPU)", allow_module_level=True)
 pytest.importorskip("triton")
 
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import torch.nn.functional as F  # noqa: E402
 
 from memlm.memory.fast import triton_bag  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _bag_variants():
+    """bench/bag_variants.py (the first kernels)."""
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("bench_bag_variants", BENCH / "bag_variants.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+FIRST = _bag_variants()
+# name -> (forward, gradients (dense table gradient, weights' gradient)); "segments" also has a sparse gradient.
+READS = {
+    "segments": (triton_bag.bag_forward, triton_bag.gradients),
+    "by_slot": (FIRST.bag_forward_by_slot, FIRST.gradients_by_slot),
+    "atomic": (FIRST.bag_forward_by_slot, FIRST.gradients_atomic),
+}
 
 # name: (slots, v_dim, bags, reads, table dtype, index dtype, slots read)
 CASES = {
@@ -72,11 +95,11 @@ def _unread_rows_are_zero(grad, indices):
     assert unread.any() and torch.count_nonzero(grad[unread]) == 0
 
 
-@pytest.mark.parametrize("algorithm", triton_bag.ALGORITHMS)
+@pytest.mark.parametrize("algorithm", sorted(READS))
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_forward_equals_reference(algorithm, name):
     values, indices, weights, grad_out = _case(name)
-    out = triton_bag.bag_forward(values, indices, weights, algorithm)
+    out = READS[algorithm][0](values, indices, weights)
     assert out.dtype == values.dtype
     _close(out, _reference(values, indices, weights, grad_out)[0], values.dtype)
 
@@ -90,13 +113,13 @@ def test_forward_in_short_steps_equals_reference(name):
     _close(out, _reference(values, indices, weights, grad_out)[0], values.dtype)
 
 
-@pytest.mark.parametrize("algorithm", triton_bag.ALGORITHMS)
+@pytest.mark.parametrize("algorithm", sorted(READS))
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_gradients_equal_reference(algorithm, name):
     values, indices, weights, grad_out = _case(name)
     _, ref_gv, ref_gw = _reference(values, indices, weights, grad_out)
-    for sparse in (False, True):
-        gv, gw = triton_bag.gradients(values, indices, weights, grad_out, sparse=sparse, algorithm=algorithm)
+    for sparse in ((False, True) if algorithm == "segments" else (False,)):
+        gv, gw = READS[algorithm][1](values, indices, weights, grad_out, *((sparse,) if sparse else ()))
         assert gv.dtype == values.dtype and gw.dtype == weights.dtype
         if sparse:
             assert gv.is_sparse and gv.is_coalesced()
@@ -143,7 +166,6 @@ def test_default_backward_is_bitwise_reproducible():
     indices = torch.randint(0, 12, (8, 8), generator=gen).to(DEVICE)
     weights = torch.rand(8, 8, generator=gen).to(DEVICE)
     grad_out = torch.randn(8, 48, generator=gen).to(DEVICE)
-    assert triton_bag.resolve_algorithm(None) == "segments"
     for sparse in (False, True):
         first = triton_bag.gradients(values, indices, weights, grad_out, sparse=sparse)
         second = triton_bag.gradients(values, indices, weights, grad_out, sparse=sparse)
@@ -159,11 +181,3 @@ def test_sparse_rows_are_the_dense_rows_bit_for_bit():
     sparse, gw_sparse = triton_bag.gradients(values, indices, weights, grad_out, sparse=True)
     assert torch.equal(sparse.to_dense(), dense) and torch.equal(gw_sparse, gw_dense)
 
-
-def test_algorithm_from_the_environment(monkeypatch):
-    monkeypatch.setenv(triton_bag.ALGORITHM_ENV, "by_slot")
-    assert triton_bag.resolve_algorithm(None) == "by_slot"
-    assert triton_bag.resolve_algorithm("atomic") == "atomic"
-    monkeypatch.setenv(triton_bag.ALGORITHM_ENV, "fast")
-    with pytest.raises(ValueError, match="MEMLM_TRITON_BAG must be one of"):
-        triton_bag.resolve_algorithm(None)
