@@ -9,8 +9,9 @@
 The model is any a run can start from (memlm.hf.source):
 - a memlm checkpoint (its folder, its run's dump_dir or checkpoints/latest):
   the checkpoint's model over its run's data; key=value overrides change the
-  saved config (e.g. its data). Written beside the checkpoint, where a
-  fine-tune with init_from=<that checkpoint> finds it.
+  saved config's data (data.*, seed); a model, memory or fine-tune key, which
+  the saved model would ignore, is refused. Written beside the checkpoint,
+  where a fine-tune with init_from=<that checkpoint> finds it.
 - an export or `hf:<Llama dir>`: the model a run with these overrides and
   `init_from=<it>` starts from, built and initialized as the trainer does (a
   retrofit's fresh memory layers included: the same seed, the same weights),
