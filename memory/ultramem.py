@@ -153,9 +153,10 @@ class UltraMemV2(nn.Module):
                  ffn_mult: float = 4.0, sparse_updates: bool = False, kernel: str = "auto",
                  value_dtype: torch.dtype = torch.float32, layer_id: int | None = None):
         super().__init__()
-        k_dim = k_dim or max(1, dim // 2)
-        v_dim, pre_dim = v_dim or max(1, 3 * dim // 16), pre_dim or max(1, dim // 16)
-        candidates = candidates or min(knn, n_keys)
+        k_dim = max(1, dim // 2) if k_dim is None else k_dim
+        v_dim = max(1, 3 * dim // 16) if v_dim is None else v_dim
+        pre_dim = max(1, dim // 16) if pre_dim is None else pre_dim
+        candidates = min(knn, n_keys) if candidates is None else candidates
         for key, value in (("dim", dim), ("n_keys", n_keys), ("heads", heads), ("rank", rank),
                            ("k_dim", k_dim), ("v_dim", v_dim), ("pre_dim", pre_dim), ("n_layers", n_layers)):
             _check(key, value, isinstance(value, int) and value >= 1, "an integer >= 1")

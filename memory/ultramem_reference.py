@@ -90,7 +90,7 @@ def candidate_mask(row: torch.Tensor, col: torch.Tensor, core: torch.Tensor, m: 
         return out
 
     def top_m(scores):  # (T, H, n) -> (T, H, n) bool
-        chosen = torch.zeros(scores.shape, dtype=torch.bool)
+        chosen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
         return chosen.scatter(-1, scores.topk(m, dim=-1).indices, True)
 
     keep_rows, keep_cols = top_m(rank1(row.detach(), u)), top_m(rank1(col.detach(), t))
@@ -113,7 +113,7 @@ def pre_value_dots(table: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> 
 def read(table: torch.Tensor, rows: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """table (N, v_dim), rows and coef (T, R) -> (T, v_dim): sum_k coef[:, k] * table[rows[:, k]],
     one fused multiply-add per read, in read order."""
-    y = torch.zeros(rows.shape[0], table.shape[1], dtype=table.dtype)
+    y = torch.zeros(rows.shape[0], table.shape[1], dtype=table.dtype, device=table.device)
     for k in range(rows.shape[1]):
         y = torch.addcmul(y, coef[:, k, None].to(table.dtype), table[rows[:, k]])
     return y

@@ -164,8 +164,8 @@ def test_each_table_row_takes_expansion_grid_addresses(expansion):
 # ------------------------------------------------------------ the paper's init
 def test_the_init_gives_mean_one_scores_and_the_ffn_output_variance():
     """Unit-RMS inputs: the knn scores average ~1 (the calibrated query scale), and the
-    output variance is the FFN's the paper matches (its derivation's assumptions hold
-    here only approximately: a factor of 1.5 either way)."""
+    output variance is the FFN's the paper matches (within 25%: its derivation's
+    central-limit and independence steps hold only approximately; measured 0.97x here)."""
     torch.manual_seed(0)
     layer = UltraMemV2(256, n_keys=64, heads=2, rank=2, knn=16, n_layers=4, ffn_mult=3.0)
     x = torch.randn(4096, 256)
@@ -175,7 +175,7 @@ def test_the_init_gives_mean_one_scores_and_the_ffn_output_variance():
     assert abs(scores.mean().item() - 1) < 0.05
     assert abs(scores.std().item() - layer.lookup.score_std) < 0.1
     target = ffn_output_var(4, 3.0)
-    assert target / 1.5 < var < target * 1.5, (var, target)
+    assert target / 1.25 < var < target * 1.25, (var, target)
 
 
 def test_the_value_std_solves_the_papers_variance_equation():
@@ -240,6 +240,8 @@ def test_usage_counts_reads_in_training_only():
     (dict(rank=0), "rank=0", "an integer >= 1"),
     (dict(heads=-1), "heads=-1", "an integer >= 1"),
     (dict(candidates=9), "candidates=9", "an integer in [1, n_keys=8]"),
+    (dict(candidates=0), "candidates=0", "an integer in [1, n_keys=8]"),
+    (dict(v_dim=0), "v_dim=0", "an integer >= 1"),
     (dict(knn=10, candidates=3), "knn=10", "an integer in [1, candidates**2=9] (candidates=3)"),
     (dict(expansion=3), "expansion=3", "an integer >= 1 dividing n_keys**2=64"),
     (dict(ffn_mult=0.0), "ffn_mult=0.0", "a number > 0"),
