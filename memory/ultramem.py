@@ -157,7 +157,7 @@ class UltraMemV2(nn.Module):
         v_dim = max(1, 3 * dim // 16) if v_dim is None else v_dim
         pre_dim = max(1, dim // 16) if pre_dim is None else pre_dim
         candidates = min(knn, n_keys) if candidates is None else candidates
-        for key, value in (("dim", dim), ("n_keys", n_keys), ("heads", heads), ("rank", rank),
+        for key, value in (("dim", dim), ("n_keys", n_keys), ("heads", heads), ("rank", rank), ("knn", knn),
                            ("k_dim", k_dim), ("v_dim", v_dim), ("pre_dim", pre_dim), ("n_layers", n_layers)):
             _check(key, value, isinstance(value, int) and value >= 1, "an integer >= 1")
         _check("candidates", candidates, 1 <= candidates <= n_keys,

@@ -242,6 +242,7 @@ def test_usage_counts_reads_in_training_only():
     (dict(candidates=9), "candidates=9", "an integer in [1, n_keys=8]"),
     (dict(candidates=0), "candidates=0", "an integer in [1, n_keys=8]"),
     (dict(v_dim=0), "v_dim=0", "an integer >= 1"),
+    (dict(knn=0), "knn=0", "an integer >= 1"),
     (dict(knn=10, candidates=3), "knn=10", "an integer in [1, candidates**2=9] (candidates=3)"),
     (dict(expansion=3), "expansion=3", "an integer >= 1 dividing n_keys**2=64"),
     (dict(ffn_mult=0.0), "ffn_mult=0.0", "a number > 0"),
