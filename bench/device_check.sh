@@ -135,11 +135,14 @@ if [ -d "$WHEELS" ]; then
 else
     echo "no wheel folder $WHEELS (bench/device_wheels.sh makes .whl/)" | tee -a "$OUT/wheels.log"
 fi
-# The training modules still missing after the installs: the sections that need them are skipped.
+# The training modules still missing after the installs: the sections that need them are skipped
+# (a Python that does not run at all is no reason to skip: its sections run and fail, each named).
 TRAIN_MISSING=()
-for mod in hydra omegaconf torchdata; do
-    "$PY" -c "import $mod" 2>/dev/null || TRAIN_MISSING+=("$mod")
-done
+if [[ "$PYVER" != unknown* ]]; then
+    for mod in hydra omegaconf torchdata; do
+        "$PY" -c "import $mod" 2>/dev/null || TRAIN_MISSING+=("$mod")
+    done
+fi
 TRAIN_WHY=""
 if [ "${#TRAIN_MISSING[@]}" -gt 0 ]; then
     TRAIN_WHY="needs ${TRAIN_MISSING[*]}: not importable on Python $PYVER"

@@ -334,7 +334,7 @@ def test_best_launches_become_the_runs_config_values(tmp_path):
     path.write_text(json.dumps({"sweeps": {"float32": sweep}}))
     assert gpu_speed.sweep_launches(path, "float32") == overrides
     assert gpu_speed.sweep_launches(path, "bfloat16") == gpu_speed.sweep_launches(path, None) == []
-    cfg = compose(["memory=memplus", *overrides])
+    cfg = compose(["memory=memplus", "memory.layers=[1]", *overrides])
     assert (cfg.memory.triton_forward, cfg.memory.triton_backward) == ([1, 16, 4, 1, 255, 0], [8, 4, 1, 1, 0, 1])
     assert launches.launch_problem(cfg.memory.triton_forward) is None
 
