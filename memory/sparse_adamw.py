@@ -133,14 +133,23 @@ class SparseRowAdamW(RowOptimizer):
         if eps < 0 or weight_decay < 0:
             raise ValueError(f"invalid eps={eps} or weight_decay={weight_decay}: expected >= 0")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        for group in self.param_groups:  # the state the first step would make (memlm.memory.table_grads)
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._init_state(p)
+        self.attach_table_buffers()
 
-    def _update_param(self, param, grad, group, found_inf, coef) -> bool:
+    def _init_state(self, param: torch.Tensor) -> None:
         state = self.state[param]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=local_tensor(param).device)
             state["exp_avg"] = _zeros_like_table(param, moment_dtype(param.dtype))
             state["exp_avg_sq"] = _zeros_like_table(param, moment_dtype(param.dtype))
-        elif not torch.is_tensor(state["step"]):  # a state saved when the count was an int
+
+    def _update_param(self, param, grad, group, found_inf, coef) -> bool:
+        self._init_state(param)
+        state = self.state[param]
+        if not torch.is_tensor(state["step"]):  # a state saved when the count was an int
             state["step"] = torch.tensor(float(state["step"]), device=local_tensor(param).device)
         # Local tensors of DTensors: the same storage, updated in place.
         p, moments = local_tensor(param), {k: local_tensor(state[k]) for k in ("exp_avg", "exp_avg_sq")}

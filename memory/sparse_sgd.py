@@ -29,6 +29,7 @@ class SparseRowSGD(RowOptimizer):
         if lr < 0 or weight_decay < 0:
             raise ValueError(f"invalid lr={lr} or weight_decay={weight_decay}: expected >= 0")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+        self.attach_table_buffers()  # no state to make: a loader finds nothing to load
 
     def _update_param(self, param, grad, group, found_inf, coef) -> bool:
         if coef is not None:

@@ -29,6 +29,11 @@ class TableAdamW(TableGradients, torch.optim.AdamW):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
+        for group in self.param_groups:  # the state the first step would make (memlm.memory.table_grads)
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._init_state(p)
+        self.attach_table_buffers()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -53,12 +58,17 @@ class TableAdamW(TableGradients, torch.optim.AdamW):
         self.mark_tables_zeroed()
         return loss
 
-    def _table_step(self, p: torch.Tensor, coef, group: dict, found_inf) -> None:
+    def _init_state(self, p: torch.Tensor) -> None:
+        """torch's AdamW(fused=True) state of `p`, as its first step makes it."""
         state = self.state[p]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _table_step(self, p: torch.Tensor, coef, group: dict, found_inf) -> None:
+        self._init_state(p)
+        state = self.state[p]
         beta1, beta2 = group["betas"]
         table_adamw_(_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                      state["step"], coef, found_inf, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],

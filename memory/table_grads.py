@@ -8,11 +8,14 @@
     opt.zero_grad()                           # dense gradients dropped; table buffers kept (already zero)
 
 A param group marked `TABLES` (the optimizer's value group when the reads'
-gradients are dense) keeps one gradient buffer per table: `p.grad`, zeroed
-in place and never set to None once autograd has made it (the first step's
-backward). Not made at construction: a checkpoint loader that finds no
-optimizer state and no gradients runs a zero step to create the state
-(torch.distributed.checkpoint's `_init_optim_state`), and a buffer would stop it.
+gradients are dense) keeps one gradient buffer per table, from the
+optimizer's construction on: `p.grad`, zeroed in place, never set to None
+(so a compiled model sees the same `.grad` from its first step: no
+recompile). These optimizers also make their state (step counts, moments)
+at construction, as their first step would: a checkpoint loader that finds
+neither state nor gradients runs a zero step to create the state it loads
+into (torch.distributed.checkpoint's `_init_optim_state`), and one that
+finds gradients but no state would load nothing.
 A read of a `ValuePool` adds its rows there (memory/values.py,
 `gradient_buffer`), so a step makes no dense per-read gradient and autograd
 sums none; other tables (PEER's) get theirs from autograd, which adds into
@@ -40,6 +43,16 @@ CLIP_COEF = "clip_coef"
 class TableGradients:
     """Mixed into a torch.optim.Optimizer subclass (before it in the bases):
     buffers kept for `TABLES` groups, `take_clip_coefficient` for the step."""
+
+    def attach_table_buffers(self) -> None:
+        """Give each table of a `TABLES` group a zero gradient buffer (call at
+        the end of __init__, after the state exists: see the module docstring)."""
+        self._tables_zero = True
+        for group in self.param_groups:
+            if group.get(TABLES):
+                for p in group["params"]:
+                    if p.requires_grad and p.grad is None:
+                        p.grad = torch.zeros_like(p)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         tables_zero = getattr(self, "_tables_zero", False)

@@ -64,7 +64,6 @@ from memlm.distributed.value_layout import (
     spans_nodes,
 )
 from memlm.errors import ConfigError
-from memlm.memory import sparse_adamw
 from memlm.memory.tables import value_pools
 from memlm.model import Transformer
 from memlm.plan.cost import HBM_HEADROOM, Layout, activation_bytes, comm_volume, gpu_spec, step_time
@@ -236,8 +235,7 @@ def plan(cfg: Config, world: int, rank: int = 0, gpu: str = "H200", gpus_per_nod
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
             p.grad = torch.zeros_like(p)  # the backward leaves a gradient shaped like its parameter
-        optimizer = build_optimizer(model, cfg, target)
-        _state_step(optimizer)
+        optimizer = build_optimizer(model, cfg, target)  # memlm's optimizers make their state here
         bytes_ = {
             "params": sum(local_bytes(p) for p in model.parameters()),
             "grads": sum(local_bytes(p.grad) for p in params),
@@ -288,27 +286,6 @@ def _table_step_bytes(layout: Layout) -> dict[str, int]:
     per_table = step_table_bytes(v.rows, cols, v.value_bytes, v.reads * layout.accum // v.tables,
                                  expected_rows(reads, v.rows))
     return {k: n * v.tables for k, n in per_table.items()}
-
-
-def _state_step(optimizer: torch.optim.Optimizer) -> None:
-    """One step on meta parameters: what creates the optimizer's state."""
-    for group in optimizer.param_groups:
-        # The fused kernel has no meta implementation; the foreach path
-        # creates the same state (its step counters live on the host,
-        # the fused kernel's on the device: 4 bytes per tensor either way).
-        if group.get("fused"):
-            group["fused"] = False
-    if not isinstance(optimizer, sparse_adamw.SparseRowAdamW):
-        optimizer.step()
-        return
-    # The row-wise AdamW (sparse updates, bf16 tables) creates its state
-    # before updating; the update copies the step count to the host, which a
-    # meta tensor cannot: leave it out.
-    update, sparse_adamw._adamw = sparse_adamw._adamw, lambda *args, **kwargs: None
-    try:
-        optimizer.step()
-    finally:
-        sparse_adamw._adamw = update
 
 
 def _layout(cfg: Config, model, meshes, env: DistEnv, accum: int, memory_parallel: int, tables, table_ids,
