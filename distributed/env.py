@@ -6,13 +6,14 @@ NCCL on CUDA with gloo beside it for CPU tensors (async checkpoints), gloo on CP
 
 A command opens the group once, and the group's end is decided here:
 
-    with ProcessGroup(cfg.device) as env:   # env: the one DistEnv of this process
+    with ProcessGroup(cfg.device, timeout_s=cfg.parallel.timeout_s) as env:   # env: this process's DistEnv
         Trainer(cfg).fit()                  # the Trainer takes the same env (current_env)
 
 On the way out the group frees what holds it, meets the peers in a barrier
 bounded in time (a rank that ended well), and destroys the groups
 (`ProcessGroup.close`). A peer that died or never arrives is a PeerLostError
-naming it, not a hang.
+naming it, not a hang; so is a collective that fails mid-run because a peer
+was lost (`lost_peer`: it names parallel.timeout_s, the group's timeout).
 """
 
 from __future__ import annotations
