@@ -95,7 +95,7 @@ def bench_dense_ffn(x, grad_out, repeats) -> tuple[float, float]:
     return time_both(training_step(ffn, [], x, grad_out), training_step(ffn, [opt], x, grad_out), repeats)
 
 
-def _native_reader(pool, indices, weights, sparse, kernel):
+def _native_reader(pool, indices, weights, sparse, kernel, launches):
     """The reference read: PyTorch's EmbeddingBag with its own (dense) backward."""
     return F.embedding_bag(indices, pool.weight, per_sample_weights=weights.to(pool.weight.dtype), mode="sum")
 

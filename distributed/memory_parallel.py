@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from memlm.memory.fast import ops
+from memlm.memory.fast.launches import NO_LAUNCHES, ReadLaunches
 from memlm.memory.sparse_adamw import add_local_sparse_grad
 from memlm.memory.tables import value_pools
 from memlm.memory.values import seeded_normal_, tile_seed
@@ -63,7 +64,8 @@ class _ColumnParallelBag(torch.autograd.Function):
     row gradient (sparse COO, (N, v/P)) goes to `sink(grad)`."""
 
     @staticmethod
-    def forward(ctx, table, local_values, indices, weights, group, kernel, sink, grad_into=None):
+    def forward(ctx, table, local_values, indices, weights, group, kernel, sink, grad_into=None,
+                launches=NO_LAUNCHES):
         # local_values: (N, v/P); indices, weights: (B, K) for this rank's tokens.
         p = dist.get_world_size(group)
         all_idx = _all_gather_rows(indices, group)  # (P*B, K)
@@ -80,7 +82,7 @@ class _ColumnParallelBag(torch.autograd.Function):
             # grad_into: the shard of the table's gradient buffer (memlm.memory.table_grads): the
             # backward adds my columns' gradient there instead of returning it.
             part = ops.embedding_bag(values, all_idx, w, sparse=sink is not None, kernel=kernel,
-                                     grad_into=grad_into)  # (P*B, v/P)
+                                     grad_into=grad_into, launches=launches)  # (P*B, v/P)
         ctx.graph = (part, values, w) if part.requires_grad else None
         # Row block j of `part` holds rank j's tokens: send it there. What comes
         # back is, per source rank i, my tokens' column slice i.
@@ -116,7 +118,7 @@ class _ColumnParallelBag(torch.autograd.Function):
             if grad_values is not None:
                 ctx.sink(grad_values)
             grad_values = None
-        return None, grad_values, None, grad_w, None, None, None, None
+        return None, grad_values, None, grad_w, None, None, None, None, None
 
 
 class ColumnParallelReader:
@@ -129,24 +131,24 @@ class ColumnParallelReader:
         self.group = group
 
     def __call__(self, pool: nn.Module, indices: torch.Tensor, weights: torch.Tensor,
-                 sparse: bool, kernel: str) -> torch.Tensor:
+                 sparse: bool, kernel: str, launches: ReadLaunches = NO_LAUNCHES) -> torch.Tensor:
         table = pool.weight
         if sparse:
             local = table.detach().to_local() if isinstance(table, DTensor) else table.detach()
             sink = functools.partial(add_local_sparse_grad, table)
-            return _ColumnParallelBag.apply(table, local, indices, weights, self.group, kernel, sink)
+            return _ColumnParallelBag.apply(table, local, indices, weights, self.group, kernel, sink, None, launches)
         local = table.to_local() if isinstance(table, DTensor) else table
         buffer = pool.gradient_buffer()  # the table's gradient buffer, or None
         into = buffer.to_local() if isinstance(buffer, DTensor) else buffer  # my columns of it
         if dist.get_world_size(self.group) == 1:
-            return ops.embedding_bag(local, indices, weights, kernel=kernel, grad_into=into)
+            return ops.embedding_bag(local, indices, weights, kernel=kernel, grad_into=into, launches=launches)
         if not torch.is_grad_enabled():
-            return _inference_read(local, indices, weights, self.group, kernel)
-        return _ColumnParallelBag.apply(None, local, indices, weights, self.group, kernel, None, into)
+            return _inference_read(local, indices, weights, self.group, kernel, launches)
+        return _ColumnParallelBag.apply(None, local, indices, weights, self.group, kernel, None, into, launches)
 
 
 def _inference_read(local: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                    group: dist.ProcessGroup, kernel: str) -> torch.Tensor:
+                    group: dist.ProcessGroup, kernel: str, launches: ReadLaunches = NO_LAUNCHES) -> torch.Tensor:
     """A read outside training, where the group's ranks may hold different
     token counts (evaluation: each rank its own examples, memlm.evals.lockstep).
     The column exchange needs equal blocks, so every rank pads its (B, K) rows
@@ -159,7 +161,7 @@ def _inference_read(local: torch.Tensor, indices: torch.Tensor, weights: torch.T
     if pad:
         indices = torch.cat([indices, indices.new_zeros(pad, indices.shape[1])])
         weights = torch.cat([weights, weights.new_zeros(pad, weights.shape[1])])
-    out = _ColumnParallelBag.apply(None, local, indices, weights, group, kernel, None)  # (most, v)
+    out = _ColumnParallelBag.apply(None, local, indices, weights, group, kernel, None, None, launches)  # (most, v)
     return out[:out.shape[0] - pad]
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memlm.memory.config import GATES, KERNELS, check_choice
+from memlm.memory.fast.launches import NO_LAUNCHES, ReadLaunches
 from memlm.memory.fast.ops import resolve_kernel
 from memlm.memory.product_keys import ProductKeys, balance_loss
 from memlm.memory.usage import SlotUsage
@@ -47,6 +48,7 @@ class ProductKeyMemory(nn.Module):
         balance_loss_coef: float = 0.0,
         sparse_updates: bool = False,
         kernel: str = "auto",
+        launches: ReadLaunches = NO_LAUNCHES,
         layer_id: int | None = None,
         value_init_scale: float = 1.0,
         value_dtype: torch.dtype = torch.float32,
@@ -80,6 +82,7 @@ class ProductKeyMemory(nn.Module):
         resolve_kernel(kernel)  # fail at build time if this machine cannot run it at all
         # Keep the config value: `auto` is resolved per call from the tensors' device.
         self.kernel = kernel
+        self.launches = launches  # memory.triton_forward / triton_backward (memory/fast/launches.py)
         self.usage = SlotUsage(n_slots)
         # The auxiliary-loss channel (see memlm.model.Transformer.aux_loss):
         # coefficient * loss of the last training forward, else None.
@@ -113,7 +116,8 @@ class ProductKeyMemory(nn.Module):
             self.usage.record(slots)
             if balance:
                 self.last_aux_loss = self.balance_loss_coef * balance_loss(sub)
-        return self.values.read(slots, weights, sparse=self.sparse_updates, kernel=self.kernel)
+        return self.values.read(slots, weights, sparse=self.sparse_updates, kernel=self.kernel,
+                                launches=self.launches)
 
     @torch.no_grad()
     def init_weights(self) -> None:

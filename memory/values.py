@@ -23,6 +23,7 @@ from torch import nn
 from memlm.memory.config import VALUE_DTYPE_NAMES
 from memlm.memory.fast.exact import full_precision
 from memlm.memory.fast.hugepages import advise_huge_pages
+from memlm.memory.fast.launches import NO_LAUNCHES, ReadLaunches
 from memlm.memory.fast.ops import embedding_bag
 
 # memory.value_dtype -> the table's storage dtype. bf16 halves the table, its
@@ -32,8 +33,8 @@ VALUE_DTYPES = dict(zip(VALUE_DTYPE_NAMES, (torch.float32, torch.bfloat16), stri
 
 
 @torch.compiler.disable  # a reader (memory parallelism) runs collectives and DTensor code: eager
-def _read_through(reader, pool, indices, weights, sparse, kernel):
-    return reader(pool, indices, weights, sparse, kernel)
+def _read_through(reader, pool, indices, weights, sparse, kernel, launches):
+    return reader(pool, indices, weights, sparse, kernel, launches)
 
 
 class ValuePool(nn.Module):
@@ -60,7 +61,7 @@ class ValuePool(nn.Module):
         self.reads_per_token = 0
         # How the table is read: None -> a local read through memory.fast.ops.
         # Memory parallelism (distributed/memory_parallel.py) installs a column-parallel
-        # reader here, called as reader(pool, indices, weights, sparse, kernel).
+        # reader here, called as reader(pool, indices, weights, sparse, kernel, launches).
         self.reader = None
         self.init_weights()  # like torch.nn layers; init_weights() again after to_empty()
 
@@ -69,7 +70,8 @@ class ValuePool(nn.Module):
         self.reads_per_token += reads_per_token
 
     def read(
-        self, indices: torch.Tensor, weights: torch.Tensor, sparse: bool = False, kernel: str = "auto"
+        self, indices: torch.Tensor, weights: torch.Tensor, sparse: bool = False, kernel: str = "auto",
+        launches: ReadLaunches = NO_LAUNCHES,
     ) -> torch.Tensor:
         """indices, weights (B, K) -> (B, v_dim) in the table's dtype:
         sum_k weights[b, k] * table[indices[b, k]].
@@ -79,9 +81,9 @@ class ValuePool(nn.Module):
         is off: the read's dtype is the table's (memory.value_dtype)."""
         with full_precision(indices.device):
             if self.reader is not None:
-                return _read_through(self.reader, self, indices, weights, sparse, kernel)
+                return _read_through(self.reader, self, indices, weights, sparse, kernel, launches)
             return embedding_bag(self.weight, indices, weights, sparse=sparse, kernel=kernel,
-                                 grad_into=None if sparse else self.gradient_buffer())
+                                 grad_into=None if sparse else self.gradient_buffer(), launches=launches)
 
     def gradient_buffer(self) -> torch.Tensor | None:
         """The table's gradient buffer, where every read's backward adds its

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from memlm.memory.config import MemoryConfig
-from memlm.memory.fast.launches import configure as configure_triton_read
+from memlm.memory.fast.launches import read_launches
 from memlm.memory.layers import Memory, MemoryPlus, ProductKeyMemory
 from memlm.memory.values import VALUE_DTYPES, ValuePool
 from memlm.model.ffn import FFNContext, SwiGLU, register_ffn
@@ -66,14 +66,14 @@ def _value_pool(ctx: FFNContext, cfg: MemoryConfig, v_dim: int) -> ValuePool | N
 
 def _build(ctx: FFNContext, kind: str) -> MemoryFFN:
     cfg = ctx.memory if ctx.memory is not None else MemoryConfig(kind=kind)
-    configure_triton_read(cfg.triton_algorithm, cfg.triton_forward, cfg.triton_backward)  # the process's launches
     dim = ctx.args.dim
     v_dim = cfg.v_dim or dim
     common = dict(
         n_keys=cfg.n_keys, heads=cfg.heads, knn=cfg.knn, k_dim=cfg.k_dim, v_dim=v_dim,
         values=_value_pool(ctx, cfg, v_dim), qk_norm=cfg.qk_norm, eval_knn=cfg.eval_knn,
         balance_loss_coef=cfg.balance_loss_coef, sparse_updates=cfg.sparse_updates,
-        kernel=cfg.kernel, layer_id=ctx.layer_id, value_init_scale=cfg.value_init_scale,
+        kernel=cfg.kernel, launches=read_launches(cfg.triton_algorithm, cfg.triton_forward, cfg.triton_backward),
+        layer_id=ctx.layer_id, value_init_scale=cfg.value_init_scale,
         value_dtype=VALUE_DTYPES[cfg.value_dtype],
     )
     memory = (MemoryPlus(dim, gate=cfg.gate, bias=cfg.w_bias, **common) if kind == "memplus"

@@ -1,24 +1,24 @@
 """How the Triton read (memory/fast/triton_bag.py) launches: one `Launch` per pass.
 
-    launch = forward_launch(v_dim, reads, bags, dtype)      # the forward's Launch
-    launch = segments_launch(v_dim, dtype)                  # the backward's ("segments" walk)
-    configure("segments", forward=[1, 16, 4, 1, 128, 0], backward=[])   # memory.triton_* at model build
+    launches = read_launches("segments", forward=[1, 16, 4, 1, 128, 0], backward=[])  # memory.triton_*, checked
+    launch = forward_launch(v_dim, reads, bags, dtype, launches.forward)  # the forward's Launch
+    launch = segments_launch(v_dim, dtype, launches.backward)             # the backward's ("segments" walk)
 
-A pass's launch is, first to last: the run's config (memory.triton_forward /
-memory.triton_backward, applied by `configure` when a memory model is built;
-[] keeps the next), a launch measured on a GPU (MEASURED), or a rule derived
-from the hardware's shape (16-byte vector loads, one warp per 32 lanes), not
-from a measurement. The CUDA defaults are settled by a device run
-(bench/gpu_speed.py sweeps the candidates and prints MEASURED's entries).
-A config list holds LAUNCH_FIELDS in order; BLOCK_D is always the rule's
-(whole rows up to MAX_BLOCK_D). The settings are the process's: the last
-memory model built sets them.
+A pass's launch is, first to last: the model's config (memory.triton_forward /
+memory.triton_backward: a `ReadLaunches` the memory layers hold and pass to
+every read, like memory.kernel; () keeps the next), a launch measured on a
+GPU (MEASURED), or a rule derived from the hardware's shape (16-byte vector
+loads, one warp per 32 lanes), not from a measurement. The CUDA defaults are
+settled by a device run (bench/gpu_speed.py sweeps the candidates and prints
+MEASURED's entries). A config list holds LAUNCH_FIELDS in order; BLOCK_D is
+always the rule's (whole rows up to MAX_BLOCK_D).
 
 No triton import here: memory/config.py validates the config with it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -52,8 +52,17 @@ class Launch(NamedTuple):
 # Launches measured on a GPU, keyed (pass, BLOCK_D, table element bytes), pass
 # "forward" or "segments". Empty: no GPU has measured them yet (bench/gpu_speed.py).
 MEASURED: dict[tuple[str, int, int], Launch] = {}
-# The run's config lists, by pass (configure); [] = MEASURED or the rule.
-_CONFIGURED: dict[str, list[int]] = {"forward": [], "segments": []}
+
+
+class ReadLaunches(NamedTuple):
+    """A model's config lists (memory.triton_forward, memory.triton_backward),
+    each () or LAUNCH_FIELDS in order: what its reads pass to the read op."""
+
+    forward: tuple[int, ...] = ()
+    backward: tuple[int, ...] = ()
+
+
+NO_LAUNCHES = ReadLaunches()
 
 
 def _pow2(n: int) -> bool:
@@ -86,20 +95,19 @@ def launch_problem(values: list[int]) -> str | None:
     return None
 
 
-def configure(algorithm: str, forward: list[int], backward: list[int]) -> None:
-    """The run's settings (memory.triton_algorithm, triton_forward, triton_backward),
-    for every later launch in this process; a ValueError names what is invalid."""
+def read_launches(algorithm: str, forward: list[int], backward: list[int]) -> ReadLaunches:
+    """A model's settings (memory.triton_algorithm, triton_forward, triton_backward),
+    checked; a ValueError names what is invalid."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"triton_algorithm={algorithm!r} is invalid: one of {', '.join(ALGORITHMS)}")
     for key, values in (("triton_forward", forward), ("triton_backward", backward)):
         problem = launch_problem(values)
         if problem:
             raise ValueError(f"{key}={list(values)!r} is invalid: {problem}")
-    _CONFIGURED["forward"], _CONFIGURED["segments"] = list(forward), list(backward)
+    return ReadLaunches(tuple(forward), tuple(backward))
 
 
-def _chosen(what: str, rule: Launch, elem_bytes: int) -> Launch:
-    values = _CONFIGURED[what]
+def _chosen(what: str, rule: Launch, elem_bytes: int, values: Sequence[int]) -> Launch:
     if values:
         fields = dict(zip(LAUNCH_FIELDS, values))
         fields["maxnreg"] = fields["maxnreg"] or None
@@ -122,8 +130,8 @@ def _warps(block_d: int, elem_bytes: int) -> int:
     return max(1, min(8, lanes // 32))
 
 
-def forward_launch(v_dim: int, reads: int, bags: int, dtype: torch.dtype) -> Launch:
-    """The forward's launch (module docstring). The rule: whole rows, a warp per
+def forward_launch(v_dim: int, reads: int, bags: int, dtype: torch.dtype, configured: Sequence[int] = ()) -> Launch:
+    """The forward's launch (module docstring; `configured`: memory.triton_forward). The rule: whole rows, a warp per
     32 16-byte lanes, several bags per program when a row leaves lanes idle, and
     ~16 KB of rows gathered per step."""
     size = torch.empty((), dtype=dtype).element_size()
@@ -132,13 +140,13 @@ def forward_launch(v_dim: int, reads: int, bags: int, dtype: torch.dtype) -> Lau
     lanes = max(1, bd * size // 16)
     bb = min(max(1, 32 * warps // lanes), next_pow2(bags))
     bk = _pow2_at_most(max(1, min(16, 16384 // (bb * bd * size))))
-    return _chosen("forward", Launch(bb, min(bk, next_pow2(reads)), bd, warps, 1), size)
+    return _chosen("forward", Launch(bb, min(bk, next_pow2(reads)), bd, warps, 1), size, configured)
 
 
-def segments_launch(v_dim: int, dtype: torch.dtype) -> Launch:
-    """The backward's launch (module docstring). The rule: whole rows, 8
+def segments_launch(v_dim: int, dtype: torch.dtype, configured: Sequence[int] = ()) -> Launch:
+    """The backward's launch (module docstring; `configured`: memory.triton_backward). The rule: whole rows, 8
     segments per program, 4 reads a step (a segment holds B*K/N reads on
     average: ~2 at the paper's shape)."""
     size = torch.empty((), dtype=dtype).element_size()
     bd = block_d(v_dim)
-    return _chosen("segments", Launch(8, 4, bd, _warps(bd, size), 1), size)
+    return _chosen("segments", Launch(8, 4, bd, _warps(bd, size), 1), size, configured)

@@ -50,6 +50,7 @@ from memlm.memory.fast.bag_grad import (
     sort_reads,
     weight_gradients,
 )
+from memlm.memory.fast.launches import NO_LAUNCHES, ReadLaunches
 
 __all__ = ["KERNELS", "ReadsBySlot", "available_kernels", "dense_gradient", "embedding_bag", "resolve_kernel",
            "row_gradients", "sort_reads", "weight_gradients"]
@@ -168,6 +169,7 @@ def embedding_bag(
     sparse: bool = False,
     kernel: str = "auto",
     grad_into: torch.Tensor | None = None,
+    launches: ReadLaunches = NO_LAUNCHES,
 ) -> torch.Tensor:
     """Weighted sum of value rows per bag.
 
@@ -192,23 +194,30 @@ def embedding_bag(
     `values.grad`): the backward adds the table's gradient into it, touching
     only the rows read, and hands autograd no gradient for `values`. Every
     read of a shared table then accumulates into one buffer: no dense
-    per-read gradient, no autograd sum of them (`_ReadInto`)."""
+    per-read gradient, no autograd sum of them (`_ReadInto`).
+
+    `launches` (memory.triton_forward / triton_backward, memory/fast/launches.py):
+    the Triton launches of this read's passes; empty lists keep the measured or
+    rule's launches. The torch path ignores them."""
     _check_inputs(values, indices, weights)
     if sparse:
         if grad_into is not None:
             raise ValueError("grad_into takes a dense gradient; a sparse read's gradient is a COO tensor")
-        return _sparse_read(values, indices, weights, kernel)
+        return _sparse_read(values, indices, weights, kernel, launches)
+    fwd, bwd = list(launches.forward), list(launches.backward)
     if grad_into is not None:
         if grad_into.shape != values.shape or grad_into.dtype != values.dtype or grad_into.is_sparse:
             raise ValueError(f"grad_into must be a dense {tuple(values.shape)} {values.dtype} tensor like the "
                              f"table, got {tuple(grad_into.shape)} {grad_into.dtype}")
-        return _ReadInto.apply(values, grad_into, indices, weights, kernel)
-    return torch.ops.memlm.embedding_bag(values, indices, weights, False, kernel)
+        return _ReadInto.apply(values, grad_into, indices, weights, kernel, fwd, bwd)
+    return torch.ops.memlm.embedding_bag(values, indices, weights, False, kernel, fwd, bwd)
 
 
 @torch.compiler.disable
-def _sparse_read(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, kernel: str) -> torch.Tensor:
-    return torch.ops.memlm.embedding_bag(values, indices, weights, True, kernel)
+def _sparse_read(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, kernel: str,
+                 launches: ReadLaunches) -> torch.Tensor:
+    return torch.ops.memlm.embedding_bag(values, indices, weights, True, kernel, list(launches.forward),
+                                         list(launches.backward))
 
 
 def _resolve_for(values: torch.Tensor, kernel: str) -> str:
@@ -227,23 +236,23 @@ def _resolve_for(values: torch.Tensor, kernel: str) -> str:
 
 @torch.library.custom_op("memlm::embedding_bag", mutates_args=())
 def _bag_op(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, sparse: bool,
-            kernel: str) -> torch.Tensor:
+            kernel: str, fwd: list[int], bwd: list[int]) -> torch.Tensor:
     # values: (N, v_dim); indices, weights: (B, K) -> (B, v_dim) in the table's dtype
     kernel = _resolve_for(values, kernel)
     _check_indices(indices, values.shape[0])
     if kernel == "triton":
         from memlm.memory.fast.triton_bag import bag_forward  # imports triton only when used
 
-        return bag_forward(values, indices.contiguous(), weights.contiguous())
+        return bag_forward(values, indices.contiguous(), weights.contiguous(), configured=fwd)
     return F.embedding_bag(indices, values, per_sample_weights=weights.to(values.dtype), mode="sum")
 
 
 @_bag_op.register_fake
-def _(values, indices, weights, sparse, kernel):
+def _(values, indices, weights, sparse, kernel, fwd, bwd):
     return values.new_empty(indices.shape[0], values.shape[1])
 
 
-def _bag_gradients(grad_out, values, indices, weights, sparse, kernel, need_values, need_weights):
+def _bag_gradients(grad_out, values, indices, weights, sparse, kernel, need_values, need_weights, bwd=()):
     """(table gradient or None, weights gradient or None) of one read; the
     table's is a coalesced sparse COO tensor if `sparse`."""
     kernel = _resolve_for(values, kernel)
@@ -253,7 +262,7 @@ def _bag_gradients(grad_out, values, indices, weights, sparse, kernel, need_valu
         from memlm.memory.fast.triton_bag import gradients  # one walk of the sorted reads gives both
 
         return gradients(values, indices.contiguous(), weights.contiguous(), grad_out, sparse, need_values,
-                         need_weights)
+                         need_weights, configured=bwd)
     w = weights.to(values.dtype)  # what the forward read with (the cast's backward casts back)
     # One sort for both gradients; the weights' alone need none.
     reads = sort_reads(indices, values.shape[0]) if need_values else None
@@ -272,36 +281,38 @@ def _bag_gradients(grad_out, values, indices, weights, sparse, kernel, need_valu
 
 @torch.library.custom_op("memlm::embedding_bag_backward", mutates_args=())
 def _bag_backward_op(grad_out: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                     kernel: str, need_values: bool, need_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     kernel: str, need_values: bool, need_weights: bool,
+                     bwd: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense gradients of the table (N, v_dim) and the weights (B, K); a
     gradient not asked for comes back as an empty tensor (an op returns tensors)."""
-    gv, gw = _bag_gradients(grad_out, values, indices, weights, False, kernel, need_values, need_weights)
+    gv, gw = _bag_gradients(grad_out, values, indices, weights, False, kernel, need_values, need_weights, bwd)
     # Contiguous, as the fake kernel promises.
     return ((values.new_empty(0) if gv is None else gv.contiguous()),
             (weights.new_empty(0) if gw is None else gw.contiguous()))
 
 
 @_bag_backward_op.register_fake
-def _(grad_out, values, indices, weights, kernel, need_values, need_weights):
+def _(grad_out, values, indices, weights, kernel, need_values, need_weights, bwd):
     gv = values.new_empty(values.shape) if need_values else values.new_empty(0)
     return gv, (weights.new_empty(weights.shape) if need_weights else weights.new_empty(0))
 
 
 def _bag_setup_context(ctx, inputs, output):
-    values, indices, weights, sparse, kernel = inputs
+    values, indices, weights, sparse, kernel, fwd, bwd = inputs
     ctx.save_for_backward(values, indices, weights)
-    ctx.sparse, ctx.kernel = sparse, kernel
+    ctx.sparse, ctx.kernel, ctx.bwd = sparse, kernel, bwd
 
 
 def _bag_backward(ctx, grad_out):
     values, indices, weights = ctx.saved_tensors
     need_values, _, need_weights = ctx.needs_input_grad[:3]
     if ctx.sparse:  # eager only (see embedding_bag)
-        gv, gw = _bag_gradients(grad_out, values, indices, weights, True, ctx.kernel, need_values, need_weights)
+        gv, gw = _bag_gradients(grad_out, values, indices, weights, True, ctx.kernel, need_values, need_weights,
+                                ctx.bwd)
     else:
         gv, gw = torch.ops.memlm.embedding_bag_backward(grad_out, values, indices, weights, ctx.kernel,
-                                                         need_values, need_weights)
-    return (gv if need_values else None), None, (gw if need_weights else None), None, None
+                                                         need_values, need_weights, ctx.bwd)
+    return (gv if need_values else None), None, (gw if need_weights else None), None, None, None, None
 
 
 _bag_op.register_autograd(_bag_backward, setup_context=_bag_setup_context)
@@ -315,12 +326,12 @@ class _ReadInto(torch.autograd.Function):
     buffer rides on ctx, so the forward op never takes it."""
 
     @staticmethod
-    def forward(ctx, values, grad_into, indices, weights, kernel):
+    def forward(ctx, values, grad_into, indices, weights, kernel, fwd, bwd):
         ctx.save_for_backward(values, indices, weights)
         # Not saved as a tensor for backward: every read's backward writes it,
         # and the version check of saved tensors would refuse the second one.
-        ctx.grad_into, ctx.kernel = grad_into, kernel
-        return torch.ops.memlm.embedding_bag(values, indices, weights, False, kernel)
+        ctx.grad_into, ctx.kernel, ctx.bwd = grad_into, kernel, bwd
+        return torch.ops.memlm.embedding_bag(values, indices, weights, False, kernel, fwd, bwd)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -329,14 +340,14 @@ class _ReadInto(torch.autograd.Function):
         gw = None
         if need_values:
             gw = torch.ops.memlm.embedding_bag_accumulate_(grad_out, values, ctx.grad_into, indices, weights,
-                                                            ctx.kernel, need_weights)
+                                                            ctx.kernel, need_weights, ctx.bwd)
         elif need_weights:
             _, gw = torch.ops.memlm.embedding_bag_backward(grad_out, values, indices, weights, ctx.kernel, False,
-                                                            True)
-        return None, None, None, (gw if need_weights else None), None
+                                                            True, ctx.bwd)
+        return None, None, None, (gw if need_weights else None), None, None, None
 
 
-def _accumulate(grad_out, values, grad_into, indices, weights, kernel, need_weights):
+def _accumulate(grad_out, values, grad_into, indices, weights, kernel, need_weights, bwd=()):
     """Add the table's gradient of one read into `grad_into` (rows read only);
     return the weights' gradient or None. The same bags in the same order as
     `_bag_gradients`, so a buffer that starts at zero ends bit for bit at
@@ -347,7 +358,7 @@ def _accumulate(grad_out, values, grad_into, indices, weights, kernel, need_weig
         from memlm.memory.fast.triton_bag import accumulate_gradients
 
         return accumulate_gradients(values, grad_into, indices.contiguous(), weights.contiguous(), grad_out,
-                                    need_weights)
+                                    need_weights, configured=bwd)
     reads = sort_reads(indices, values.shape[0])
     grad_weights = weight_gradients(values, indices, grad_out, reads).to(weights.dtype) if need_weights else None
     slots, rows = row_gradients(indices, weights.to(values.dtype), grad_out, reads)
@@ -358,13 +369,13 @@ def _accumulate(grad_out, values, grad_into, indices, weights, kernel, need_weig
 @torch.library.custom_op("memlm::embedding_bag_accumulate_", mutates_args=("grad_into",))
 def _bag_accumulate_op(grad_out: torch.Tensor, values: torch.Tensor, grad_into: torch.Tensor,
                        indices: torch.Tensor, weights: torch.Tensor, kernel: str,
-                       need_weights: bool) -> torch.Tensor:
+                       need_weights: bool, bwd: list[int]) -> torch.Tensor:
     """Adds the table's gradient into `grad_into`; returns the weights'
     gradient (B, K), or an empty tensor when not asked for."""
-    gw = _accumulate(grad_out, values, grad_into, indices, weights, kernel, need_weights)
+    gw = _accumulate(grad_out, values, grad_into, indices, weights, kernel, need_weights, bwd)
     return weights.new_empty(0) if gw is None else gw.contiguous()
 
 
 @_bag_accumulate_op.register_fake
-def _(grad_out, values, grad_into, indices, weights, kernel, need_weights):
+def _(grad_out, values, grad_into, indices, weights, kernel, need_weights, bwd):
     return weights.new_empty(weights.shape) if need_weights else weights.new_empty(0)

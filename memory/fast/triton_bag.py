@@ -34,6 +34,8 @@ bench/bag_variants.py.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -172,9 +174,10 @@ def _wide(*extents: int) -> bool:
 
 # ---------------------------------------------------------------- forward
 def bag_forward(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                launch: Launch | None = None) -> torch.Tensor:
+                launch: Launch | None = None, configured: Sequence[int] = ()) -> torch.Tensor:
     """(N, V), (B, K), (B, K) -> (B, V) in the table's dtype. `launch`
-    overrides the forward's (bench/gpu_speed.py's sweep)."""
+    overrides the forward's (bench/gpu_speed.py's sweep); `configured` is the
+    model's memory.triton_forward (memory/fast/launches.py)."""
     bags, reads = indices.shape
     v_dim = values.shape[1]
     out = torch.empty(bags, v_dim, dtype=values.dtype, device=values.device)
@@ -182,7 +185,7 @@ def bag_forward(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tens
         return out
     if reads == 0:
         return out.zero_()
-    cfg = launch or forward_launch(v_dim, reads, bags, values.dtype)
+    cfg = launch or forward_launch(v_dim, reads, bags, values.dtype, configured)
     wide = _wide(values.shape[0] * values.stride(0), bags * reads, bags * v_dim)
     grid = (triton.cdiv(bags, cfg.block_b), triton.cdiv(v_dim, cfg.block_d))
     _rows_forward_kernel[grid](values, values.stride(0), indices, weights, out, bags, reads, v_dim,
@@ -220,8 +223,8 @@ def group_by_slot(indices: torch.Tensor, n_slots: int, dense: bool = True):
 
 def segment_gradients(values: torch.Tensor, grad_out: torch.Tensor, order: torch.Tensor, seg_start: torch.Tensor,
                       slots: torch.Tensor | None, weights: torch.Tensor, need_weights: bool,
-                      launch: Launch | None = None,
-                      into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      launch: Launch | None = None, into: torch.Tensor | None = None,
+                      configured: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The "segments" walk: (rows (S, V) in the table's dtype, one per segment,
     and the weights' gradient (B, K) when `need_weights` and one column block
     covers V, else None). `slots` None: segment s is slot s (dense).
@@ -235,7 +238,7 @@ def segment_gradients(values: torch.Tensor, grad_out: torch.Tensor, order: torch
         raise ValueError(f"accumulating needs a dense grouping and a (N, V) buffer with unit column stride, "
                          f"got shape {tuple(into.shape)}, strides {into.stride()}")
     rows = into if into is not None else torch.empty(segments, v_dim, dtype=values.dtype, device=values.device)
-    cfg = launch or segments_launch(v_dim, values.dtype)
+    cfg = launch or segments_launch(v_dim, values.dtype, configured)  # configured: memory.triton_backward
     fuse = need_weights and triton.cdiv(v_dim, cfg.block_d) == 1
     grad_w = torch.empty(bags, reads, dtype=weights.dtype, device=values.device) if fuse else None
     if segments == 0 or v_dim == 0:
@@ -283,7 +286,8 @@ def _as_table_gradient(rows: torch.Tensor, slots: torch.Tensor | None, shape: to
 
 def gradients(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor,
               sparse: bool = False, need_values: bool = True,
-              need_weights: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+              need_weights: bool = True,
+              configured: Sequence[int] = ()) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(table gradient or None, weights' gradient or None) of one read. The
     table's is dense (N, V), or with `sparse` a coalesced COO tensor of the
     rows read; both hold the same numbers bit for bit (same segments, same
@@ -291,7 +295,8 @@ def gradients(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
     if not need_values:
         return None, (weight_grad(values, indices, grad_out, weights.dtype) if need_weights else None)
     order, seg_start, slots = group_by_slot(indices, values.shape[0], dense=not sparse)
-    rows, grad_weights = segment_gradients(values, grad_out, order, seg_start, slots, weights, need_weights)
+    rows, grad_weights = segment_gradients(values, grad_out, order, seg_start, slots, weights, need_weights,
+                                           configured=configured)
     if need_weights and grad_weights is None:  # V wider than one column block
         grad_weights = weight_grad(values, indices, grad_out, weights.dtype)
     return _as_table_gradient(rows, slots, values.shape), grad_weights
@@ -299,7 +304,7 @@ def gradients(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
 
 def accumulate_gradients(values: torch.Tensor, into: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                          grad_out: torch.Tensor, need_weights: bool = True,
-                         launch: Launch | None = None) -> torch.Tensor | None:
+                         launch: Launch | None = None, configured: Sequence[int] = ()) -> torch.Tensor | None:
     """The table's gradient of one read added into `into` (its (N, V)
     gradient buffer: every read of a step accumulates there, rows not read
     are not touched), and the weights' gradient (B, K) if `need_weights`.
@@ -307,7 +312,7 @@ def accumulate_gradients(values: torch.Tensor, into: torch.Tensor, indices: torc
     row summed in (bag, read) order, so two runs are bitwise equal."""
     order, seg_start, _ = group_by_slot(indices, values.shape[0], dense=True)
     _, grad_weights = segment_gradients(values, grad_out, order, seg_start, None, weights, need_weights, launch,
-                                        into=into)
+                                        into=into, configured=configured)
     if need_weights and grad_weights is None:  # V wider than one column block
         grad_weights = weight_grad(values, indices, grad_out, weights.dtype)
     return grad_weights

@@ -154,11 +154,16 @@ def _search_inputs(shared_keys=False):
 
 def _opcheck_cases():
     values, indices, weights = _bag_inputs()
-    yield "embedding_bag", torch.ops.memlm.embedding_bag.default, (values, indices, weights, False, "torch")
+    yield "embedding_bag", torch.ops.memlm.embedding_bag.default, (values, indices, weights, False, "torch", [], [])
     grad_out = torch.randn(4, 6)
     for need in [(True, True), (False, True), (True, False)]:
         yield (f"embedding_bag_backward{need}", torch.ops.memlm.embedding_bag_backward.default,
-               (grad_out, values.detach(), indices, weights.detach(), "torch", *need))
+               (grad_out, values.detach(), indices, weights.detach(), "torch", *need, []))
+    for need_weights in (True, False):  # the read into a gradient buffer (memlm.memory.table_grads)
+        yield (f"embedding_bag_accumulate_(need_weights={need_weights})",
+               torch.ops.memlm.embedding_bag_accumulate_.default,
+               (grad_out, values.detach(), torch.zeros_like(values.detach()), indices, weights.detach(), "torch",
+                need_weights, []))
     for shared in (False, True):
         query, keys = _search_inputs(shared)
         for keep_sub in (False, True):

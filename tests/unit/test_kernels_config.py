@@ -1,8 +1,8 @@
 """The Triton read's algorithm and launches are config values (memory.triton_algorithm,
 memory.triton_forward, memory.triton_backward: memory/fast/launches.py): validated
-with the config's error path, recorded in the run's config, and the launches every
-later read of the process takes once a model is built with them. No GPU and no
-Triton kernel needed: the choice of launch is plain Python.
+with the config's error path, recorded in the run's config, and held by the
+model built with them (each model its own), which passes them to every read. No
+GPU and no Triton kernel needed: the choice of launch is plain Python.
 """
 
 from __future__ import annotations
@@ -16,14 +16,6 @@ from memlm.memory.fast import launches
 
 TINY = ["model=tiny", "memory=memplus", "memory.layers=[1]", "memory.n_keys=8", "memory.knn=4", "memory.eval_knn=4",
         "memory.heads=2", "memory.k_dim=16"]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_settings():
-    """Each test starts from the default settings and leaves them so."""
-    launches.configure(launches.DEFAULT_ALGORITHM, [], [])
-    yield
-    launches.configure(launches.DEFAULT_ALGORITHM, [], [])
 
 
 def test_defaults_are_the_rule():
@@ -48,20 +40,24 @@ def test_invalid_values_name_the_key_and_what_is_valid(key, value, valid):
     assert err.value.key == f"memory.{key}" and valid in str(err.value)
 
 
-def test_building_a_model_sets_the_launches_and_the_config_records_them():
+def test_a_built_model_holds_its_launches_and_the_config_records_them():
     from omegaconf import OmegaConf
 
     from memlm.model import build_model
 
     cfg = compose([*TINY, "memory.triton_forward=[2,16,4,1,128,0]", "memory.triton_backward=[16,2,1,1,0,1]"])
-    build_model(cfg.model, cfg.memory)
-    forward = launches.forward_launch(64, 8, 32, torch.float32)
-    backward = launches.segments_launch(64, torch.bfloat16)
+    model = build_model(cfg.model, cfg.memory)
+    (layer,) = [m for m in model.modules() if hasattr(m, "launches")]
+    assert layer.launches == launches.ReadLaunches((2, 16, 4, 1, 128, 0), (16, 2, 1, 1, 0, 1))
+    forward = launches.forward_launch(64, 8, 32, torch.float32, layer.launches.forward)
+    backward = launches.segments_launch(64, torch.bfloat16, layer.launches.backward)
     assert forward == launches.Launch(2, 16, 64, 4, 1, 128, False)  # BLOCK_D stays the rule's
     assert backward == launches.Launch(16, 2, 64, 1, 1, None, True)  # maxnreg 0: the compiler's choice
     recorded = OmegaConf.to_container(OmegaConf.structured(cfg))["memory"]
     assert (recorded["triton_forward"], recorded["triton_backward"]) == ([2, 16, 4, 1, 128, 0], [16, 2, 1, 1, 0, 1])
-    build_model(cfg.model, compose(TINY).memory)  # the next model's config: the rule again
+    other = build_model(cfg.model, compose(TINY).memory)  # another model in the same process: its own (none)
+    assert [m.launches for m in other.modules() if hasattr(m, "launches")] == [launches.NO_LAUNCHES]
+    assert layer.launches.forward == (2, 16, 4, 1, 128, 0)  # the first model's are untouched
     assert launches.forward_launch(64, 8, 32, torch.float32) == launches.Launch(2, 8, 64, 1, 1)
 
 
@@ -69,12 +65,12 @@ def test_config_launches_come_before_measured_ones(monkeypatch):
     measured = launches.Launch(1, 8, 1024, 2, 1, None, False)
     monkeypatch.setitem(launches.MEASURED, ("forward", 1024, 2), measured)
     assert launches.forward_launch(1024, 128, 16384, torch.bfloat16) == measured
-    launches.configure("segments", [1, 16, 8, 1, 255, 0], [])
-    assert launches.forward_launch(1024, 128, 16384, torch.bfloat16) == launches.Launch(1, 16, 1024, 8, 1, 255, False)
+    assert launches.forward_launch(1024, 128, 16384, torch.bfloat16, (1, 16, 8, 1, 255, 0)) == \
+        launches.Launch(1, 16, 1024, 8, 1, 255, False)
 
 
-def test_configure_refuses_what_the_config_would():
+def test_read_launches_refuses_what_the_config_would():
     with pytest.raises(ValueError, match=r"triton_forward=\[1, 2\] is invalid: \[\] or 6 integers"):
-        launches.configure("segments", [1, 2], [])
+        launches.read_launches("segments", [1, 2], [])
     with pytest.raises(ValueError, match="triton_algorithm='atomic' is invalid: one of segments"):
-        launches.configure("atomic", [], [])
+        launches.read_launches("atomic", [], [])

@@ -177,13 +177,14 @@ def test_pool_reader_hook_replaces_the_local_read():
     layer = _layer(MemoryPlus)
     calls = []
 
-    def reader(pool, indices, weights, sparse, kernel):
-        calls.append((indices.shape, sparse, kernel))
+    def reader(pool, indices, weights, sparse, kernel, launches):
+        calls.append((indices.shape, sparse, kernel, launches))
         return torch.zeros(indices.shape[0], pool.v_dim, dtype=pool.weight.dtype)
 
     layer.values.reader = reader
     out = layer(torch.randn(3, 8, dtype=torch.float64))
-    assert calls == [(torch.Size([3, 2 * 3]), False, "auto")]  # the config value; resolved per call by device
+    # The config values: the kernel resolved per call by device, the launches as configured.
+    assert calls == [(torch.Size([3, 2 * 3]), False, "auto", ((), ()))]
     assert torch.equal(out, torch.zeros_like(out))  # W2(0 * gate) = 0
 
 
