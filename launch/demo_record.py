@@ -116,6 +116,11 @@ def ranges(runs: list[dict]) -> dict[str, tuple[float, float]]:
             for name in TASKS}
 
 
+def span_text(lo: float, hi: float) -> str:
+    """A range of percentages as README.md states it: "52.9-53.8%", or "100.0%" when both ends are equal."""
+    return f"{lo:.1f}%" if lo == hi else f"{lo:.1f}-{hi:.1f}%"
+
+
 def render(runs: list[dict], commit_line: str, cpu: str) -> str:
     seeds = sorted({r["seed"] for r in runs})
     by = {(r["seed"], r["native"]): r for r in runs}
@@ -146,9 +151,8 @@ def render(runs: list[dict], commit_line: str, cpu: str) -> str:
         "",
         "Kernel on and off (every eval metric, final and validation loss): " + ", ".join(equal) + ".",
         "",
-        f"Range over seeds {', '.join(map(str, seeds))}: facts, trained phrasing "
-        f"{span['trained'][0]:.1f}-{span['trained'][1]:.1f}%; facts, held-out phrasings "
-        f"{span['held_out'][0]:.1f}-{span['held_out'][1]:.1f}%.",
+        f"Range over seeds {', '.join(map(str, seeds))}: facts, trained phrasing {span_text(*span['trained'])}; "
+        f"facts, held-out phrasings {span_text(*span['held_out'])}.",
         "",
         "## The results tables, as printed",
         "",
