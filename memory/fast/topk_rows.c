@@ -75,13 +75,14 @@ static void bitonic_merge_desc(slot_t *s, int k) {
         }
 }
 
-/* Order-preserving int32 key of a float; every NaN maps to the top, and
- * -0.0 to +0.0's key (torch.topk finds them equal). */
+/* Order-preserving int32 key of a float: its magnitude bits, negated for a
+ * negative float, so -0.0 and +0.0 share key 0 (torch.topk finds them
+ * equal); every NaN maps to the top. Branch-free: it runs per element. */
 static inline int32_t float_key(float v) {
     union { float f; int32_t i; } u = {v};
-    if (v != v) return INT32_MAX;
-    if (v == 0.0f) return 0;
-    return u.i >= 0 ? u.i : u.i ^ INT32_MAX;
+    int32_t magnitude = u.i & INT32_MAX, sign = u.i >> 31; /* sign: 0 or -1 */
+    int32_t key = (magnitude ^ sign) - sign;
+    return magnitude > 0x7F800000 ? INT32_MAX : key;
 }
 
 /* Chunk c of the L rows starting at row r0 into s (row r begins at x + offsets[r]). */
