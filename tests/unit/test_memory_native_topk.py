@@ -75,6 +75,7 @@ def test_ties_in_the_search_shapes_and_strided_rows():
     x = torch.randn(4, 2, 6, 128, generator=gen).bfloat16().float().permute(2, 0, 1, 3)  # as the search's view
     assert_same_as_torch(x, 32)
     assert_same_as_torch(x[..., :64], 16)
+    assert_same_as_torch(x[1:, :, :, 7:71], 16)  # rows from a storage offset: tied rows are re-read from it
 
 
 def test_only_rows_whose_top_k_ties_leave_the_kernel(monkeypatch):
