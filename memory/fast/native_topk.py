@@ -7,11 +7,13 @@ sorts many rows at once through one sorting network, one row per SIMD lane,
 faster at those shapes (bench/topk.py; figures in docs/benchmarks.md).
 
 The results are torch.topk's, indices included, ties included: which of
-equal values torch.topk keeps, and in which order, follows its std::nth_element
-and std::sort (not the lower index first), so the kernel flags every row
-whose top k touches a tie (two equal values among the k, or the k-th equal
-to one left out; -0.0 equals 0.0 and NaN equals NaN, as in torch.topk), and
-those rows, rare among float scores, are answered by torch.topk itself.
+equal values torch.topk keeps, and in which order, is where its C++
+selection leaves them (std::partial_sort, or std::nth_element then
+std::sort; not the lower index first), so the kernel flags every row whose
+top k touches a tie (two equal values among the k, or the k-th equal to one
+left out; -0.0 equals 0.0 and NaN equals NaN, as in torch.topk), and those
+rows are answered by torch.topk itself. They are rare among float scores:
+22 of 1.3M rows in 200 steps of the demo.
 
 The kernel is compiled on first use with the system C compiler (`$CC`, else
 `cc`) for this CPU (-march=native) into a cache keyed by the source, the
