@@ -116,9 +116,9 @@ def ranges(runs: list[dict]) -> dict[str, tuple[float, float]]:
             for name in TASKS}
 
 
-def span_text(lo: float, hi: float) -> str:
-    """A range of percentages as README.md states it: "52.9-53.8%", or "100.0%" when both ends are equal."""
-    return f"{lo:.1f}%" if lo == hi else f"{lo:.1f}-{hi:.1f}%"
+def span_text(lo: float, hi: float, unit: str = "%") -> str:
+    """A range as README.md states it: "52.9-53.8%", or "100.0%" when both ends are equal."""
+    return f"{lo:.1f}{unit}" if lo == hi else f"{lo:.1f}-{hi:.1f}{unit}"
 
 
 def render(runs: list[dict], commit_line: str, cpu: str) -> str:

@@ -27,6 +27,8 @@ def test_readme_states_the_recorded_range_and_commit():
     assert f"{demo_record.span_text(*span['trained'])} of the facts asked in a trained phrasing" in readme
     assert f"{demo_record.span_text(*span['held_out'])} asked in held-out phrasings" in readme
     assert f"commit {runs[0]['commit'][:10]}" in readme
+    minutes = [round(r["seconds"] / 60, 1) for r in runs]
+    assert f"in {demo_record.span_text(min(minutes), max(minutes), ' minutes')}" in readme
     assert (ROOT / "docs" / "runs" / "demo" / "README.md").read_text() and "docs/runs/demo" in readme
 
 
