@@ -202,6 +202,8 @@ def _every_main(files) -> list[tuple[str, list[str], int, str]]:
         ("memlm.studies.continual_report", [str(empty)], FAULT_EXIT, "no base_s"),
         ("memlm.studies.finetune_recipe", ["--render-only", "--record", str(empty / "record.json"), "--doc", ""],
          FAULT_EXIT, "no record at"),
+        ("memlm.launch.demo_record", ["--commit", "no-such-commit", "--out", str(root / "demo_record")],
+         FAULT_EXIT, "--commit no-such-commit: not a commit of"),
     ]
 
 
