@@ -206,8 +206,8 @@ def test_cli_bad_values_exit_2_naming_the_value(run_dir, capsys, extra, message)
 
 
 def test_cli_bad_paths_and_missing_prompts_exit_2_or_1_for_a_folder_without_a_model(run_dir, tmp_path, capsys):
-    assert main([str(tmp_path / "nope"), "--prompt", "x"]) == 2
-    assert f"checkpoint='{tmp_path / 'nope'}'" in capsys.readouterr().err
+    assert main([str(tmp_path / "nope"), "--prompt", "x"]) == 1  # a missing model path: 1, as from every command
+    assert str(tmp_path / "nope") in capsys.readouterr().err
     assert main([str(tmp_path), "--prompt", "x"]) == 1  # a folder that holds no model: a CheckpointError
     assert str(tmp_path) in capsys.readouterr().err
     assert main([str(run_dir)]) == 2

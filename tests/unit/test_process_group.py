@@ -35,6 +35,7 @@ def calls(monkeypatch):
 
     class Dist:
         is_initialized = staticmethod(lambda: bool(calls) and calls[0] == "init")
+        DistError = torch.distributed.DistError  # what the process group's exit path tells a lost peer by
 
         @staticmethod
         def new_group(backend=None, timeout=None):
@@ -49,7 +50,7 @@ def calls(monkeypatch):
         def destroy_process_group():
             calls.append(("destroy", sum(h() is not None for h in holders)))
 
-    def init_distributed(device="auto", backend=None):
+    def init_distributed(device="auto", backend=None, timeout_s=None):
         calls.append("init")
         return DistEnv(1, 2, 1, 2, torch.device("cpu"))
 
