@@ -21,11 +21,11 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 
 import memlm.model  # noqa: F401  (registers the FFN kinds that validation lists)
+from memlm.config.eval import EvalConfig
 from memlm.config.keys import unknown_key_error
 from memlm.data.config import KINDS as DATA_KINDS
 from memlm.data.config import DataConfig
 from memlm.errors import ConfigError
-from memlm.evals.config import EvalConfig
 from memlm.finetune.config import FinetuneConfig
 from memlm.finetune.modes import mode_of
 from memlm.memory.config import MemoryConfig

@@ -16,8 +16,8 @@ Python API, used by the trainer during and after training:
   train/eval mode is restored on return. Any device; it computes in whatever
   precision the caller sets (the trainer: the run's autocast / FSDP policy).
 - `tokenizer`: a `memlm.data.tokenizer.Tokenizer` (encode, decode, eos_id).
-- `eval_cfg`: an `EvalConfig` (the `eval` section of the run config); it is
-  validated first. `tasks` must be non-empty.
+- `eval_cfg`: a `memlm.config.eval.EvalConfig` (the `eval` section of the run
+  config); it is validated first. `tasks` must be non-empty.
 - `step`: the training step, written into the report and its file name.
 - `out_dir`: folder for the report, normally `<dump_dir>/evals`: rank 0 writes
   `<out_dir>/<step>.json` (or `json_name`), the markdown table `<step>.md`
@@ -56,20 +56,16 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["EvalConfig", "TaskDataError", "run_suite"]
+__all__ = ["TaskDataError", "run_suite"]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: memlm.config.run imports memlm.evals.config, which must not pull in
-    # torch, the model and the data pipeline through this package's __init__.
+    # Lazy: importing the package (its CLI's --help, a task error's type) pulls
+    # in neither torch, the model nor the data pipeline.
     if name == "run_suite":
         from memlm.evals.suite import run_suite
 
         return run_suite
-    if name == "EvalConfig":
-        from memlm.evals.config import EvalConfig
-
-        return EvalConfig
     if name == "TaskDataError":
         from memlm.evals.formats import TaskDataError
 

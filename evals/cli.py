@@ -170,7 +170,7 @@ def run_eval_config(checkpoint: str, overrides: list[str]):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
-        from memlm.evals.registry import known_tasks
+        from memlm.config.eval_tasks import known_tasks
 
         print(USAGE.format(presets=", ".join(eval_presets()), tasks=known_tasks()))
         return 0
@@ -195,7 +195,7 @@ def _run(argv: list[str]) -> int:
     else:
         eval_cfg = compose([f"eval={preset}", *overrides]).eval  # validates every value, task names too
     if not eval_cfg.tasks:
-        from memlm.evals.registry import known_tasks
+        from memlm.config.eval_tasks import known_tasks
 
         raise ConfigError("tasks", [], f"a non-empty list, e.g. tasks=[nq_open,mmlu]; {known_tasks()}")
     device = _device(top.get("device", "auto"))

@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from memlm.config.eval_tasks import ANSWER_CUE
 from memlm.errors import MemlmError
-from memlm.evals.registry import ANSWER_CUE
 
 
 class TaskDataError(MemlmError, ValueError):

@@ -15,9 +15,9 @@ import sys
 import torch.distributed as dist
 from tqdm import tqdm
 
+from memlm.config.eval import EvalConfig
 from memlm.errors import ConfigError
 from memlm.evals import prompts
-from memlm.evals.config import EvalConfig
 from memlm.evals.decoding import generate_texts
 from memlm.evals.metrics import (
     bits_per_param,

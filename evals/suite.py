@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memlm.config.eval import EvalConfig
+from memlm.config.eval_tasks import known_tasks
 from memlm.errors import ConfigError
-from memlm.evals.config import EvalConfig
 from memlm.evals.harness import evaluate_task
 from memlm.evals.metrics import exact_match_by
-from memlm.evals.registry import known_tasks
 from memlm.evals.report import log_wandb, markdown_table, write_report
 from memlm.evals.tasks import load_task
 

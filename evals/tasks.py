@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memlm.config.eval import EvalConfig
+from memlm.config.eval_tasks import FACTS_FORMAT, SYNTHETIC_QA_FILES, TaskSpec, task_spec
 from memlm.errors import ConfigError
-from memlm.evals.config import EvalConfig
 from memlm.evals.formats import (
     TaskDataError,
     describe,
@@ -28,7 +29,6 @@ from memlm.evals.formats import (
     read_records,
     read_texts,
 )
-from memlm.evals.registry import FACTS_FORMAT, SYNTHETIC_QA_FILES, TaskSpec, task_spec
 
 
 @dataclass

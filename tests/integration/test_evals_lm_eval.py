@@ -19,7 +19,7 @@ from evals_fixtures import (
     write_jsonl,
 )
 
-from memlm.evals.config import EvalConfig
+from memlm.config.eval import EvalConfig
 from memlm.evals.harness import evaluate_task
 from memlm.evals.tasks import load_task
 

@@ -25,10 +25,10 @@ transformers = pytest.importorskip("transformers", reason="install the dev extra
 
 from hf_bundle_checker import check  # noqa: E402
 
+from memlm.config.eval import EvalConfig  # noqa: E402
 from memlm.config.run import compose  # noqa: E402
 from memlm.data.tokenizer import Tokenizer  # noqa: E402
 from memlm.errors import ConfigError  # noqa: E402
-from memlm.evals.config import EvalConfig  # noqa: E402
 from memlm.evals.decoding import generate_texts, greedy_generate, prompt_ids  # noqa: E402
 from memlm.evals.prompts import qa_prompt  # noqa: E402
 from memlm.evals.tasks import load_task  # noqa: E402

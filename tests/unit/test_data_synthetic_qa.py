@@ -87,8 +87,8 @@ def test_bad_qa_fraction(capsys):
 
 
 def test_seen_and_unseen_eval_tasks(tmp_path):
+    from memlm.config.eval import EvalConfig
     from memlm.data.config import DataConfig, SyntheticConfig
-    from memlm.evals.config import EvalConfig
     from memlm.evals.tasks import load_task
 
     cfg = EvalConfig(tasks=["synthetic_qa_seen"], num_fewshot=2)
@@ -162,8 +162,8 @@ def test_bad_qa_docs_per_person():
 
 
 def test_trained_eval_task(tmp_path):
+    from memlm.config.eval import EvalConfig
     from memlm.data.config import DataConfig, SyntheticConfig
-    from memlm.evals.config import EvalConfig
     from memlm.evals.tasks import load_task
 
     cfg = EvalConfig(tasks=["synthetic_qa_trained"], num_fewshot=0)
@@ -181,10 +181,10 @@ def test_shards_prepared_from_a_synthetic_corpus_are_asked_about_its_own_people(
     """kind=shards data made from a synthetic corpus (as the demo does): the
     synthetic tasks read that corpus' question files, found through the
     shards' manifest, not questions about the default corpus' people."""
+    from memlm.config.eval import EvalConfig
     from memlm.data.config import DataConfig, SourceConfig, SyntheticConfig
     from memlm.data.corpus import materialize_synthetic
     from memlm.data.prepare import prepare
-    from memlm.evals.config import EvalConfig
     from memlm.evals.tasks import load_task, synthetic_folder_of_shards
 
     syn = DataConfig(kind="synthetic", vocab_size=400, cache_dir=str(tmp_path / "c"),

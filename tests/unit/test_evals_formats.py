@@ -8,10 +8,10 @@ import json
 import pytest
 from evals_fixtures import CHOICE_ROWS, MMLU_ROWS, QA_ROWS, write_jsonl, write_mmlu_csv
 
+from memlm.config.eval import EvalConfig
 from memlm.config.run import compose
 from memlm.errors import ConfigError
 from memlm.evals import prompts
-from memlm.evals.config import EvalConfig
 from memlm.evals.formats import TaskDataError
 from memlm.evals.tasks import load_task
 

@@ -22,8 +22,8 @@ from evals_fixtures import (
     write_mmlu_csv,
 )
 
+from memlm.config.eval import EvalConfig
 from memlm.errors import ConfigError
-from memlm.evals.config import EvalConfig
 from memlm.evals.formats import TaskDataError
 from memlm.evals.suite import run_suite
 from memlm.evals.tasks import load_task

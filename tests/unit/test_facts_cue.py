@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from memlm.evals.config import EvalConfig
+from memlm.config.eval import EvalConfig
 from memlm.evals.formats import TaskDataError
 from memlm.evals.tasks import load_task
 
@@ -64,9 +64,9 @@ def test_an_answer_with_surrounding_spaces_or_empty_is_refused_naming_its_line(t
 
 
 def test_the_cue_is_the_one_the_facts_corpus_and_the_qa_prompts_use():
+    from memlm.config.eval_tasks import ANSWER_CUE
     from memlm.data import facts
     from memlm.evals.prompts import qa_prompt
-    from memlm.evals.registry import ANSWER_CUE
 
     assert ANSWER_CUE == "\nA:"
     assert facts.question("Kavoru Tesilan", "metal").endswith(ANSWER_CUE)

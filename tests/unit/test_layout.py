@@ -27,9 +27,6 @@ LAYERS = [
     {"launch"},
     {"studies", "generate"},
 ]
-# Each package's config section is composed by config/ and imports nothing of
-# memlm but errors: it sits on config's layer whatever folder holds it.
-SECTIONS = {"evals.config": "config", "evals.registry": "config"}
 # Sub-packages that are folders of their own (their own layer and share of the code).
 NESTED = {"memory.fast"}
 SIDEWAYS: set[tuple[str, str]] = {("files", "errors")}  # OutputError: a refused output path
@@ -73,11 +70,10 @@ def _imports(tree: ast.AST):
 
 
 def _folder(module: str) -> str:
-    """memlm.evals.config -> config (a section); memlm.memory.fast.ops -> memory.fast (nested);
-    memlm.train.trainer -> train; memlm.errors -> errors."""
+    """memlm.memory.fast.ops -> memory.fast (nested); memlm.train.trainer -> train; memlm.errors -> errors."""
     parts = module.split(".")[1:]
     dotted = ".".join(parts[:2])
-    return dotted if dotted in NESTED else SECTIONS.get(dotted, parts[0])
+    return dotted if dotted in NESTED else parts[0]
 
 
 def test_no_folder_imports_from_a_folder_above_it():

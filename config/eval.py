@@ -1,13 +1,19 @@
-"""Typed configuration of the evaluation suite (the `eval/` Hydra config group).
+"""The `eval` section of the run config (the `eval/` Hydra config group): which
+tasks the harness (memlm.evals) runs, when, and how.
 
-Imported by `memlm.config.run`, so it stays free of torch: task names are
-checked against `memlm.evals.registry` when the config is composed.
+    from memlm.config.eval import EvalConfig
+    EvalConfig(tasks=["nq_open"], data_dir="evals_data").validate()  # ConfigError on a bad value
+
+It lives in config/, below the harness, because `compose()` validates it in
+every process: it stays free of torch, and task names are checked against
+the task table (memlm.config.eval_tasks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from memlm.config.eval_tasks import task_spec
 from memlm.errors import ConfigError
 
 WANDB_MODES = ("disabled", "offline", "online")
@@ -35,8 +41,6 @@ class EvalConfig:
         return self.task_fewshot.get(task, self.num_fewshot)
 
     def validate(self, prefix: str = "eval") -> None:
-        from memlm.evals.registry import task_spec
-
         for key in ("num_fewshot", "limit", "every", "ppl_stride"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{prefix}.{key}", getattr(self, key), "an integer >= 0")

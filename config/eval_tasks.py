@@ -1,7 +1,12 @@
-"""The task names the harness knows, their kind and where their files live.
+"""The task names the harness knows, their kind and where their files live:
+what `eval.tasks` may name.
 
-Kept free of torch imports: `EvalConfig.validate` (run by `compose()` in every
-process) checks task names against this list.
+    from memlm.config.eval_tasks import task_spec
+    task_spec("nq_open").folder  # 'nq_open'; an unknown name raises ConfigError listing the known ones
+
+Kept free of torch imports and in config/, below the harness (memlm.evals):
+`EvalConfig.validate` (run by `compose()` in every process) checks task names
+against this table, and the harness reads each task's files by it.
 
 Kinds:
 - `qa`: generative question answering, k-shot `Q: ...\\nA:` prompts, exact match + F1.
