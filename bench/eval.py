@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from memlm.config.run import compose
-from memlm.evals.decoding import greedy_generate
 from memlm.evals.scoring import score_rows
+from memlm.generation.decoding import greedy_generate
 from memlm.model import build_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

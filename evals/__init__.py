@@ -46,7 +46,7 @@ path and the expected format) before any example is evaluated; unknown task
 names raise `ConfigError` listing the known tasks.
 
 Generation on free-form prompts (greedy or sampled, the same decoding):
-`memlm.evals.generation`, `python -m memlm.generate` (docs/generation.md).
+`memlm.generation.text`, `python -m memlm.generate` (docs/generation.md).
 
 Importing this package needs neither lm-eval nor torch at import time;
 `memlm.evals.lm_eval` is the optional lm-eval adapter (the `lmeval` extra).

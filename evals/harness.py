@@ -18,7 +18,7 @@ from tqdm import tqdm
 from memlm.config.eval import EvalConfig
 from memlm.errors import ConfigError
 from memlm.evals import prompts
-from memlm.evals.decoding import generate_texts
+from memlm.evals.lockstep import Lockstep
 from memlm.evals.metrics import (
     bits_per_param,
     choice_scores,
@@ -32,6 +32,7 @@ from memlm.evals.metrics import (
 )
 from memlm.evals.scoring import loglikelihoods, rolling_loglikelihoods
 from memlm.evals.tasks import TaskData
+from memlm.generation.decoding import generate_texts
 
 
 def evaluate_task(model, tokenizer, task: TaskData, cfg: EvalConfig, rank: int = 0, world_size: int = 1,
@@ -76,7 +77,8 @@ def _phrasing(example: dict) -> dict:
 def _qa_records(model, tokenizer, task: TaskData, examples, cfg: EvalConfig, bar: tqdm) -> list[dict]:
     shots = task.shots[""]
     contexts = [prompts.qa_prompt(shots, ex["question"]) for ex in examples]
-    texts, cut = generate_texts(model, tokenizer, contexts, cfg.stop, cfg.max_new_tokens, cfg.batch_size, bar.update)
+    texts, cut = generate_texts(model, tokenizer, contexts, cfg.stop, cfg.max_new_tokens, cfg.batch_size, bar.update,
+                                lock=Lockstep.of(model))  # the ranks decode different examples
     records = []
     for ex, context, text, truncated in zip(examples, contexts, texts, cut):
         pred = text.strip()

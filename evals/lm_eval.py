@@ -31,8 +31,9 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from memlm.errors import entry_point
-from memlm.evals.decoding import generate_texts
+from memlm.evals.lockstep import Lockstep
 from memlm.evals.scoring import loglikelihoods, rolling_loglikelihoods
+from memlm.generation.decoding import generate_texts
 
 DEFAULT_MAX_GEN_TOKS = 256
 MODEL_ARGS = ("checkpoint", "tokenizer", "max_gen_toks")
@@ -116,7 +117,7 @@ class MemLM(LM):
             for (until, max_new), idx in groups.items():
                 contexts = [requests[i].args[0] for i in idx]
                 texts, _ = generate_texts(self.model, self.tokenizer, contexts, list(until), max_new,
-                                          self.batch_size, bar.update)
+                                          self.batch_size, bar.update, lock=Lockstep.of(self.model))
                 for i, text in zip(idx, texts):
                     outputs[i] = text
         return outputs

@@ -4,8 +4,9 @@ A model sharded by FSDP2, or with a memory-parallel value table, runs
 collectives inside every forward: each rank must call it as often as every
 other rank, or they wait on each other forever. Evaluation gives each rank
 its own examples (rank r takes r::world_size, memlm.evals.harness), so their
-batch counts and decode lengths differ. The scoring and decoding loops ask
-one `Lockstep` how many rounds to run and when to stop:
+batch counts and decode lengths differ. The scoring loops, and the decoding
+loop the harness hands one to (memlm.generation.decoding.decode's `lock`),
+ask one `Lockstep` how many rounds to run and when to stop:
 
     lock = Lockstep.of(model)
     for i in range(lock.rounds(len(batches))):  # the largest count over the ranks

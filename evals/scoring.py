@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from memlm.evals.decoding import model_device
 from memlm.evals.lockstep import Lockstep
+from memlm.generation.decoding import model_device
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:

@@ -92,7 +92,7 @@ def test_evals_on_a_broken_export_prints_one_line(files, damage, capsys):
 @pytest.mark.parametrize("damage", ["missing_weights", "bad_json", "bad_weights"])
 def test_generate_on_a_broken_export_prints_one_line(files, damage, capsys):
     export = files[damage]
-    code, err = run_main("memlm.evals.generation_cli", [str(export), "--prompt", "x", "--max-new-tokens", "2"],
+    code, err = run_main("memlm.generate.cli", [str(export), "--prompt", "x", "--max-new-tokens", "2"],
                          capsys)
     line = one_error_line(err)
     assert code == FAULT_EXIT and str(export) in line, line
@@ -112,7 +112,7 @@ def _corrupt_checkpoint_argv(files) -> dict[str, list[str]]:
                             "steps=3", "logging.wandb.mode=disabled", f"dump_dir={root / 'resumed'}",
                             f"resume={bad}"],
         "memlm.evals.cli": [f"checkpoint={bad}", "tasks=[synthetic_qa]", "limit=2"],
-        "memlm.evals.generation_cli": [str(bad), "--prompt", "x", "--max-new-tokens", "2"],
+        "memlm.generate.cli": [str(bad), "--prompt", "x", "--max-new-tokens", "2"],
         "memlm.hf.export": [str(bad), str(root / "never")],
         "memlm.train.slot_usage": [str(bad), "--batches", "1"],
     }
@@ -179,7 +179,7 @@ def _every_main(files) -> list[tuple[str, list[str], int, str]]:
         ("memlm.train.cli", ["stpes=1"], USAGE_EXIT, "unknown key stpes"),
         ("memlm.evals.cli", [f"checkpoint={files['bad_json']}", "tasks=[synthetic_qa]",
                              f"out={root / 'x.json'}"], FAULT_EXIT, "bad_json/memlm_config.json has 9 bytes"),
-        ("memlm.evals.generation_cli", [str(files["missing_weights"]), "--prompt", "x"], FAULT_EXIT, "is missing"),
+        ("memlm.generate.cli", [str(files["missing_weights"]), "--prompt", "x"], FAULT_EXIT, "is missing"),
         ("memlm.hf.export", [str(root / "nowhere"), str(root / "never")], FAULT_EXIT, "cannot export"),
         ("memlm.train.slot_usage", [str(files["good"]), "--batches", "0"], USAGE_EXIT, "--batches"),
         ("memlm.data.prepare", ["--source", f"web={bad_jsonl}", "--tokenizer", tokenizer, "--out",

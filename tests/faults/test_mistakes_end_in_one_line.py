@@ -131,7 +131,7 @@ def test_a_missing_checkpoint_is_one_line_and_exit_1_from_every_command(tmp_path
     missing = tmp_path / "runs" / "nope"
     commands = {
         "memlm.evals.cli": [f"checkpoint={missing}", "tasks=[synthetic_qa]"],
-        "memlm.evals.generation_cli": [str(missing), "--prompt", "x"],
+        "memlm.generate.cli": [str(missing), "--prompt", "x"],
         "memlm.hf.export": [str(missing), str(tmp_path / "export")],
         "memlm.train.slot_usage": [str(missing), "--batches", "1"],
     }

@@ -33,7 +33,7 @@ transformers = pytest.importorskip("transformers", reason="install the dev extra
 from memlm.config.run import compose  # noqa: E402
 from memlm.data.tokenizer import Tokenizer  # noqa: E402
 from memlm.errors import ConfigError  # noqa: E402
-from memlm.evals.decoding import greedy_generate, prompt_ids  # noqa: E402
+from memlm.generation.decoding import greedy_generate, prompt_ids  # noqa: E402
 from memlm.hf import from_pretrained  # noqa: E402
 from memlm.hf.export import export  # noqa: E402
 from memlm.hf.load import resolve_checkpoint_dir  # noqa: E402

@@ -1,4 +1,4 @@
-"""Generation (memlm.evals.generation, `python -m memlm.generate`): greedy
+"""Generation (memlm.generation.text, `python -m memlm.generate`): greedy
 equals the evals' decoding, sampling against a hand-written reference, seeds,
 the KV cache against a recompute, and the command line on a checkpoint and
 on an export."""
@@ -15,10 +15,10 @@ import torch
 from evals_fixtures import make_model, make_tokenizer, train_tiny_run
 
 from memlm.errors import ConfigError
-from memlm.evals.decoding import decode, generate_texts, greedy_generate, prompt_ids
-from memlm.evals.generation_cli import main
-from memlm.evals.sampling import Sampling
 from memlm.generate import generate, load
+from memlm.generate.cli import main
+from memlm.generation.decoding import decode, generate_texts, greedy_generate, prompt_ids
+from memlm.generation.sampling import Sampling
 
 NO_EOS = -1
 CONTEXTS = ["Q: Where was Ada born?\nA:", "Q: Who?\nA:", "The", "Q: Where was Ada born?\nA: In"]

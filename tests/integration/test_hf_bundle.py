@@ -29,9 +29,9 @@ from memlm.config.eval import EvalConfig  # noqa: E402
 from memlm.config.run import compose  # noqa: E402
 from memlm.data.tokenizer import Tokenizer  # noqa: E402
 from memlm.errors import ConfigError  # noqa: E402
-from memlm.evals.decoding import generate_texts, greedy_generate, prompt_ids  # noqa: E402
 from memlm.evals.prompts import qa_prompt  # noqa: E402
 from memlm.evals.tasks import load_task  # noqa: E402
+from memlm.generation.decoding import generate_texts, greedy_generate, prompt_ids  # noqa: E402
 from memlm.hf.bundle import tokenizer_json  # noqa: E402
 from memlm.hf.export import export  # noqa: E402
 from memlm.hf.load import load_model  # noqa: E402

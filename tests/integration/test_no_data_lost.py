@@ -195,7 +195,7 @@ def test_damaged_export_bytes_are_named_by_every_read(runs, capsys):
     with pytest.raises(ExportError, match="corrupted") as err:
         from_pretrained(good)
     assert str(err.value).startswith(line)
-    code, _, err = run_main("memlm.evals.generation_cli", [good, "--prompt", "x", "--max-new-tokens", "2"], capsys)
+    code, _, err = run_main("memlm.generate.cli", [good, "--prompt", "x", "--max-new-tokens", "2"], capsys)
     assert code == FAULT_EXIT and err.strip().splitlines()[-1].startswith(f"error: {line}"), err
     code, _, err = run_main("memlm.evals.cli", [f"checkpoint={good}", "tasks=[synthetic_qa]", "out=r.json",
                                                 f"tokenizer={good / 'MODEL_CARD.md'}"], capsys)

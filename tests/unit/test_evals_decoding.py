@@ -8,19 +8,19 @@ import pytest
 import torch
 from evals_fixtures import make_model, make_tokenizer
 
-from memlm.evals.decoding import (
-    cut_at_stop,
-    generate_texts,
-    greedy_generate,
-    length_batches,
-    prompt_ids,
-)
 from memlm.evals.scoring import (
     encode_pair,
     loglikelihoods,
     rolling_loglikelihoods,
     rolling_rows,
     score_rows,
+)
+from memlm.generation.decoding import (
+    cut_at_stop,
+    generate_texts,
+    greedy_generate,
+    length_batches,
+    prompt_ids,
 )
 
 NO_EOS = -1  # an id the model never produces: decoding runs max_new_tokens steps

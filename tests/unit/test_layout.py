@@ -15,7 +15,7 @@ LAYERS = [
     {"errors", "files", "ranks", "configs"},  # configs: the YAML presets (a package only to ship them)
     {"memory.fast"},  # the memory read's kernels and custom ops: a folder of its own below the layers
     {"memory"},
-    {"model", "data"},
+    {"model", "data", "generation"},  # generation: decoding, on any model the caller hands it
     {"finetune"},  # what a fine-tune trains: its config section, modes, slot selection and background
     {"config"},
     {"distributed"},

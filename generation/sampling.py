@@ -1,7 +1,7 @@
 """Token choice for sampled generation: temperature, top-k, top-p, seed.
 
     pick = Sampling(temperature=0.8, top_p=0.9, seed=0).picker(n_prompts)
-    decode(model, prompts, max_new_tokens, eos_id, pick=pick)   # memlm.evals.decoding
+    decode(model, prompts, max_new_tokens, eos_id, pick=pick)   # memlm.generation.decoding
 
 temperature=0 is greedy decoding (argmax, exactly the evals' choice). Each
 prompt draws from its own generator, seeded from `seed` and the prompt's
@@ -61,8 +61,8 @@ class Sampling:
 
     def picker(self, n_prompts: int):
         """A `pick(logits (batch, vocab), prompt indices) -> (batch,)` for
-        memlm.evals.decoding.decode; argmax when greedy."""
-        from memlm.evals.decoding import argmax_pick
+        memlm.generation.decoding.decode; argmax when greedy."""
+        from memlm.generation.decoding import argmax_pick
 
         self.validate()
         if self.greedy:

@@ -1,4 +1,7 @@
-"""Command line of `python -m memlm.generate` (the call is memlm.evals.generation)."""
+"""Command line of `python -m memlm.generate` (the call is memlm.generate.generate).
+
+    python -m memlm.generate runs/demo --prompt 'Q: Where was Ada Lovelace born?\\nA:' --stop '\\n'
+"""
 
 from __future__ import annotations
 
@@ -90,8 +93,9 @@ def _run(args: argparse.Namespace) -> int:
 
     from memlm.checkpoint.folder import missing_checkpoint
     from memlm.evals.cli import _device
-    from memlm.evals.generation import check_request, generate, load
-    from memlm.evals.sampling import Sampling
+    from memlm.generate import load
+    from memlm.generation.sampling import Sampling
+    from memlm.generation.text import check_request, generate
 
     start = time.perf_counter()
     # Every argument is checked before the (possibly long) model load.

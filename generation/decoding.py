@@ -1,5 +1,8 @@
 """Batched decoding with the KV cache: greedy for the evals, any token choice
-(`pick`) for sampling (memlm.evals.sampling, `python -m memlm.generate`).
+(`pick`) for sampling (memlm.generation.sampling, `python -m memlm.generate`).
+
+    out = decode(model, [prompt_ids(tokenizer, "Q: ...\\nA:")], max_new_tokens=32, eos_id=tokenizer.eos_id)
+    texts, out = decode_texts(model, tokenizer, ["Q: ...\\nA:"], stop=["\\n"], max_new_tokens=32)
 
 The model takes no attention mask, so prompts of different lengths cannot
 share a batch through padding. Instead prompts are grouped by token length:
@@ -21,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from memlm.errors import ConfigError
-from memlm.evals.lockstep import Lockstep
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -83,14 +85,20 @@ def decode(
     use_cache: bool = True,
     on_batch: Callable[[int], None] | None = None,
     pick: Callable[[torch.Tensor, list[int]], torch.Tensor] = argmax_pick,
+    lock=None,
 ) -> Decoded:
     """Continuations of token prompts, one new token per row and step chosen by
     `pick(last logits (batch, vocab), prompt indices of the rows) -> (batch,)`:
-    argmax (greedy) by default, a sampler from memlm.evals.sampling otherwise.
+    argmax (greedy) by default, a sampler from memlm.generation.sampling otherwise.
 
     A row stops at eos, when `should_stop(its tokens)` is true, or after
     max_new_tokens. use_cache=False recomputes the whole sequence every step
-    (the reference the cache is checked and benchmarked against)."""
+    (the reference the cache is checked and benchmarked against).
+
+    `lock`: None for a model this process holds whole; the harness, whose
+    ranks decode different prompts of one sharded model, passes its
+    memlm.evals.lockstep.Lockstep (rounds, all, idle) so that every rank runs
+    as many forwards as the busiest one."""
     max_len = model.args.max_seq_len
     room = max_len - max_new_tokens
     if room < 1:
@@ -103,9 +111,8 @@ def decode(
     finish = ["length"] * len(prompts)
     batches = length_batches([len(p) for p, _ in fitted], batch_size)
     # On a sharded model every rank runs as many forwards as the busiest one
-    # (memlm.evals.lockstep): a rank past its last batch runs idle forwards.
-    lock = Lockstep.of(model)
-    for i in range(lock.rounds(len(batches))):
+    # (the caller's lock): a rank past its last batch runs idle forwards.
+    for i in range(lock.rounds(len(batches)) if lock else len(batches)):
         batch = batches[i] if i < len(batches) else []
         if batch:
             rows = torch.tensor([fitted[j][0] for j in batch], device=device)  # (batch, prompt_len)
@@ -127,7 +134,7 @@ def decode(
                     out.append(token)
                     if should_stop is not None and should_stop(out):
                         done[r], finish[batch[r]] = True, "stop"
-            if lock.all(all(done)) or step == max_new_tokens - 1:
+            if (lock.all(all(done)) if lock else all(done)) or step == max_new_tokens - 1:
                 break
             if not batch:
                 lock.idle(model)
@@ -173,6 +180,7 @@ def decode_texts(
     on_batch: Callable[[int], None] | None = None,
     pick: Callable[[torch.Tensor, list[int]], torch.Tensor] = argmax_pick,
     use_cache: bool = True,
+    lock=None,
 ) -> tuple[list[str], Decoded]:
     """Continuations of text prompts (each started the evals' way, `prompt_ids`),
     decoded and cut before their first stop sequence: (texts, the token-level
@@ -186,7 +194,7 @@ def decode_texts(
 
     prompts = [prompt_ids(tokenizer, c) for c in contexts]
     out = decode(model, prompts, max_new_tokens, tokenizer.eos_id, should_stop if stop else None, batch_size,
-                 use_cache, on_batch, pick)
+                 use_cache, on_batch, pick, lock)
     return [cut_at_stop(tokenizer.decode(o), stop) for o in out.tokens], out
 
 
@@ -198,8 +206,9 @@ def generate_texts(
     max_new_tokens: int,
     batch_size: int = 16,
     on_batch: Callable[[int], None] | None = None,
+    lock=None,
 ) -> tuple[list[str], list[bool]]:
     """Greedy continuations of text prompts, each cut before its first stop
     sequence: (texts, whether each prompt was truncated). Shared by the harness and the lm-eval adapter."""
-    texts, out = decode_texts(model, tokenizer, contexts, stop, max_new_tokens, batch_size, on_batch)
+    texts, out = decode_texts(model, tokenizer, contexts, stop, max_new_tokens, batch_size, on_batch, lock=lock)
     return texts, out.truncated

@@ -1,28 +1,27 @@
-"""Text generation from a trained model: the Python call behind `python -m memlm.generate`.
+"""Text generation from a model in memory: the call behind `python -m memlm.generate`
+(which loads the model from a path first, memlm.generate.load).
 
-    from memlm.generate import generate, load
+    from memlm.generation.text import generate
 
-    model, tokenizer = load("runs/demo")  # a checkpoint, a run's dump_dir or an export folder
     done = generate(model, tokenizer, ["Q: Where was Ada Lovelace born?\\nA:"], max_new_tokens=32,
                     temperature=0.8, top_p=0.95, seed=0, stop=["\\n"])
     print(done[0].text)
 
-Decoding is the evals' own (memlm.evals.decoding, KV cache, prompts grouped
+Decoding is the evals' own (memlm.generation.decoding, KV cache, prompts grouped
 by length, every prompt started with the eos token as in training), so a
 greedy call (temperature=0, the default) returns exactly what the evals
 generate for the same prompt; sampling only changes how the next token is
-chosen (memlm.evals.sampling).
+chosen (memlm.generation.sampling).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from memlm.errors import ConfigError
-from memlm.evals.decoding import decode_texts
-from memlm.evals.sampling import Sampling
+from memlm.generation.decoding import decode_texts
+from memlm.generation.sampling import Sampling
 
 
 @dataclass
@@ -35,26 +34,6 @@ class Completion:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def load(path: str | Path, device: str = "cpu", tokenizer: str | Path | None = None):
-    """(model in eval mode, Tokenizer) from a checkpoint folder, a `latest`
-    file, a run's dump_dir or an export folder; `tokenizer` overrides the
-    sentencepiece model the checkpoint names."""
-    from memlm.checkpoint.folder import missing_checkpoint
-    from memlm.data.tokenizer import Tokenizer
-    from memlm.hf.load import load_model
-
-    if not Path(path).exists():  # a missing input: exit 1 from every command
-        raise missing_checkpoint(path)
-    if tokenizer is not None and not Path(tokenizer).is_file():
-        raise ConfigError("tokenizer", str(tokenizer), "an existing sentencepiece .model file")
-    loaded = load_model(path, device)
-    tokenizer_path = tokenizer or loaded.tokenizer_path
-    if not tokenizer_path:
-        raise ConfigError("tokenizer", "", f"the sentencepiece .model the model was trained with "
-                                           f"({loaded.source} names none)")
-    return loaded.model, Tokenizer(str(tokenizer_path))
 
 
 def check_request(model, max_new_tokens: int, batch_size: int, stop: Sequence[str]) -> None:
