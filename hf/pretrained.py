@@ -1,4 +1,4 @@
-"""Load an exported model: `memlm.model.from_pretrained(out_dir)`.
+"""Load an exported model: `memlm.hf.from_pretrained(out_dir)`.
 
 An export directory (written by `python -m memlm.hf.export`) holds
 `memlm_config.json` (model + memory config and the weight layout),

@@ -5,12 +5,9 @@ Importing this package registers every built-in FFN kind.
     from memlm.model import ModelArgs, build_model
     model = build_model(ModelArgs(dim=256, n_layers=4, n_heads=4, vocab_size=1024))
 
-An export loads with `memlm.hf.from_pretrained(export_dir)`;
-`memlm.model.from_pretrained`, the name earlier docs gave, still works and is
-the same function.
+An export loads with `memlm.hf.from_pretrained(export_dir)` (hf/ sits above
+this package and imports it).
 """
-
-import importlib
 
 # moe and peer are imported for their side effect: registering their FFN kinds.
 import memlm.model.memory_ffn  # noqa: F401
@@ -34,12 +31,3 @@ __all__ = [
     "register_ffn",
 ]
 
-
-def __getattr__(name: str):
-    # `memlm.model.from_pretrained`: the name earlier docs gave the export loader,
-    # which lives in memlm.hf, a layer above this package (docs/architecture.md,
-    # "Layout"; hf imports model). Resolved on first use, so importing
-    # memlm.model never imports memlm.hf.
-    if name == "from_pretrained":
-        return importlib.import_module("memlm.hf").from_pretrained
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -77,19 +77,3 @@ def test_the_walk_sees_the_docs_and_the_help_texts():
     assert {"README.md", "docs/evals.md", "hf/export.py", "evals/formats.py"} <= cited
     assert _missing("memlm.model.no_such_name") == "memlm.model has no attribute 'no_such_name'"
 
-
-def test_the_export_loader_keeps_the_name_earlier_docs_gave_it():
-    """`memlm.model.from_pretrained` (docs/checkpoints.md named it) is memlm.hf's loader,
-    resolved on use: importing memlm.model does not import memlm.hf, a layer above it."""
-    import subprocess
-    import sys
-
-    import memlm.hf
-    import memlm.model
-    from memlm.model import from_pretrained
-
-    assert from_pretrained is memlm.hf.from_pretrained
-    assert memlm.model.from_pretrained is memlm.hf.from_pretrained
-    probe = "import sys, memlm.model; print('memlm.hf' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
