@@ -101,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     own, overrides = argv[:cut], argv[cut + 1:]
     parser = build_parser()
     args = parser.parse_args(own)
-    if args.command is None:
-        parser.print_help()
-        return 2
+    if args.command is None:  # a usage mistake: the one error line, exit 2 (`--help` shows the commands)
+        from memlm.launch.validate import LaunchError
+
+        raise LaunchError("python -m memlm.launch needs a command: local, slurm or sweep (see --help)")
     # A bad value or option (exit 2), a data or eval file the run would read (train/preflight.py,
     # exit 1): a MemlmError, one line (entry_point).
     if args.command == "local":

@@ -51,13 +51,18 @@ from pathlib import Path
 import yaml
 
 from memlm.config.run import CONFIG_DIR
-from memlm.errors import ConfigError, entry_point
+from memlm.errors import ConfigError, MemlmError, entry_point
 
 DATA = Path("data_cache/continual")
 RUNS = Path("runs/continual")
 RECORDS = Path("docs/runs/continual")
 PLAN_FILE = CONFIG_DIR / "studies" / "continual.yaml"
 SGD = "finetune.optimizer=sgd"  # left out of run names: the sweep's default for the value tables
+
+
+class StudyError(MemlmError):
+    """A run of the study failed, did not reproduce its record, or a stage lacks the runs it builds on
+    (exit 1, one `error:` line from the entry point, as from every command)."""
 
 
 @dataclass(frozen=True)
@@ -291,7 +296,7 @@ def retrain(run: Run) -> None:
     recorded = json.loads((run.record / "summary.json").read_text())["evals"]
     again = json.loads((run.dump / "summary.json").read_text())["evals"]
     if again != recorded:
-        raise SystemExit(f"[study] {run.name} trained again does not reproduce its record {run.record}: "
+        raise StudyError(f"{run.name} trained again does not reproduce its record {run.record}: "
                          f"evals {again} against {recorded}; its checkpoint is left in {run.dump}")
     print(f"[study] {run.name}: trained again, its evaluations equal the record's", flush=True)
 
@@ -306,7 +311,7 @@ def train(run: Run) -> None:
         rc = subprocess.run([sys.executable, "-m", "memlm.train", *run.overrides], stdout=log,
                             stderr=subprocess.STDOUT, env=env).returncode
     if rc != 0:
-        raise SystemExit(f"[study] {run.name} failed (exit {rc}); its log: {RUNS / f'{run.name}.log'}")
+        raise StudyError(f"{run.name} failed (exit {rc}); its log: {RUNS / f'{run.name}.log'}")
 
 
 @entry_point
@@ -320,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the table size: memory.n_keys (n_keys**2 slots; default: the experiment's, 128); "
                              "runs at another size are named k<n_keys>_...")
     args = parser.parse_args(argv)
+    if args.stage == "seeds" and args.seed == 0:  # a usage mistake: refused before any run starts
+        raise ConfigError("--seed", args.seed, "an integer >= 1 with --stage seeds (it repeats seed 0's best "
+                                               "settings at another seed)")
     RUNS.mkdir(parents=True, exist_ok=True)
     if not (DATA / "manifest.json").exists():
         from memlm.data.continual import write_study
@@ -329,17 +337,15 @@ def main(argv: list[str] | None = None) -> int:
     base = base_run(series)
     execute(base)
     if args.stage == "seeds":
-        if args.seed == 0:
-            raise SystemExit("--stage seeds repeats seed 0's best settings at another seed: pass --seed 1 (or more)")
         first = series.at_seed(0)
         if not (base_run(first).record / "summary.json").exists():
-            raise SystemExit(f"--stage seeds: no seed 0 base model ({base_run(first).record} is missing): "
+            raise StudyError(f"--stage seeds: no seed 0 base model ({base_run(first).record} is missing): "
                              "run seed 0's sweep first")
         seed0 = sweep_runs(first, base_run(first))
         for mode in plan().round_modes:
             best = best_setting(seed0, mode)
             if best is None:
-                raise SystemExit(f"--stage seeds: seed 0's sweep has no finished {mode} run to repeat")
+                raise StudyError(f"--stage seeds: seed 0's sweep has no finished {mode} run to repeat")
             execute(sweep_run(series, base, best.mode, best.setting))
         return 0
     sweep = sweep_runs(series, base)

@@ -180,3 +180,19 @@ def test_a_memory_fine_tune_that_goes_non_finite_names_memory_value_lr(run, tmp_
     line = one_error_line(err)
     assert code == FAULT_EXIT and "Lower memory.value_lr (now 1e+30: what finetune=memory trains with)" in line, line
     assert "optim.lr" not in line
+
+
+# ------------------------------------------------------------------ usage mistakes argparse does not see
+def test_usage_mistakes_past_argparse_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    """A command named without its subcommand, and an option that contradicts another, end through the
+    error path too, before any work starts (the study would otherwise train a base model first)."""
+    monkeypatch.chdir(tmp_path)
+    commands = {
+        "memlm.launch.cli": ([], "python -m memlm.launch needs a command: local, slurm or sweep"),
+        "memlm.launch.continual_study": (["--stage", "seeds", "--seed", "0"], "--seed=0: an integer >= 1"),
+    }
+    for module, (argv, piece) in commands.items():
+        code, err = run_main(module, argv, capsys)
+        line = one_error_line(err)
+        assert code == USAGE_EXIT and piece in line, (module, code, line)
+    assert list(tmp_path.iterdir()) == []  # nothing trained, nothing written

@@ -36,6 +36,14 @@ def _fake_train(calls, fail=(), evals=None):
     return run
 
 
+def _error_line(capsys, pattern: str) -> bool:
+    """The command ended through the one error path: its last stderr line is `error: ...` matching `pattern`."""
+    import re
+
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    return last.startswith("error: ") and re.search(pattern, last) is not None
+
+
 def test_runs_chain_from_the_base_and_a_recorded_run_is_skipped(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / study.DATA).mkdir(parents=True)
@@ -84,7 +92,8 @@ def test_a_second_table_size_runs_under_its_own_names_with_its_size(tmp_path, mo
     assert "--n-keys=1: an integer >= 2 (memory.n_keys; the study's own is 128)" in capsys.readouterr().err
 
 
-def test_a_recorded_base_without_its_checkpoint_is_trained_again_and_must_equal_its_record(tmp_path, monkeypatch):
+def test_a_recorded_base_without_its_checkpoint_is_trained_again_and_must_equal_its_record(tmp_path, monkeypatch,
+                                                                                          capsys):
     """A fresh clone has the records, not the runs/ checkpoints the next fine-tunes start from."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / study.DATA).mkdir(parents=True)
@@ -102,31 +111,35 @@ def test_a_recorded_base_without_its_checkpoint_is_trained_again_and_must_equal_
     # a base that comes out different would not continue its record: the study stops, naming both
     study.shutil.rmtree(study.RUNS / "base_s0")
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, evals={"bits:facts_a": {"stored_bits": 8.0}}))
-    with pytest.raises(SystemExit, match=r"base_s0 trained again does not reproduce its record .*8\.0.*7\.0"):
-        study.main(["--stage", "sweep", "--modes", "lora"])
+    capsys.readouterr()
+    assert study.main(["--stage", "sweep", "--modes", "lora"]) == 1
+    assert _error_line(capsys, r"base_s0 trained again does not reproduce its record .*8\.0.*7\.0")
 
 
-def test_a_failed_run_stops_the_study_naming_its_log(tmp_path, monkeypatch):
+def test_a_failed_run_stops_the_study_naming_its_log(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / study.DATA).mkdir(parents=True)
     (tmp_path / study.DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
     monkeypatch.setattr(study.subprocess, "run", _fake_train([], fail=("base_s0",)))
-    with pytest.raises(SystemExit, match=r"base_s0 failed \(exit 1\).*runs/continual/base_s0.log"):
-        study.main(["--stage", "base"])
+    assert study.main(["--stage", "base"]) == 1
+    assert _error_line(capsys, r"base_s0 failed \(exit 1\).*runs/continual/base_s0.log")
     assert not (study.RECORDS / "base_s0").exists()
 
 
-def test_a_second_seed_repeats_seed_0s_best_settings_from_its_own_base(tmp_path, monkeypatch):
+def test_a_second_seed_repeats_seed_0s_best_settings_from_its_own_base(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / study.DATA).mkdir(parents=True)
     (tmp_path / study.DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
     calls = []
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
-    with pytest.raises(SystemExit, match="no seed 0 base model .*base_s0 is missing"):
-        study.main(["--stage", "seeds", "--seed", "1"])
+    assert study.main(["--stage", "seeds", "--seed", "0"]) == 2  # a usage mistake: exit 2, as from every command
+    assert _error_line(capsys, r"--seed=0: an integer >= 1 with --stage seeds")
+    assert study.main(["--stage", "seeds", "--seed", "1"]) == 1
+    assert _error_line(capsys, "no seed 0 base model .*base_s0 is missing")
     assert study.main(["--stage", "base"]) == 0
-    with pytest.raises(SystemExit, match="seed 0's sweep has no finished full run"):
-        study.main(["--stage", "seeds", "--seed", "1"])
+    capsys.readouterr()
+    assert study.main(["--stage", "seeds", "--seed", "1"]) == 1
+    assert _error_line(capsys, "seed 0's sweep has no finished full run")
     assert study.main(["--stage", "sweep"]) == 0
     n = len(calls)
     assert study.main(["--stage", "seeds", "--seed", "1"]) == 0
