@@ -30,6 +30,7 @@ from memlm.finetune.config import FinetuneConfig
 from memlm.finetune.modes import mode_of
 from memlm.memory.config import MemoryConfig
 from memlm.model.args import ModelArgs
+from memlm.model.family import memory_family
 from memlm.model.ffn import ffn_kinds
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -212,12 +213,36 @@ class Config:
     max_nonfinite_steps: int = 5
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
 
+    def micro_batch_tokens(self, world: int) -> int:
+        """Tokens one micro-batch holds over `world` data-parallel ranks."""
+        return self.data.micro_batch * self.data.seq_len * world
+
+    def accumulation_steps(self, world: int) -> int:
+        """Micro-batches per optimizer step on `world` data-parallel ranks (ConfigError when
+        global_batch_tokens is no multiple of one micro-batch over the ranks)."""
+        per_micro = self.micro_batch_tokens(world)
+        if self.global_batch_tokens == 0:
+            return 1
+        if self.global_batch_tokens % per_micro:
+            raise ConfigError(
+                "global_batch_tokens", self.global_batch_tokens,
+                f"a multiple of data.micro_batch x data.seq_len x data-parallel ranks = "
+                f"{self.data.micro_batch} x {self.data.seq_len} x {world} = {per_micro}",
+            )
+        return self.global_batch_tokens // per_micro
+
+    def tokens_per_step(self, world: int) -> int:
+        """Tokens one optimizer step trains on over `world` data-parallel ranks."""
+        return self.accumulation_steps(world) * self.micro_batch_tokens(world)
+
     def validate(self) -> None:
         self.model.validate(ffn_kinds())
         self.memory.validate(self.model.n_layers)
         if self.memory.kind != "none" and self.memory.kind not in ffn_kinds():
             raise ConfigError("memory.kind", self.memory.kind,
                               f"none or one of the FFN kinds: {', '.join(ffn_kinds())}")
+        if (fam := memory_family(self.memory)) is not None:
+            fam.validate(self.memory)  # its own keys of the section (memlm.model.family)
         v_dim = self.memory.v_dim or self.model.dim
         mp = self.parallel.memory_parallel
         if self.memory.kind != "none" and mp != "auto" and v_dim % mp:

@@ -45,6 +45,11 @@ class DistEnv:
     local_world_size: int
     device: torch.device
 
+    @classmethod
+    def one_process(cls, device: str | torch.device = "cpu") -> DistEnv:
+        """A process of its own, with no group: what a loader or a one-process command runs as."""
+        return cls(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device(device))
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0

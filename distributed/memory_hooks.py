@@ -23,11 +23,10 @@ from memlm.distributed.memory_parallel import init_value_tables as _init_pool_ta
 from memlm.distributed.memory_parallel import shard_value_pools
 from memlm.distributed.value_grads import REDUCE_DTYPES, ValueGradReduction
 from memlm.distributed.value_layout import ValueTables, least_traffic, value_layouts
-from memlm.memory.config import PRODUCT_KEY_KINDS
-from memlm.memory.schedule import apply_knn_schedule
 from memlm.memory.tables import value_pools
 from memlm.memory.usage import usage_metrics
 from memlm.memory.values import VALUE_DTYPES
+from memlm.model.family import memory_family
 
 # A whole-table all-reduce this large per step (bytes one rank sends) is
 # worth a warning at start-up: about 27 ms a step over a 400 Gb/s NIC.
@@ -38,7 +37,8 @@ def value_tables(cfg: Any) -> ValueTables | None:
     """The run's value tables and how a step reads them, from the config
     alone (the meshes are built before the model); None without tables."""
     mem = cfg.memory
-    if mem.kind not in PRODUCT_KEY_KINDS:
+    fam = memory_family(mem)
+    if fam is None or not fam.reads_rows:
         return None
     layers = len(mem.resolved_layers(cfg.model.n_layers))
     return ValueTables(
@@ -52,7 +52,7 @@ def value_tables(cfg: Any) -> ValueTables | None:
 def tokens_per_rank(cfg: Any, world: int) -> int:
     """Tokens one rank trains on per optimizer step (global_batch_tokens
     split over the ranks, or one micro-batch)."""
-    return cfg.global_batch_tokens // world if cfg.global_batch_tokens else cfg.data.micro_batch * cfg.data.seq_len
+    return cfg.tokens_per_step(world) // world
 
 
 def value_layouts_of(cfg: Any, world: int, gpus_per_node: int) -> list[dict]:
@@ -133,9 +133,21 @@ def value_grad_reduction(model: nn.Module, meshes: Meshes, env: DistEnv, accum: 
     return ValueGradReduction(pools, meshes.memory, env.world_size, accum, cfg.memory.value_grad_reduce_dtype)
 
 
-def on_step_start(model: nn.Module, step: int, cfg: Any) -> None:
-    if cfg.memory.kind != "none":
-        apply_knn_schedule(model, cfg.memory, step)
+class MemoryStep:
+    """The memory family's needs on the training loop's points (memlm.train.extensions): its
+    `step_start` (product keys: the knn schedule) before a step, the value gradients' reduction
+    (`reduction`, value_grad_reduction's) once the step's backward is done."""
+
+    def __init__(self, model: nn.Module, cfg: Any, reduction):
+        self.model, self.memory, self.reduction = model, cfg.memory, reduction
+        self.family = memory_family(cfg.memory)
+
+    def step_start(self, step: int) -> None:
+        if self.family is not None:
+            self.family.step_start(self.model, self.memory, step - 1)  # it counts optimizer steps done
+
+    def after_backward(self) -> None:
+        self.reduction.finish()  # started by a hook during the last backward
 
 
 def health_metrics(model: nn.Module) -> dict[str, float]:

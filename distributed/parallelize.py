@@ -16,9 +16,8 @@ from torch.distributed.tensor import Shard
 from memlm.config.run import ParallelConfig
 from memlm.distributed.env import Meshes
 from memlm.distributed.precision import compute_dtype
-from memlm.memory.config import PRODUCT_KEY_KINDS
 from memlm.memory.tables import table_modules, value_pools
-from memlm.model import Transformer
+from memlm.model import Transformer, family
 
 # The policy of the product-key lookups (query projection + sub-keys): gathered
 # and computing in float32, so that the top-k selects what the float32 model
@@ -29,7 +28,7 @@ FULL_PRECISION = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=to
 
 
 def _is_memory_block(block: nn.Module) -> bool:
-    return bool(table_modules(block)) or block.ffn_kind in PRODUCT_KEY_KINDS
+    return bool(table_modules(block)) or family(block.ffn_kind).reads_rows
 
 
 def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
@@ -76,6 +75,15 @@ def apply_fsdp(model: Transformer, meshes: Meshes, cfg: ParallelConfig, device: 
                     shard_placement_fn=placement)
     fully_shard(model, mesh=meshes.fsdp, mp_policy=mp, ignored_params=ignored or None,
                 reshard_after_forward=False, shard_placement_fn=placement)
+
+
+def parallelize(model: Transformer, meshes: Meshes, cfg: ParallelConfig, device: torch.device) -> None:
+    """What training adds to the run's model before its weights are materialized, in this
+    order: activation checkpointing, compile, FSDP2 (memlm.distributed.run_model)."""
+    apply_activation_checkpointing(model, cfg.activation_checkpoint)
+    if cfg.compile:
+        apply_compile(model)
+    apply_fsdp(model, meshes, cfg, device)
 
 
 def _shard_placement(ranks: int):

@@ -127,33 +127,49 @@ class UsageRecorder:
     """checkpoint.slot_usage_steps=N: the reads of every memory layer over a
     run's last N steps, summed over the ranks and written beside its final
     checkpoint, so a finished pretraining run carries its own background.
+    It sits on the training loop's points (memlm.train.extensions):
 
-        recorder.before_step(step); trainer.train_step(); recorder.after_step(step)
-        recorder.write(final_checkpoint_dir)    # every rank (a collective under torchrun)
+        recorder.step_start(step); trainer.train_step(); recorder.step_end(step, run)
+        recorder.end(step, run)   # the run reached its last step: write beside run.saved ...
+        recorder.close()          # ... once the checkpointer has published it (every rank: a collective)
     """
 
     def __init__(self, model: torch.nn.Module, total_steps: int, last_steps: int, tokens_per_step: int,
-                 distributed: bool):
+                 distributed: bool, dump_dir: Path, is_main: bool):
         self.layers = memory_layers(model) if last_steps else {}
-        self.first = max(0, total_steps - last_steps)  # steps counted from 0: record steps first .. total-1
+        self.first = max(1, total_steps - last_steps + 1)  # steps counted from 1: record steps first .. total
         self.tokens_per_step, self.distributed = tokens_per_step, distributed
+        self.dump_dir, self.is_main = Path(dump_dir), is_main
         self.counts = {name: torch.zeros_like(layer.usage.counts) for name, layer in self.layers.items()}
         self.tokens = 0
         self._reads = StepReads(self.layers)
+        self._ended = None  # the loop's record, once the run reached its last step
 
     def _on(self, step: int) -> bool:
         return bool(self.layers) and step >= self.first
 
-    def before_step(self, step: int) -> None:
+    def step_start(self, step: int) -> None:
         if self._on(step):
             self._reads.start()
 
-    def after_step(self, step: int) -> None:
+    def step_end(self, step: int, run: object = None) -> None:
         if self._on(step) and self._reads.started:
             for name in self.layers:
                 self.counts[name] += self._reads.since(name)
             self.tokens += self.tokens_per_step
             self._reads.stop()
+
+    def end(self, step: int, run) -> None:
+        # The final checkpoint (run.saved) is chosen later in this same pass and written
+        # in the background until the checkpointer's close: the file goes in at close.
+        self._ended = run
+
+    def close(self) -> None:
+        if self._ended is None:
+            return
+        directory = self._ended.saved or self.dump_dir
+        if (written := self.write(directory, self.is_main)) is not None:
+            print(f"[train] slot usage of the last {self.tokens:,} tokens -> {written}", flush=True)
 
     def write(self, directory: Path, is_main: bool) -> Path | None:
         if not self.layers or not self.tokens:

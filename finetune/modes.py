@@ -6,7 +6,7 @@
     mode.refuse_ignored(cfg.finetune)          # a finetune.* setting it would ignore (compose)
     mode.adapt(model, cfg)                     # the architecture its runs hold (lora: the adapters)
     mode.freeze(model)                         # before sharding: what does not train gets no gradient
-    hook = mode.step_hook(model, cfg, distributed, init)  # start_step(); backward; after_backward()
+    hook = mode.step_hook(model, cfg, distributed, init)  # step_start(step); backward; after_backward()
     mode.row_gradients                         # its gradients are row-sparse: the optimizer updates rows
     mode.fresh_on_init(key)                    # init_from: tensors a run of this mode starts fresh
     state = mode.export_state(state, cfg)      # what an export folds in (lora: merged adapters)
@@ -41,8 +41,8 @@ from memlm.errors import ConfigError
 from memlm.finetune.background import FILE
 from memlm.finetune.config import FinetuneConfig
 from memlm.finetune.selection import SlotSelection
-from memlm.memory.config import PRODUCT_KEY_KINDS
 from memlm.memory.tables import sparse_tables
+from memlm.model.family import families, memory_family
 from memlm.model.ffn import table_kinds
 from memlm.model.lora import add_lora, is_lora_key, merge_lora_state
 
@@ -56,7 +56,7 @@ class NoStepHook:
         """A line for the run's start (what the hook reads), or None."""
         return None
 
-    def start_step(self) -> None:
+    def step_start(self, step: int) -> None:
         pass
 
     def after_backward(self) -> None:
@@ -167,10 +167,12 @@ class Sparse(Memory):
     kinds_note = "selects the slots of product-key memory layers"
 
     def validate(self, cfg: Config) -> None:
-        if cfg.memory.kind not in PRODUCT_KEY_KINDS:
+        fam = memory_family(cfg.memory)
+        if fam is None or not fam.reads_rows:
+            rows = [f.kind for f in families() if f.reads_rows]
             raise ConfigError("finetune.mode", self.name, f"full, lora or memory with memory.kind="
                               f"{cfg.memory.kind}: mode={self.name} {self.kinds_note} (memory.kind="
-                              f"{' or '.join(PRODUCT_KEY_KINDS)})")
+                              f"{' or '.join(rows)})")
         slots = cfg.memory.n_keys ** 2
         if cfg.finetune.top_t > slots:
             raise ConfigError("finetune.top_t", cfg.finetune.top_t, f"at most the table's {slots:,} slots "

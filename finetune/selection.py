@@ -2,7 +2,7 @@
 
     hook = SlotSelection(model, cfg, background_path, distributed)   # once the model is sharded
     hook.describe()         # the run's start line: the background file it ranks against
-    hook.start_step()       # before the step's first forward
+    hook.step_start(step)   # before the step's first forward
     hook.after_backward()   # after the backward, before clipping: only the selected rows keep a gradient
 
 Each step ranks the slots its batch read against the background's reads
@@ -44,11 +44,11 @@ class SlotSelection:
         return (f"finetune=sparse: background slot usage from {self.path}{counted}, "
                 f"top_t {self.top_t:,} by {self.ranking}")
 
-    def start_step(self) -> None:
+    def step_start(self, step: int) -> None:
         self._reads.start()
 
     def batch_counts(self, names: list[str]) -> torch.Tensor:
-        """(N,) reads of one table's layers since start_step, summed over every rank's batch."""
+        """(N,) reads of one table's layers since step_start, summed over every rank's batch."""
         counts = sum(self._reads.since(n) for n in names)
         if self.distributed:
             dist.all_reduce(counts)

@@ -16,10 +16,11 @@ import torch
 
 from memlm.checkpoint.checkpointer import Checkpointer, verify
 from memlm.config.run import Config, from_yaml
-from memlm.finetune.modes import mode_of
+from memlm.distributed import run_model
+from memlm.distributed.env import DistEnv
 from memlm.hf.pretrained import CONFIG_NAME, from_pretrained, read_json, verify_export
 from memlm.hf.source import is_export_dir, model_source, resolve_checkpoint_dir
-from memlm.model import Transformer, build_model
+from memlm.model import Transformer
 
 __all__ = ["LoadedModel", "build_run_model", "data_config", "is_export_dir", "keep_tokenizer", "load_model",
            "resolve_checkpoint_dir", "run_tokenizer_path"]
@@ -82,10 +83,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedMo
 
 
 def build_run_model(cfg: Config, device: str | torch.device = "cpu") -> Transformer:
-    """The model a run's checkpoint holds: its architecture, plus what its fine-tune mode adds (lora's adapters)."""
-    model = build_model(cfg.model, cfg.memory if cfg.memory.kind != "none" else None, device=device)
-    mode_of(cfg).adapt(model, cfg)
-    return model
+    """The model a run's checkpoint holds, on one process (memlm.distributed.run_model, the trainer's builder)."""
+    return run_model.build_run_model(cfg, DistEnv.one_process(device))
 
 
 # ------------------------------------------------- the training data, without the weights

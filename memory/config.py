@@ -164,27 +164,10 @@ class MemoryConfig:
                 raise ConfigError(f"{prefix}.{key}", list(getattr(self, key)), problem)
         if self.kind in PRODUCT_KEY_KINDS:
             self._validate_product_key_memory(prefix)
+        # The other families' keys are their own to check (memlm.model.family: Family.validate).
 
-        # ---- moe / peer baselines -------------------------------------------
-        if self.kind == "moe":
-            if self.n_experts < 1:
-                raise ConfigError(f"{prefix}.n_experts", self.n_experts, "an integer >= 1")
-            if not 1 <= self.top_k <= self.n_experts:
-                raise ConfigError(
-                    f"{prefix}.top_k", self.top_k,
-                    f"an integer in [1, memory.n_experts={self.n_experts}]",
-                )
-            if self.expert_hidden_dim < 0:
-                raise ConfigError(
-                    f"{prefix}.expert_hidden_dim", self.expert_hidden_dim,
-                    "0 (dense hidden size // top_k) or a positive integer",
-                )
-            if self.balance_loss_coef < 0:
-                raise ConfigError(f"{prefix}.balance_loss_coef", self.balance_loss_coef, "a number >= 0")
-        if self.kind == "peer":  # (PEER has one knn: no eval_knn)
-            self._validate_lookup_size(prefix, knn=self.knn)
-
-    def _validate_lookup_size(self, prefix: str, **knns: int) -> None:
+    def validate_lookup_size(self, prefix: str, **knns: int) -> None:
+        """A product-key lookup of n_keys, heads, k_dim and these knns fits (memory/product_keys.py)."""
         problem = lookup_size_problem(self.n_keys, self.heads, self.k_dim, **knns)
         if problem is not None:
             key, value, valid = problem
@@ -192,7 +175,7 @@ class MemoryConfig:
 
     def _validate_product_key_memory(self, prefix: str) -> None:
         """Values of the product-key memory layers (memory/layers.py)."""
-        self._validate_lookup_size(prefix, knn=self.knn, eval_knn=self.eval_knn)
+        self.validate_lookup_size(prefix, knn=self.knn, eval_knn=self.eval_knn)
         if self.v_dim < 0:
             raise ConfigError(f"{prefix}.v_dim", self.v_dim, "0 (= model.dim) or a positive integer")
         if self.value_dtype not in VALUE_DTYPE_NAMES:

@@ -15,19 +15,23 @@ import memlm.model.moe  # noqa: F401
 import memlm.model.peer  # noqa: F401
 from memlm.model.args import ModelArgs
 from memlm.model.build import build_model
-from memlm.model.ffn import FFNContext, build_ffn, ffn_kinds, register_ffn
+from memlm.model.family import Family, family, memory_family, register_family
+from memlm.model.ffn import FFNContext, build_ffn, ffn_kinds
 from memlm.model.kv_cache import KVCache
 from memlm.model.transformer import Transformer, layer_ffn_kinds
 
 __all__ = [
     "FFNContext",
+    "Family",
     "KVCache",
     "ModelArgs",
     "Transformer",
     "build_ffn",
     "build_model",
+    "family",
     "ffn_kinds",
     "layer_ffn_kinds",
-    "register_ffn",
+    "memory_family",
+    "register_family",
 ]
 

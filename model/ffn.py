@@ -1,9 +1,10 @@
 """The feed-forward slot of every block, and the registry that fills it.
 
 A block never knows what its FFN is: the transformer asks `build_ffn(kind,
-ctx)` for a module. Dense SwiGLU is registered here; memory layers, MoE and
-PEER register their own kinds in their modules, so adding a variant never
-touches the block or the transformer.
+ctx)` for a module, which the kind's family builds (memlm.model.family). Dense
+SwiGLU is registered here; memory layers, MoE and PEER register their own
+families in their modules, so adding a variant never touches the block, the
+transformer or the trainer.
 
 Every FFN module maps (batch, seq, dim) -> (batch, seq, dim) and provides
 `init_weights(init_std, out_std)` and `flops_per_token()`.
@@ -19,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memlm.errors import ConfigError
 from memlm.model.args import ModelArgs
+from memlm.model.family import Family, families, family, register_family
 
 
 @dataclass
@@ -38,38 +39,18 @@ class FFNContext:
 
 FFNBuilder = Callable[[FFNContext], nn.Module]
 
-# Filled at import time by `register_ffn`; read-only afterwards.
-_BUILDERS: dict[str, FFNBuilder] = {}
-_TABLE_KINDS: set[str] = set()
-
-
-def register_ffn(kind: str, sparse_tables: bool = False) -> Callable[[FFNBuilder], FFNBuilder]:
-    """`sparse_tables`: the kind's modules hold sparse tables (memlm.memory.tables: a value pool,
-    PEER's experts), the only weights finetune=memory trains."""
-    def decorate(builder: FFNBuilder) -> FFNBuilder:
-        if kind in _BUILDERS and _BUILDERS[kind] is not builder:
-            raise ValueError(f"FFN kind {kind!r} is already registered")
-        _BUILDERS[kind] = builder
-        if sparse_tables:
-            _TABLE_KINDS.add(kind)
-        return builder
-
-    return decorate
-
 
 def ffn_kinds() -> list[str]:
-    return sorted(_BUILDERS)
+    return [f.kind for f in families()]
 
 
 def table_kinds() -> list[str]:
-    """The FFN kinds whose modules hold sparse tables (registered with sparse_tables=True)."""
-    return sorted(_TABLE_KINDS)
+    """The FFN kinds whose modules hold sparse tables (Family.holds_tables)."""
+    return [f.kind for f in families() if f.holds_tables]
 
 
 def build_ffn(kind: str, ctx: FFNContext) -> nn.Module:
-    if kind not in _BUILDERS:
-        raise ConfigError("ffn kind", kind, f"one of: {', '.join(ffn_kinds())}")
-    return _BUILDERS[kind](ctx)
+    return family(kind).build(ctx)
 
 
 class SwiGLU(nn.Module):
@@ -93,6 +74,12 @@ class SwiGLU(nn.Module):
         return 2 * 3 * self.w1.in_features * self.w1.out_features
 
 
-@register_ffn("dense")
-def _build_dense(ctx: FFNContext) -> nn.Module:
-    return SwiGLU(ctx.args.dim, ctx.args.hidden_dim)
+@register_family
+class Dense(Family):
+    """Llama's SwiGLU FFN, the slot's default (model.ffn)."""
+
+    kind, label = "dense", "Dense"
+    llama_equivalent = True
+
+    def build(self, ctx: FFNContext) -> nn.Module:
+        return SwiGLU(ctx.args.dim, ctx.args.hidden_dim)

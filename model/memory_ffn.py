@@ -14,14 +14,18 @@ this file only adapts them to the FFN slot contract of model/ffn.py:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from memlm.memory.config import MemoryConfig
 from memlm.memory.fast.launches import read_launches
 from memlm.memory.layers import Memory, MemoryPlus, ProductKeyMemory
+from memlm.memory.schedule import apply_knn_schedule
 from memlm.memory.values import VALUE_DTYPES, ValuePool
-from memlm.model.ffn import FFNContext, SwiGLU, register_ffn
+from memlm.model.family import Family, register_family
+from memlm.model.ffn import FFNContext, SwiGLU
 
 SHARED_POOL_KEY = "memory_values"
 
@@ -82,11 +86,23 @@ def _build(ctx: FFNContext, kind: str) -> MemoryFFN:
     return MemoryFFN(memory, dense)
 
 
-@register_ffn("memory", sparse_tables=True)
-def _build_memory(ctx: FFNContext) -> nn.Module:
-    return _build(ctx, "memory")
+class ProductKeyFamily(Family):
+    """Product-key memory layers: value pools read by rows, a knn schedule, slot-usage health."""
+
+    holds_tables = reads_rows = product_keys = True
+
+    def build(self, ctx: FFNContext) -> nn.Module:
+        return _build(ctx, self.kind)
+
+    def step_start(self, model: nn.Module, memory: Any, step: int) -> None:
+        apply_knn_schedule(model, memory, step)
 
 
-@register_ffn("memplus", sparse_tables=True)
-def _build_memplus(ctx: FFNContext) -> nn.Module:
-    return _build(ctx, "memplus")
+@register_family
+class MemoryFamily(ProductKeyFamily):
+    kind, label = "memory", "Memory"
+
+
+@register_family
+class MemoryPlusFamily(ProductKeyFamily):
+    kind, label = "memplus", "Memory+"

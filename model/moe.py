@@ -56,13 +56,16 @@ Choices, and why:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from memlm.errors import ConfigError
 from memlm.memory.fast.exact import autocast_available, full_precision
-from memlm.model.ffn import FFNContext, register_ffn
+from memlm.model.family import Family, register_family
+from memlm.model.ffn import FFNContext
 
 GROUPED, DENSE = "grouped", "dense"
 
@@ -255,12 +258,27 @@ def default_expert_hidden_dim(dense_hidden_dim: int, top_k: int) -> int:
     return max(1, dense_hidden_dim // top_k)
 
 
-@register_ffn("moe")
-def _build_moe(ctx: FFNContext) -> nn.Module:
-    cfg = ctx.memory
-    if cfg is None:  # model.ffn=moe without a memory section: its defaults
-        from memlm.memory.config import MemoryConfig
+@register_family
+class MoEFamily(Family):
+    kind, label = "moe", "MoE"
 
-        cfg = MemoryConfig(kind="moe")
-    hidden = cfg.expert_hidden_dim or default_expert_hidden_dim(ctx.args.hidden_dim, max(cfg.top_k, 1))
-    return MoE(ctx.args.dim, hidden, cfg.n_experts, cfg.top_k, cfg.balance_loss_coef)
+    def build(self, ctx: FFNContext) -> nn.Module:
+        cfg = ctx.memory
+        if cfg is None:  # model.ffn=moe without a memory section: its defaults
+            from memlm.memory.config import MemoryConfig
+
+            cfg = MemoryConfig(kind=self.kind)
+        hidden = cfg.expert_hidden_dim or default_expert_hidden_dim(ctx.args.hidden_dim, max(cfg.top_k, 1))
+        return MoE(ctx.args.dim, hidden, cfg.n_experts, cfg.top_k, cfg.balance_loss_coef)
+
+    def validate(self, memory: Any, prefix: str = "memory") -> None:
+        if memory.n_experts < 1:
+            raise ConfigError(f"{prefix}.n_experts", memory.n_experts, "an integer >= 1")
+        if not 1 <= memory.top_k <= memory.n_experts:
+            raise ConfigError(f"{prefix}.top_k", memory.top_k,
+                              f"an integer in [1, memory.n_experts={memory.n_experts}]")
+        if memory.expert_hidden_dim < 0:
+            raise ConfigError(f"{prefix}.expert_hidden_dim", memory.expert_hidden_dim,
+                              "0 (dense hidden size // top_k) or a positive integer")
+        if memory.balance_loss_coef < 0:
+            raise ConfigError(f"{prefix}.balance_loss_coef", memory.balance_loss_coef, "a number >= 0")

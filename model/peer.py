@@ -37,6 +37,8 @@ Choices, and why:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,7 +47,8 @@ from memlm.memory.config import check_lookup_size
 from memlm.memory.fast.exact import exact_linear, full_precision
 from memlm.memory.fast.row_dots import row_dots
 from memlm.memory.fast.search_grad import product_key_search
-from memlm.model.ffn import FFNContext, register_ffn
+from memlm.model.family import Family, register_family
+from memlm.model.ffn import FFNContext
 
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
 
@@ -143,11 +146,20 @@ class PEER(nn.Module):
         return 2 * (self.n_experts - self.rows_read()) * self.dim
 
 
-@register_ffn("peer", sparse_tables=True)
-def _build_peer(ctx: FFNContext) -> nn.Module:
-    cfg = ctx.memory
-    if cfg is None:  # model.ffn=peer without a memory section: its defaults
-        from memlm.memory.config import MemoryConfig
+@register_family
+class PEERFamily(Family):
+    """PEER's expert tables are sparse tables (finetune=memory trains them) kept under FSDP."""
 
-        cfg = MemoryConfig(kind="peer")
-    return PEER(ctx.args.dim, cfg.n_keys, cfg.heads, cfg.knn, cfg.k_dim, query_norm=cfg.qk_norm)
+    kind, label = "peer", "PEER"
+    holds_tables = product_keys = True
+
+    def build(self, ctx: FFNContext) -> nn.Module:
+        cfg = ctx.memory
+        if cfg is None:  # model.ffn=peer without a memory section: its defaults
+            from memlm.memory.config import MemoryConfig
+
+            cfg = MemoryConfig(kind=self.kind)
+        return PEER(ctx.args.dim, cfg.n_keys, cfg.heads, cfg.knn, cfg.k_dim, query_norm=cfg.qk_norm)
+
+    def validate(self, memory: Any, prefix: str = "memory") -> None:
+        memory.validate_lookup_size(prefix, knn=memory.knn)  # (PEER has one knn: no eval_knn)

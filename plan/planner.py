@@ -69,7 +69,6 @@ from memlm.model import Transformer
 from memlm.plan.cost import HBM_HEADROOM, Layout, activation_bytes, comm_volume, gpu_spec, step_time
 from memlm.plan.table_traffic import expected_rows, step_table_bytes
 from memlm.train.optim import build_optimizer
-from memlm.train.trainer import accumulation_steps
 
 # The shape each model preset is meant to train with: (sequence length,
 # micro-batch = sequences per GPU per forward, why). The planner's default for
@@ -220,7 +219,7 @@ def plan(cfg: Config, world: int, rank: int = 0, gpu: str = "H200", gpus_per_nod
     its plan. `shape`: where data.seq_len and data.micro_batch came from
     (`planning_config`); without it, "the config"."""
     check_args(cfg, world, rank, gpus_per_node, gpu)
-    accum = accumulation_steps(cfg, world)
+    accum = cfg.accumulation_steps(world)
     env = DistEnv(rank, world, rank % gpus_per_node, min(world, gpus_per_node), torch.device("cpu"))
     memory_parallel = resolve_memory_parallel(cfg, world, env.local_world_size)
     # Even one rank joins a (1-rank) fake group: the layout code may build a 1-rank mesh.
@@ -293,7 +292,7 @@ def _layout(cfg: Config, model, meshes, env: DistEnv, accum: int, memory_paralle
     world, gpn = env.world_size, env.local_world_size
     layout = Layout(
         world=world, rank=env.rank, gpus_per_node=gpn, memory_parallel=memory_parallel,
-        tokens=cfg.data.micro_batch * cfg.data.seq_len, accum=accum, seq_len=cfg.data.seq_len,
+        tokens=cfg.micro_batch_tokens(1), accum=accum, seq_len=cfg.data.seq_len,
         flops_per_token=model.flops_per_token(cfg.data.seq_len),
         compute_bytes=compute_dtype(cfg.parallel, target).itemsize,
         fsdp_size=1, fsdp_replicas=1, fsdp_spans_nodes=False,

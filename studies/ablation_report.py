@@ -22,7 +22,6 @@ from pathlib import Path
 
 from memlm.errors import MemlmError, entry_point
 from memlm.launch.sweep import eval_metrics
-from memlm.memory.config import PRODUCT_KEY_KINDS
 from memlm.studies.levers import (
     flatten,
     lever_rows,
@@ -70,12 +69,13 @@ def _counts(dump: Path) -> dict:
     import torch
 
     from memlm.config.run import from_yaml
-    from memlm.model import Transformer
+    from memlm.model import Transformer, memory_family
 
     cfg = from_yaml((dump / "config.yaml").read_text())
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.memory if cfg.memory.kind != "none" else None)
-    slots = cfg.memory.n_keys**2 if cfg.memory.kind in PRODUCT_KEY_KINDS else None
+    fam = memory_family(cfg.memory)
+    slots = cfg.memory.n_keys**2 if fam is not None and fam.reads_rows else None
     return {**model.num_params(), "flops": model.flops_per_token(cfg.data.seq_len), "name": cfg.name, "slots": slots}
 
 

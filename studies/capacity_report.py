@@ -32,7 +32,6 @@ import sys
 from pathlib import Path
 
 from memlm.errors import entry_point
-from memlm.memory.config import PRODUCT_KEY_KINDS
 from memlm.studies import value_lr
 from memlm.studies.ablation_report import ReportError, write_doc
 from memlm.studies.value_lr import mean_bits, said
@@ -61,7 +60,7 @@ def load_run(dump: Path) -> dict | None:
     import torch
 
     from memlm.config.run import from_yaml
-    from memlm.model import Transformer
+    from memlm.model import Transformer, memory_family
 
     summary = json.loads((dump / "summary.json").read_text())
     result = (summary.get("evals") or {}).get("facts_bits")
@@ -75,7 +74,7 @@ def load_run(dump: Path) -> dict | None:
         raise ReportError(f"{dump / 'config.yaml'}: memory.kind={cfg.memory.kind!r}, the report knows "
                           + ", ".join(VARIANTS))
     # Product-key variants: value slots (PEER: single-neuron experts) = n_keys**2.
-    product_keys = cfg.memory.kind in (*PRODUCT_KEY_KINDS, "peer")
+    product_keys = (fam := memory_family(cfg.memory)) is not None and fam.product_keys
     slots = cfg.memory.n_keys ** 2 if product_keys else None
     command = dump / "command.txt"
     return {

@@ -1,9 +1,9 @@
 """Evaluation during and after training: when it runs, and on what.
 
-    evaluation = Evaluation(cfg, env, model, autocast)
-    if evaluation.due(step):                     # every eval.every steps, before the last
-        results = evaluation.run(step, logger, checkpoint)
-    if evaluation.due(step, last=True): ...      # eval.after_training, once steps= is reached
+    evaluation = Evaluation(cfg, env, model, autocast, logger)   # on the loop (memlm.train.extensions)
+    evaluation.step_end(step, run)   # every eval.every steps, before the last: run.evals
+    evaluation.end(step, run)        # eval.after_training, once steps= is reached
+    results = evaluation.run(step, checkpoint)   # now, on the live model
 
 It runs on the live model, sharded as it trains: each rank scores its share
 of the examples and the ranks keep their forwards in step
@@ -32,8 +32,16 @@ from memlm.train.metrics import MetricsLogger
 
 class Evaluation:
     def __init__(self, cfg: Config, env: DistEnv, model: torch.nn.Module,
-                 autocast: Callable[[], AbstractContextManager]):
-        self.cfg, self.env, self.model, self.autocast = cfg, env, model, autocast
+                 autocast: Callable[[], AbstractContextManager], logger: MetricsLogger):
+        self.cfg, self.env, self.model, self.autocast, self.logger = cfg, env, model, autocast, logger
+
+    def step_end(self, step: int, run) -> None:
+        if self.due(step):
+            run.evals = self.run(step, run.saved)
+
+    def end(self, step: int, run) -> None:
+        if self.due(step, last=True):
+            run.evals = self.run(step, run.saved)
 
     def due(self, step: int, *, last: bool = False) -> bool:
         """During training every `eval.every` steps (not at the final step: the
@@ -44,7 +52,7 @@ class Evaluation:
             return e.after_training and step == self.cfg.steps
         return bool(e.every) and step % e.every == 0 and step < self.cfg.steps
 
-    def run(self, step: int, logger: MetricsLogger, checkpoint: Path | None) -> dict[str, Any]:
+    def run(self, step: int, checkpoint: Path | None) -> dict[str, Any]:
         """The suite's results (also written to <dump_dir>/evals/<step>.json and logged)."""
         tokenizer = Tokenizer(run_tokenizer_path(self.cfg))
         meta = {"checkpoint": str(checkpoint)} if checkpoint is not None else {}
@@ -56,5 +64,5 @@ class Evaluation:
             reshard(self.model)  # the optimizer and checkpoints expect sharded parameters
         flat = {f"eval/{task}/{k}": v for task, metrics in results.items() for k, v in metrics.items()
                 if isinstance(v, (int, float))}
-        logger.log({"step": step, **flat})
+        self.logger.log({"step": step, **flat})
         return results

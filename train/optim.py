@@ -19,10 +19,10 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from memlm.config.run import Config, OptimConfig
 from memlm.finetune.modes import mode_of
-from memlm.memory.config import PRODUCT_KEY_KINDS
 from memlm.memory.table_adamw import TableAdamW
 from memlm.memory.table_grads import TABLES
 from memlm.memory.tables import sparse_tables
+from memlm.model import memory_family
 
 
 def param_groups(model: nn.Module, cfg: Config) -> list[dict]:
@@ -60,7 +60,8 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
     row-wise optimizers touch those rows alone (memlm.finetune.modes)."""
     o = cfg.optim
     groups = param_groups(model, cfg)
-    sparse = (cfg.memory.sparse_updates or mode_of(cfg).row_gradients) and cfg.memory.kind != "none"
+    fam = memory_family(cfg.memory)
+    sparse = (cfg.memory.sparse_updates or mode_of(cfg).row_gradients) and fam is not None
     for group in groups:
         if group["name"] == "memory_values":
             # Dense reads: one gradient buffer per table, accumulated into by
@@ -70,7 +71,7 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
         from memlm.memory.sparse_sgd import SparseRowSGD
 
         return SparseRowSGD(groups, lr=cfg.memory.value_lr, weight_decay=cfg.memory.value_weight_decay)
-    low_precision_values = cfg.memory.value_dtype != "fp32" and cfg.memory.kind in PRODUCT_KEY_KINDS
+    low_precision_values = cfg.memory.value_dtype != "fp32" and fam is not None and fam.reads_rows
     if sparse or low_precision_values:
         from memlm.memory.sparse_adamw import SparseRowAdamW
 

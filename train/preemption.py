@@ -20,6 +20,10 @@ and no host read for it; on one process every step, which costs nothing):
             break               # the checkpoint is written; leave fit() and exit the process
     preemption.uninstall()      # in a finally: restore the previous handlers
 
+On the trainer's loop (memlm.train.extensions) the handler does this itself:
+`step_end(step, run)` checks at the steps whose metrics were read (run.read)
+and sets `run.stop`; `close()` uninstalls.
+
 `check()` all-reduces the flag (MAX over the default process group), so every
 rank stops after the same step even if only one of them got the signal, then
 runs the callback once on every rank (the checkpoint is collective too).
@@ -81,6 +85,18 @@ class PreemptionHandler:
         if self.callback is not None:
             self.callback()
         return True
+
+    def step_end(self, step: int, run) -> None:
+        """Last on the loop's step: a stop asked for is agreed, saved and recorded in `run.stop`.
+        Collective on several ranks, so only at the steps whose metrics were read (every rank
+        reaches the same ones); logging.every bounds how late a signal is seen."""
+        from memlm.ranks import many_ranks
+
+        if (run.read or not many_ranks()) and self.check():
+            run.stop = True
+
+    def close(self) -> None:
+        self.uninstall()
 
     def uninstall(self) -> None:
         """Restore the handlers that were installed before."""

@@ -1,9 +1,9 @@
 """Profiler trace and CUDA memory snapshot of chosen training steps: `profile.steps=[a,b]`.
 
-    profiler = StepProfiler(cfg.profile.steps, dump_dir, device, rank)
-    profiler.before_step(step + 1)   # starts recording when step + 1 == a (or later, after a resume inside [a, b])
+    profiler = StepProfiler(cfg.profile.steps, dump_dir, device, rank)   # on the loop (train/extensions.py)
+    profiler.step_start(step)        # starts recording when step == a (or later, after a resume inside [a, b])
     trainer.train_step()
-    profiler.after_step(step)        # stops and writes after step b
+    profiler.step_end(step)          # stops and writes after step b
     profiler.close()                 # in a finally: a run that ends inside [a, b] writes what it recorded
 
 Each rank writes into dump_dir/profile/:
@@ -41,7 +41,7 @@ class StepProfiler:
         self._steps_run = 0  # the last step run while recording
         self.written: list[Path] = []
 
-    def before_step(self, step: int) -> None:
+    def step_start(self, step: int) -> None:
         """`step` (1-based) is about to run."""
         if self._prof is None and not self.written and self.first <= step <= self.last:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
@@ -54,7 +54,7 @@ class StepProfiler:
             self._range = record_function(f"train_step {step}")
             self._range.__enter__()
 
-    def after_step(self, step: int) -> None:
+    def step_end(self, step: int, run: object = None) -> None:
         """`step` (1-based) has run."""
         if self._prof is None:
             return

@@ -4,6 +4,10 @@
     record, line = progress.report(step, tokens, metrics, nonfinite_total, model)
     logger.log(record, line)
 
+    logging = Logging(cfg, env, model, first_step, counters)   # both, on the loop (memlm.train.extensions)
+    run.read = logging.due(step, run.last_step)                # the loop reads metrics on the host then
+    logging.step_end(step, run)
+
 The record holds the step's metrics (read from the device by StepGuard),
 tokens/s over the window since the previous logging step, MFU where the
 device's peak is known, peak memory, skipped non-finite steps and the memory
@@ -13,14 +17,17 @@ layers' health metrics; the line is its one-line console form with the ETA.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
 from torch import nn
 
 from memlm.config.run import Config
 from memlm.distributed import memory_hooks
 from memlm.distributed.env import DistEnv
-from memlm.train.metrics import device_peak_flops, format_eta, peak_memory_gib
+from memlm.train.metrics import MetricsLogger, device_peak_flops, format_eta, peak_memory_gib
 
 
 class Progress:
@@ -60,3 +67,29 @@ class Progress:
         if usage:
             parts.append("usage " + " ".join(f"{v:.1%}" for v in usage.values()))
         return "[train] " + "  ".join(parts)
+
+
+class Logging:
+    """The logging steps: every `logging.every` steps and a fit's last. Their metrics are read on
+    the host, logged (metrics.jsonl, wandb, TensorBoard) and printed; `logger` is the run's
+    MetricsLogger, which validation and evaluation log through too. `counters()`: the run's
+    (tokens, skipped non-finite steps) as of now."""
+
+    def __init__(self, cfg: Config, env: DistEnv, model: nn.Module, first_step: int,
+                 counters: Callable[[], tuple[int, int]]):
+        self.cfg, self.model, self.counters = cfg, model, counters
+        self.logger = MetricsLogger(Path(cfg.dump_dir), env.is_main, cfg.name,
+                                    OmegaConf.to_container(OmegaConf.structured(cfg)), cfg.logging.wandb,
+                                    cfg.logging.tensorboard, start_step=first_step)
+        self.progress = Progress(cfg, env, model, first_step, counters()[0])
+
+    def due(self, step: int, last_step: int) -> bool:
+        return step % self.cfg.logging.every == 0 or step == last_step
+
+    def step_end(self, step: int, run) -> None:
+        if run.read:
+            tokens, nonfinite = self.counters()
+            self.logger.log(*self.progress.report(step, tokens, run.metrics, nonfinite, self.model))
+
+    def close(self) -> None:
+        self.logger.close()

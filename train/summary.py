@@ -62,3 +62,35 @@ def summary_line(summary: dict[str, Any]) -> str:
         parts.append(f"{summary['nonfinite_skipped']} non-finite step(s) skipped")
     parts.append(f"{summary['seconds']:.1f}s")
     return f"[train] {word}: {', '.join(parts)} -> {Path(summary['dump_dir']) / 'summary.json'}"
+
+
+def recorded_summary(summary: dict[str, Any], dump_dir: Path) -> dict[str, Any]:
+    """A run with nothing to train: its summary.json as it is when it is this step's, else `summary`."""
+    try:
+        recorded = json.loads((dump_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return summary
+    return recorded if isinstance(recorded, dict) and recorded.get("steps") == summary["steps"] else summary
+
+
+def settings_not_recorded(dump_dir: Path, config_yaml: str) -> str | None:
+    """A run with nothing to train leaves its config.yaml as it was: the line naming this command's
+    settings (`config_yaml`) that differ from it, or None."""
+    from omegaconf import OmegaConf
+
+    path = dump_dir / "config.yaml"
+    if not path.is_file():
+        return None
+
+    def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(tree, dict) or not tree:
+            return {prefix[:-1]: tree}
+        return {k: v for key, value in tree.items() for k, v in flat(value, f"{prefix}{key}.").items()}
+
+    recorded = flat(OmegaConf.to_container(OmegaConf.create(path.read_text())))
+    ours = flat(OmegaConf.to_container(OmegaConf.create(config_yaml)))
+    differ = sorted(key for key in recorded.keys() | ours.keys() if recorded.get(key) != ours.get(key))
+    if not differ:
+        return None
+    return (f"[train] {path} is left as it was, so this command's settings that differ from it are "
+            f"not recorded: {', '.join(differ)}")

@@ -1,0 +1,91 @@
+"""A memory family (an FFN kind) is one object: what it builds and what it needs from the house.
+
+    @register_family
+    class Dense(Family):
+        kind, label = "dense", "Dense"
+        llama_equivalent = True
+
+        def build(self, ctx: FFNContext) -> nn.Module:
+            return SwiGLU(ctx.args.dim, ctx.args.hidden_dim)
+
+    family("memplus").holds_tables          # True: the house asks the object, never the name
+    memory_family(cfg.memory)               # the run's memory family, None for memory.kind=none
+
+The trainer, the optimizer builder, the planner, the fine-tune modes, the
+exporter and the study reports ask a family; none of them compares its name
+(tests/unit/test_families.py fails on a family name compared outside the
+family's own files). A family declares:
+- `build(ctx)`: the block's FFN module, (batch, seq, dim) -> (batch, seq, dim);
+- `validate(memory, prefix)`: its keys of the memory section;
+- `holds_tables`: its modules hold sparse tables (memlm.memory.tables): they
+  get the value group's optimizer (memory.value_lr, value_weight_decay,
+  value_grad_clip) and are all that finetune=memory trains;
+- `reads_rows`: its tables are product-key value pools, read by rows: column-
+  sharded by memory parallelism, left out of FSDP, their rows selected by
+  finetune=sparse, stored in memory.value_dtype with float32 moments, counted
+  by the planner's value-table layout;
+- `product_keys`: addressed by product keys (memory.n_keys**2 slots or experts);
+- `step_start(model, memory, step)`: before each optimizer step (`step` done so far);
+- `llama_equivalent`: its weights map onto a Hugging Face Llama's (the export without remote code);
+- `label`: its name in reports.
+Where it shards, what its health metrics are and what its export holds
+follow from its modules and these flags (docs/architecture.md, "A memory family").
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from torch import nn
+
+from memlm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from memlm.model.ffn import FFNContext
+
+
+class Family:
+    kind: ClassVar[str]
+    label: ClassVar[str]
+    holds_tables: ClassVar[bool] = False
+    reads_rows: ClassVar[bool] = False
+    product_keys: ClassVar[bool] = False
+    llama_equivalent: ClassVar[bool] = False
+
+    def build(self, ctx: FFNContext) -> nn.Module:
+        raise NotImplementedError
+
+    def validate(self, memory: Any, prefix: str = "memory") -> None:
+        """Its keys of the memory section (ConfigError naming the key, the value and what is valid)."""
+
+    def step_start(self, model: nn.Module, memory: Any, step: int) -> None:
+        """Before each optimizer step; `step`: optimizer steps done so far."""
+
+
+# Filled at import time by `register_family`; read-only afterwards.
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(cls: type[Family]) -> type[Family]:
+    if cls.kind in _FAMILIES and type(_FAMILIES[cls.kind]) is not cls:
+        raise ValueError(f"FFN kind {cls.kind!r} is already registered")
+    _FAMILIES[cls.kind] = cls()
+    return cls
+
+
+def family(kind: str) -> Family:
+    """The family of FFN kind `kind` (ConfigError naming the kinds there are)."""
+    if kind not in _FAMILIES:
+        raise ConfigError("ffn kind", kind, f"one of: {', '.join(sorted(_FAMILIES))}")
+    return _FAMILIES[kind]
+
+
+def families() -> list[Family]:
+    return [_FAMILIES[k] for k in sorted(_FAMILIES)]
+
+
+def memory_family(memory: Any) -> Family | None:
+    """The family a memory section places (memory.kind), None for none (or no section)."""
+    if memory is None or memory.kind == "none":
+        return None
+    return family(memory.kind)
