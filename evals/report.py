@@ -1,4 +1,5 @@
-"""Writing results: `<step>.json`, a markdown table `<step>.md` next to it, optional samples, wandb."""
+"""Writing results: `<step>.json`, a markdown table `<step>.md` next to it, optional samples, wandb;
+reading a finished run's newest results back (`eval_metrics`)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,30 @@ def is_report(json_path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(payload, dict) and all(key in payload for key in REPORT_KEYS)
+
+
+def eval_metrics(dump_dir: Path) -> dict[str, float]:
+    """Scalar results of the newest `<dump_dir>/evals/*.json` (highest step), flattened: `{"task/metric": value}`
+    (what a sweep's summary and the ablation report read of a finished run)."""
+    newest, step = None, -1
+    for path in sorted((dump_dir / "evals").glob("*.json")):
+        try:
+            payload = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(payload, dict) and isinstance(payload.get("step", 0), int) and payload.get("step", 0) >= step:
+            newest, step = payload, payload.get("step", 0)
+    flat: dict[str, float] = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}/{k}" if prefix else str(k), v)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            flat[prefix] = value
+
+    walk("", (newest or {}).get("results", {}))
+    return flat
 
 
 def write_report(json_path: Path, payload: dict, table: str, samples: dict[str, list[dict]] | None) -> dict[str, Path]:

@@ -16,7 +16,8 @@ turns the records into the tables and plot of docs/results.md.
 run of it carries `memory.n_keys=N` and is named `kN_...`, beside the
 study's own size (the experiment's 128: 16K slots), whose names have no prefix.
 
-What runs is the plan in configs/studies/continual.yaml (`load_plan`): the
+What runs is the plan in configs/studies/continual.yaml
+(`memlm.studies.continual_plan.load_plan`, which the report reads too): the
 sweep's settings, the modes that go on to the rounds, the learning threshold
 and the report's goals.
 
@@ -38,7 +39,6 @@ Stages:
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import shlex
@@ -48,80 +48,18 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from memlm.config.run import CONFIG_DIR
 from memlm.errors import ConfigError, MemlmError, entry_point
+from memlm.studies.continual_plan import finetune_config, plan
 
 DATA = Path("data_cache/continual")
 RUNS = Path("runs/continual")
 RECORDS = Path("docs/runs/continual")
-PLAN_FILE = CONFIG_DIR / "studies" / "continual.yaml"
 SGD = "finetune.optimizer=sgd"  # left out of run names: the sweep's default for the value tables
 
 
 class StudyError(MemlmError):
     """A run of the study failed, did not reproduce its record, or a stage lacks the runs it builds on
     (exit 1, one `error:` line from the entry point, as from every command)."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    """configs/studies/continual.yaml: the study's sweep, rounds and goals."""
-
-    learned: float  # facts-B exact match a setting must reach to count as having learned them
-    round_steps: int
-    round_modes: tuple[str, ...]
-    report_order: tuple[str, ...]
-    reference: str  # goal (a): its facts-A loss over the best of the other modes' ...
-    ratio_at_least: float  # ... is at least this
-    less: tuple[str, str]  # goal (b): the first mode loses less than the second
-    rounds_kept: float  # goal (c): the share of its bits each earlier round keeps after every later one
-    lost_at_most: dict[int, float]  # goal (d): slots -> the share of facts A the best of the other modes may lose
-    heldout_within: float  # goal (e): that setting's held-out perplexity and QA within this share of its base's
-    sweep: tuple[tuple[str, tuple[str, ...]], ...]  # (mode, the entry's other overrides)
-    sweep_at: dict[int, tuple[tuple[str, tuple[str, ...]], ...]]  # n_keys -> entries run at that size only
-
-
-def load_plan(path: Path = PLAN_FILE) -> Plan:
-    """The study plan at `path`, each mode checked against memlm.finetune.modes."""
-    from memlm.finetune.modes import MODES
-
-    raw = yaml.safe_load(path.read_text())
-
-    def mode(value: object, key: str) -> str:
-        if value not in MODES:
-            raise ConfigError(f"{path}: {key}", value, f"not a fine-tune mode; valid: {', '.join(MODES)}")
-        return str(value)
-
-    def entries(raw_entries: list, key: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
-        out = []
-        for i, entry in enumerate(raw_entries):
-            named = [o.split("=", 1)[1] for o in entry if o.startswith("finetune=")]
-            if len(named) != 1:
-                raise ConfigError(f"{path}: {key}[{i}]", entry,
-                                  f"names {len(named)} modes; each entry needs one finetune=<mode>")
-            out.append((mode(named[0], f"{key}[{i}]"), tuple(o for o in entry if not o.startswith("finetune="))))
-        return tuple(out)
-
-    goals = raw["goals"]
-    return Plan(learned=float(raw["learned"]), round_steps=int(raw["round_steps"]),
-                round_modes=tuple(mode(m, "round_modes") for m in raw["round_modes"]),
-                report_order=tuple(mode(m, "report_order") for m in raw["report_order"]),
-                reference=mode(goals["reference"], "goals.reference"),
-                ratio_at_least=float(goals["ratio_at_least"]),
-                less=(mode(goals["less"][0], "goals.less"), mode(goals["less"][1], "goals.less")),
-                rounds_kept=float(goals["rounds_kept"]),
-                lost_at_most={int(k): float(v) for k, v in (goals.get("lost_at_most") or {}).items()},
-                heldout_within=float(goals["heldout_within"]), sweep=entries(raw["sweep"], "sweep"),
-                sweep_at={int(n): entries(e, f"sweep_at.{n}") for n, e in (raw.get("sweep_at") or {}).items()})
-
-
-@functools.cache
-def plan() -> Plan:
-    """The plan of configs/studies/continual.yaml, read when a command first needs it (inside its
-    entry point: a bad edit of the file is one line naming the entry, not an import traceback)."""
-    return load_plan()
 
 
 @dataclass(frozen=True)
@@ -240,16 +178,6 @@ def round_runs(series: Series, base: Run, best: Run, rounds: int) -> list[Run]:
         runs.append(run)
         start = run
     return runs
-
-
-@functools.cache
-def finetune_config():
-    """The study's fine-tune as configured (configs/experiment/continual_finetune.yaml): its steps, of
-    which a round takes the plan's `round_steps`, and its batch, which a run's setting names where it
-    differs."""
-    from memlm.config.run import compose
-
-    return compose(["experiment=continual_finetune"])
 
 
 def table_size(n_keys: int | None) -> int | None:

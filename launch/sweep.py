@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memlm.errors import ConfigError
+from memlm.evals.report import eval_metrics
 from memlm.launch.local import read_summary, run_streaming, torchrun_command, torchrun_env
 from memlm.launch.validate import LaunchError, check_positive, compose_for_launch
 
@@ -157,29 +158,6 @@ def describe(point: SweepPoint) -> dict:
 
     row = describe_row(point.overrides, None)
     return {"total": row["total"], "active": row["active"], "flops_per_token": row["flops_per_token"]}
-
-
-def eval_metrics(dump_dir: Path) -> dict[str, float]:
-    """Scalar results of the newest `<dump_dir>/evals/*.json` (highest step), flattened."""
-    newest, step = None, -1
-    for path in sorted((dump_dir / "evals").glob("*.json")):
-        try:
-            payload = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(payload, dict) and isinstance(payload.get("step", 0), int) and payload.get("step", 0) >= step:
-            newest, step = payload, payload.get("step", 0)
-    flat: dict[str, float] = {}
-
-    def walk(prefix: str, value) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}/{k}" if prefix else str(k), v)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            flat[prefix] = value
-
-    walk("", (newest or {}).get("results", {}))
-    return flat
 
 
 def _fmt(value) -> str:

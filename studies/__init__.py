@@ -10,5 +10,6 @@ eval JSON) and writes the generated tables of docs/results.md.
 change one setting with the study's runs at the same seeds, and
 `ablation_report` writes the tables and docs/scaling.png; `capacity_report` and
 `continual_report` write the knowledge-capacity and learning-vs-forgetting
-sections (the latter's runs come from memlm.launch.continual_study).
+sections (the latter's runs come from memlm.launch.continual_study; `continual_plan`
+reads the plan both share, configs/studies/continual.yaml).
 """

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from memlm.errors import MemlmError, entry_point
-from memlm.launch.sweep import eval_metrics
+from memlm.evals.report import eval_metrics
 from memlm.studies.levers import (
     flatten,
     lever_rows,

@@ -13,9 +13,10 @@ from launch_helpers import TINY, fake_slurm
 
 import memlm.launch.local as local
 from memlm.errors import ConfigError
+from memlm.evals.report import eval_metrics
 from memlm.launch.cli import main
 from memlm.launch.multirun import multirun
-from memlm.launch.sweep import SweepPoint, eval_metrics, expand, plan, safe_dirname, summary_table
+from memlm.launch.sweep import SweepPoint, expand, plan, safe_dirname, summary_table
 
 
 class RecordingPopen:

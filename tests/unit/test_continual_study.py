@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from memlm.errors import ConfigError
 from memlm.launch import continual_study as study
+from memlm.studies import continual_plan
 
 
 def _fake_train(calls, fail=(), evals=None):
@@ -55,9 +57,9 @@ def test_runs_chain_from_the_base_and_a_recorded_run_is_skipped(tmp_path, monkey
     assert study.main(["--stage", "all", "--modes", "memory,sparse"]) == 0
     base_ckpt = str(study.RUNS / "base_s0" / "checkpoints" / "step_00000300")
     sweep = [c for c in calls[1:] if "data.sources.0.path" not in c]  # rounds train on a round's facts
-    planned = [mode for mode, _ in study.plan().sweep if mode in ("memory", "sparse")]
+    planned = [mode for mode, _ in continual_plan.plan().sweep if mode in ("memory", "sparse")]
     assert len(sweep) == len(planned) and all(c["init_from"] == base_ckpt for c in sweep)  # the base was not rerun
-    rounds = [c for c in calls if c.get("steps") == str(study.plan().round_steps)]
+    rounds = [c for c in calls if c.get("steps") == str(continual_plan.plan().round_steps)]
     # each mode's best: the smallest value lr of those that learned (the fake loses lr bits of facts A)
     assert [(c["finetune"], c["finetune.optimizer"], c.get("memory.value_lr"), c["data.sources.0.path"].split("/")[-2])
             for c in rounds] == [
@@ -165,11 +167,11 @@ def test_the_plan_names_the_recorded_runs_so_they_are_reused():
     ("[optim.lr=1e-3]", r"sweep\[0\]=\['optim.lr=1e-3'\]: names 0 modes; each entry needs one finetune=<mode>"),
 ])
 def test_a_bad_plan_entry_names_itself_and_what_is_valid(tmp_path, entry, message):
-    text = study.PLAN_FILE.read_text()
+    text = continual_plan.PLAN_FILE.read_text()
     plan = tmp_path / "plan.yaml"
     plan.write_text(text[:text.index("sweep:")] + f"sweep:\n  - {entry}\n")
-    with pytest.raises(study.ConfigError, match=message):
-        study.load_plan(plan)
+    with pytest.raises(ConfigError, match=message):
+        continual_plan.load_plan(plan)
 
 
 def test_every_plan_entry_composes():
@@ -177,9 +179,9 @@ def test_every_plan_entry_composes():
     at the study's smallest table (what depends on the size, a top_t above the slots, is refused there first)."""
     from memlm.config.run import compose
 
-    for mode, setting in study.plan().sweep:
+    for mode, setting in continual_plan.plan().sweep:
         compose(["experiment=continual_finetune", f"finetune={mode}", *setting])
-    for n_keys, entries in study.plan().sweep_at.items():  # a size's own entries, at that size
+    for n_keys, entries in continual_plan.plan().sweep_at.items():  # a size's own entries, at that size
         for mode, setting in entries:
             compose(["experiment=continual_finetune", f"memory.n_keys={n_keys}", f"finetune={mode}", *setting])
 
@@ -210,8 +212,8 @@ def test_a_table_sizes_own_entries_run_at_that_size_only(tmp_path):
           for n in (256, 512)}
     assert "k512_s0_sparse_top_t32000_value_lr1000" in at[512]
     assert not any("top_t32000" in name for name in at[256])
-    assert len(at[512]) == len(at[256]) + len(study.plan().sweep_at[512])
+    assert len(at[512]) == len(at[256]) + len(continual_plan.plan().sweep_at[512])
     plan = tmp_path / "plan.yaml"
-    plan.write_text(study.PLAN_FILE.read_text() + "  1024:\n    - [memory.value_lr=1]\n")
-    with pytest.raises(study.ConfigError, match=r"sweep_at.1024\[0\]=\['memory.value_lr=1'\]: names 0 modes"):
-        study.load_plan(plan)
+    plan.write_text(continual_plan.PLAN_FILE.read_text() + "  1024:\n    - [memory.value_lr=1]\n")
+    with pytest.raises(ConfigError, match=r"sweep_at.1024\[0\]=\['memory.value_lr=1'\]: names 0 modes"):
+        continual_plan.load_plan(plan)
