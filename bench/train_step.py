@@ -29,7 +29,7 @@ from report import machine_line, write_section  # noqa: E402
 from memlm.config.run import compose  # noqa: E402
 from memlm.distributed.clip import clip_group_  # noqa: E402
 from memlm.model import build_model  # noqa: E402
-from memlm.train.optim import build_optimizer  # noqa: E402
+from memlm.optim.build import build_optimizer  # noqa: E402
 from memlm.train.trainer import Trainer  # noqa: E402
 
 TITLE = "## Training step (bench/train_step.py)"

@@ -8,5 +8,5 @@
 - `finite.py`: refusing to save or load non-finite weights.
 
 Imports: config, files, ranks, errors (and torch.distributed.checkpoint). Loading a
-model for use (a checkpoint or an export) is memlm.hf.load.
+model for use (a checkpoint or an export) is memlm.run.load.
 """

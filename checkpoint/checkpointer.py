@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from memlm.checkpoint.config import CheckpointConfig
 from memlm.checkpoint.finite import check_finite_state
 from memlm.checkpoint.folder import (
     OLD,
@@ -64,7 +65,6 @@ from memlm.checkpoint.folder import (
     write_latest,
 )
 from memlm.checkpoint.rng import rng_state, set_rng_state
-from memlm.config.run import CheckpointConfig
 from memlm.files import atomic_write_text
 from memlm.ranks import group_barrier, group_rank, group_size
 

@@ -12,7 +12,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
@@ -21,10 +20,12 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 
 import memlm.model  # noqa: F401  (registers the FFN kinds that validation lists)
+from memlm.checkpoint.config import CheckpointConfig
 from memlm.config.eval import EvalConfig
 from memlm.config.keys import unknown_key_error
 from memlm.data.config import KINDS as DATA_KINDS
 from memlm.data.config import DataConfig
+from memlm.distributed.config import ParallelConfig
 from memlm.errors import ConfigError
 from memlm.finetune.config import FinetuneConfig
 from memlm.finetune.modes import mode_of
@@ -33,8 +34,10 @@ from memlm.model.args import ModelArgs
 from memlm.model.family import memory_family
 from memlm.model.ffn import ffn_kinds
 
+__all__ = ["CheckpointConfig", "Config", "OptimConfig", "ParallelConfig", "compose", "from_yaml", "to_yaml"]
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-HF_PREFIX = "hf:"  # init_from=hf:<dir>: a Hugging Face Llama, or an export read as one (memlm.hf.source)
+HF_PREFIX = "hf:"  # init_from=hf:<dir>: a Hugging Face Llama, or an export read as one (memlm.run.source)
 
 
 def check_number(key: str, value: float, zero: str = "") -> None:
@@ -78,42 +81,6 @@ class OptimConfig:
 
 
 @dataclass
-class ParallelConfig:
-    # Ranks sharing one column-sharded value table: an integer, or auto (the
-    # layout with the least value-table traffic for the world size the run
-    # starts with; 1 on one rank or without value tables; memlm.distributed.memory_hooks).
-    memory_parallel: Any = "auto"
-    fsdp: str = "full"  # full | hybrid (shard within a node, replicate across nodes)
-    activation_checkpoint: str = "none"  # none | full | selective
-    compile: bool = False
-    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
-    # full: every rank initializes the whole model on CPU (identical weights for
-    # any world size), then shards it; sharded: initialize each shard in place
-    # on the device (for models too large for host memory).
-    init: str = "full"
-    # Seconds a collective waits for a peer rank before the run stops with one line naming this key
-    # (the process group's timeout, gloo and NCCL; memlm.distributed.env, docs/errors.md).
-    timeout_s: int = 600
-
-    def validate(self, prefix: str = "parallel") -> None:
-        mp = self.memory_parallel
-        if mp != "auto" and (isinstance(mp, bool) or not isinstance(mp, int) or mp < 1):
-            raise ConfigError(f"{prefix}.memory_parallel", mp, "auto or an integer >= 1")
-        if self.timeout_s < 1:
-            raise ConfigError(f"{prefix}.timeout_s", self.timeout_s, "an integer >= 1 (seconds a collective waits "
-                              "for a peer rank)")
-        choices = {
-            "fsdp": ("full", "hybrid"),
-            "activation_checkpoint": ("none", "full", "selective"),
-            "dtype": ("auto", "bf16", "fp32"),
-            "init": ("full", "sharded"),
-        }
-        for key, valid in choices.items():
-            if getattr(self, key) not in valid:
-                raise ConfigError(f"{prefix}.{key}", getattr(self, key), f"one of: {', '.join(valid)}")
-
-
-@dataclass
 class WandbConfig:
     mode: str = "offline"  # offline | online | disabled
     project: str = "memlm"
@@ -153,35 +120,6 @@ class ProfileConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    # Steps between checkpoints; 0 -> only at the end. Not 0 by default, so that the same
-    # command (or a requeued Slurm job) resumes a killed run from a recent step.
-    every: int = 500
-    keep: int = 2  # newest checkpoints kept
-    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this; 0 -> none
-    # Integrity data written with each checkpoint and checked before loading:
-    # checksum (crc32 of every file) | size (file sizes only, for huge runs).
-    verify: str = "checksum"
-    at_end: bool = True
-    # Stage tensors in host memory and write them in a background thread: training
-    # is blocked only for the copy (for GPU runs with large states).
-    async_save: bool = False
-    # Count the memory slots' reads over the run's last N steps and write them beside the
-    # final checkpoint (slot_usage.safetensors): the background of a later finetune=sparse
-    # (docs/finetuning.md). 0 -> off.
-    slot_usage_steps: int = 0
-
-    def validate(self, prefix: str = "checkpoint") -> None:
-        for key in ("every", "keep_every", "slot_usage_steps"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"{prefix}.{key}", getattr(self, key), "an integer >= 0")
-        if self.keep < 1:
-            raise ConfigError(f"{prefix}.keep", self.keep, "an integer >= 1 (the newest checkpoint is always kept)")
-        if self.verify not in ("checksum", "size"):
-            raise ConfigError(f"{prefix}.verify", self.verify, "one of: checksum, size")
-
-
-@dataclass
 class Config:
     model: ModelArgs = field(default_factory=ModelArgs)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -197,7 +135,7 @@ class Config:
     # | none (start over: existing checkpoints are moved aside) | a checkpoint directory
     resume: str = "auto"
     # A checkpoint directory or a memlm export: load its weights only, fresh optimizer.
-    # `hf:<dir>`: a Hugging Face Llama checkpoint, or an export (hf/importer.py;
+    # `hf:<dir>`: a Hugging Face Llama checkpoint, or an export (run/importer.py;
     # docs/checkpoints.md).
     init_from: str = ""
     name: str = "run"
@@ -252,7 +190,7 @@ class Config:
                 "(the value table is split by columns over the memory-parallel ranks)",
             )
         if self.memory.kind != "none":
-            # The value group's own optimizer numbers (memlm.train.optim.param_groups).
+            # The value group's own optimizer numbers (memlm.optim.build.param_groups).
             check_number("memory.value_lr", self.memory.value_lr)
             check_number("memory.value_grad_clip", self.memory.value_grad_clip, zero="no clipping")
             check_number("memory.value_weight_decay", self.memory.value_weight_decay, zero="no weight decay")

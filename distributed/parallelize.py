@@ -13,7 +13,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from memlm.config.run import ParallelConfig
+from memlm.distributed.config import ParallelConfig
 from memlm.distributed.env import Meshes
 from memlm.distributed.precision import compute_dtype
 from memlm.memory.tables import table_modules, value_pools
@@ -79,7 +79,7 @@ def apply_fsdp(model: Transformer, meshes: Meshes, cfg: ParallelConfig, device: 
 
 def parallelize(model: Transformer, meshes: Meshes, cfg: ParallelConfig, device: torch.device) -> None:
     """What training adds to the run's model before its weights are materialized, in this
-    order: activation checkpointing, compile, FSDP2 (memlm.distributed.run_model)."""
+    order: activation checkpointing, compile, FSDP2 (memlm.run.model)."""
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     if cfg.compile:
         apply_compile(model)

@@ -28,7 +28,7 @@ projection runs in float32 too, both its matmuls with TF32 off
 FSDP its parameters are gathered in float32 (distributed/parallelize.py,
 FULL_PRECISION). A bf16 query changes the selected set of ~20% of the lookups
 at n_keys 1024, k_dim 512, knn 32, TF32 scores ~2% (tests/integration/test_precision.py).
-Evaluation loads a float32 model and runs without autocast (memlm.hf.load).
+Evaluation loads a float32 model and runs without autocast (memlm.run.load).
 docs/training.md, "Precision", has the trade-offs.
 """
 
@@ -38,7 +38,7 @@ import contextlib
 
 import torch
 
-from memlm.config.run import ParallelConfig
+from memlm.distributed.config import ParallelConfig
 
 
 def compute_dtype(cfg: ParallelConfig, device: torch.device) -> torch.dtype:

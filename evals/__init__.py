@@ -27,7 +27,7 @@ Python API, used by the trainer during and after training:
   initialized; rank r evaluates examples r::world_size and the per-example
   results are gathered with `all_gather_object`, so every rank returns the same
   dict, equal to a one-process run. Every rank must call run_suite.
-- `data_cfg`: the run's `DataConfig` (`memlm.hf.load.data_config(path)`
+- `data_cfg`: the run's `DataConfig` (`memlm.run.load.data_config(path)`
   reads it from a checkpoint or an export); the synthetic_qa tasks ask the
   questions of the synthetic corpus the model was trained on, and are refused
   without one.

@@ -92,7 +92,7 @@ def check_paths(top: dict[str, str], samples: bool = False) -> None:
     export needs whose report files (`samples`: with the samples file) replace
     only an earlier report, with replace=true, the tokenizer file exists."""
     from memlm.checkpoint.folder import missing_checkpoint
-    from memlm.hf.load import is_export_dir
+    from memlm.run.load import is_export_dir
 
     checkpoint = Path(top["checkpoint"])
     if not checkpoint.exists():  # a missing input: exit 1 from every command (export, generate, slot_usage)
@@ -108,7 +108,7 @@ def check_paths(top: dict[str, str], samples: bool = False) -> None:
             raise ConfigError("out", top["out"], "a .json file path whose folders are folders (or do not exist yet)")
         from memlm.evals.report import is_report, report_paths
         from memlm.files import check_output_file, check_output_path
-        from memlm.hf.load import resolve_checkpoint_dir
+        from memlm.run.load import resolve_checkpoint_dir
 
         check_output_path(out, {resolve_checkpoint_dir(checkpoint): "the model it evaluates"})
         replace = top.get("replace", "false").lower() == "true"
@@ -148,7 +148,7 @@ def run_eval_config(checkpoint: str, overrides: list[str]):
 
     from memlm.checkpoint.checkpointer import CheckpointError, verify
     from memlm.config.run import from_yaml
-    from memlm.hf.load import resolve_checkpoint_dir
+    from memlm.run.load import resolve_checkpoint_dir
 
     directory = resolve_checkpoint_dir(checkpoint)
     try:
@@ -183,7 +183,7 @@ def _run(argv: list[str]) -> int:
     from memlm.distributed.env import ProcessGroup
     from memlm.evals.suite import run_suite
     from memlm.evals.tasks import load_task
-    from memlm.hf.load import data_config, load_model
+    from memlm.run.load import data_config, load_model
 
     start = time.perf_counter()
     top, overrides = parse_args(argv)

@@ -11,7 +11,7 @@ Python, import this module and pass `model="memlm"` (or a `MemLM` instance) to
 `lm_eval.simple_evaluate`.
 
 Model arguments (--model_args): checkpoint (a checkpoint folder, run dump_dir
-or export folder, loaded with `memlm.hf.load.load_model`), tokenizer
+or export folder, loaded with `memlm.run.load.load_model`), tokenizer
 (default: the run's), max_gen_toks (default 256, as lm-eval's models); any
 other key is refused (a misspelled argument would otherwise be ignored). The
 batch size and device come from lm-eval's own --batch_size (a number; "auto"
@@ -67,7 +67,7 @@ class MemLM(LM):
             if not checkpoint:
                 raise ValueError("memlm: pass --model_args checkpoint=<checkpoint folder, run dump_dir or export>")
             from memlm.data.tokenizer import Tokenizer
-            from memlm.hf.load import load_model
+            from memlm.run.load import load_model
 
             if device in (None, "auto") or (str(device).startswith("cuda") and not torch.cuda.is_available()):
                 # lm-eval's command line asks for cuda:0 unless told otherwise; like its HF model, fall back.

@@ -24,7 +24,7 @@
 - lora: low-rank adapters on the projections (model/lora.py), every base
   weight frozen; an export merges them into their weights.
 
-The trainer, the loader of runs (memlm.hf.load) and the exporter ask these
+The trainer, the loader of runs (memlm.run.load) and the exporter ask these
 objects; nothing else branches on a mode's name.
 """
 
@@ -86,7 +86,7 @@ class Mode:
 
     def check_inputs(self, cfg: Config, init: Any) -> None:
         """The files the mode reads exist (the run's preflight: memlm.train.preflight). `init`: what
-        cfg.init_from names (memlm.hf.source.ModelSource; None without init_from)."""
+        cfg.init_from names (memlm.run.source.ModelSource; None without init_from)."""
 
     def adapt(self, model: nn.Module, cfg: Config) -> None:
         """Add what the mode adds to the architecture (a run's checkpoints hold it too)."""

@@ -7,7 +7,7 @@ and the Python call (docs/generation.md).
     print(generate(model, tokenizer, "Q: Where was Ada Lovelace born?\\nA:", stop=["\\n"])[0].text)
 
 `load` is here, on the top floor, because it reads a model path (checkpoint,
-run folder or export: memlm.hf.load); generating from a model in memory is
+run folder or export: memlm.run.load); generating from a model in memory is
 memlm.generation.text, below the harness that decodes the same way. The
 command line is `cli.py`.
 """
@@ -28,7 +28,7 @@ def load(path: str | Path, device: str = "cpu", tokenizer: str | Path | None = N
     sentencepiece model the checkpoint names."""
     from memlm.checkpoint.folder import missing_checkpoint
     from memlm.data.tokenizer import Tokenizer
-    from memlm.hf.load import load_model
+    from memlm.run.load import load_model
 
     if not Path(path).exists():  # a missing input: exit 1 from every command
         raise missing_checkpoint(path)

@@ -1,15 +1,15 @@
-"""memlm.hf: everything Hugging Face, and opening a saved model of any kind.
+"""memlm.hf: the Hugging Face format: names, export folders, the tokenizer's files, remote code.
 
-- `export.py`: a checkpoint -> an export folder (`python -m memlm.hf.export`).
-- `bundle.py`: the tokenizer files of an export (sentencepiece -> HF).
 - `mapping.py`: memlm <-> HF Llama names and configs.
-- `pretrained.py`: `from_pretrained(export_dir)`, an export as a memlm model.
-- `importer.py`: `init_from=<export>` and `init_from=hf:<Llama dir>`.
+- `pretrained.py`: an export folder's files and manifest; `from_pretrained(export_dir)`, an export as a
+  memlm model.
+- `bundle.py`: the tokenizer files of an export (sentencepiece -> HF).
 - `remote/`: the modeling code an export ships for `trust_remote_code`.
-- `load.py`: `load_model(path)`: a memlm checkpoint or an export, with its
-  tokenizer and data config (the evals, generation and lm-eval use it).
 
-Imports: checkpoint, config, model, memory, data.
+What reads a run and writes or reads these folders (the export command, `init_from`'s import,
+`load_model`) lives in memlm.run; `python -m memlm.hf.export` still runs the export (run/export.py).
+
+Imports: model, memory, errors, files.
 """
 
 from memlm.hf.pretrained import from_pretrained

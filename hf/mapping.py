@@ -4,7 +4,7 @@ memlm's decoder uses the same RoPE layout as `transformers`' Llama ("rotate
 half"), so weights map one to one by name; no q/k permutation is needed.
 `transformers` is imported lazily: it is only needed to build a HF config;
 `from_hf_json` reads a checkpoint's `config.json` without it (the import of
-`init_from=hf:<dir>`, memlm.hf.importer).
+`init_from=hf:<dir>`, memlm.run.importer).
 """
 
 from __future__ import annotations

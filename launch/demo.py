@@ -37,8 +37,8 @@ from memlm.data.prepare import prepare
 from memlm.distributed.env import ProcessGroup
 from memlm.errors import entry_point
 from memlm.files import RUN_LOCK, OutputError, changed_files, folder_manifest, foreign_files, listing
-from memlm.hf.export import export
 from memlm.hf.pretrained import MANIFEST_NAME, ExportError, read_manifest
+from memlm.run.export import export
 from memlm.train.trainer import Trainer
 
 

@@ -66,9 +66,9 @@ from memlm.distributed.value_layout import (
 from memlm.errors import ConfigError
 from memlm.memory.tables import value_pools
 from memlm.model import Transformer
+from memlm.optim.build import build_optimizer
 from memlm.plan.cost import HBM_HEADROOM, Layout, activation_bytes, comm_volume, gpu_spec, step_time
 from memlm.plan.table_traffic import expected_rows, step_table_bytes
-from memlm.train.optim import build_optimizer
 
 # The shape each model preset is meant to train with: (sequence length,
 # micro-batch = sequences per GPU per forward, why). The planner's default for

@@ -1,5 +1,5 @@
 """Training: configs, the trainer, checkpoints, export.
 
 Public entry points for other packages: `memlm.config.run.compose`,
-`memlm.hf.load.load_model`, `memlm.train.trainer.Trainer`.
+`memlm.run.load.load_model`, `memlm.train.trainer.Trainer`.
 """

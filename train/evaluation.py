@@ -26,7 +26,7 @@ from memlm.data.tokenizer import Tokenizer
 from memlm.distributed.env import DistEnv
 from memlm.distributed.parallelize import reshard
 from memlm.evals import run_suite
-from memlm.hf.load import run_tokenizer_path
+from memlm.run.load import run_tokenizer_path
 from memlm.train.metrics import MetricsLogger
 
 

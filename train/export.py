@@ -1,6 +1,6 @@
 """`python -m memlm.train.export` still exports a checkpoint, now `python -m memlm.hf.export` (memlm/hf/)."""
 
 if __name__ == "__main__":
-    from memlm.hf.export import main
+    from memlm.run.export import main
 
     raise SystemExit(main())

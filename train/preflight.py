@@ -22,9 +22,9 @@ from memlm.data.corpus import check_inputs
 from memlm.errors import ConfigError
 from memlm.evals.tasks import load_task
 from memlm.finetune.modes import mode_of
-from memlm.hf.importer import FREE_MEMORY, architecture, check_import_source
-from memlm.hf.importer import _show as override_text
-from memlm.hf.source import ModelSource, model_source
+from memlm.run.importer import FREE_MEMORY, architecture, check_import_source
+from memlm.run.importer import _show as override_text
+from memlm.run.source import ModelSource, model_source
 
 
 def check_eval_inputs(cfg: Config) -> None:

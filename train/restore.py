@@ -7,7 +7,7 @@
   TrainingState to load into);
 - init_from, for a run with no checkpoint of its own (with resume=auto, one
   in dump_dir wins): weights only, from a memlm checkpoint, or an export or
-  hf:<dir> (a Hugging Face Llama: memlm.hf.importer);
+  hf:<dir> (a Hugging Face Llama: memlm.run.importer);
 - neither: the model as initialized.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 from memlm.checkpoint.checkpointer import Checkpointer, TrainingState
 from memlm.config.run import Config
 from memlm.finetune.modes import mode_of
-from memlm.hf.importer import import_init
+from memlm.run.importer import import_init
 
 
 def restore(cfg: Config, checkpointer: Checkpointer, model: Any, state: Callable[[], TrainingState],

@@ -6,7 +6,7 @@
     python -m memlm.train.slot_usage hf:/models/llama --out bg.safetensors <the fine-tune's overrides>
     python -m memlm.train.slot_usage exports/base --out bg.safetensors <the fine-tune's overrides>
 
-The model is any a run can start from (memlm.hf.source):
+The model is any a run can start from (memlm.run.source):
 - a memlm checkpoint (its folder, its run's dump_dir or checkpoints/latest):
   the checkpoint's model over its run's data; key=value overrides change the
   saved config's data (data.*, seed); a model, memory or fine-tune key, which
@@ -53,11 +53,11 @@ from memlm.finetune.background import (
     save_usage,
     value_tables,
 )
-from memlm.hf.importer import check_import_source, import_init
-from memlm.hf.load import data_config, load_model
-from memlm.hf.source import ModelSource, model_source
 from memlm.memory.schedule import apply_knn_schedule
 from memlm.model import Transformer
+from memlm.run.importer import check_import_source, import_init
+from memlm.run.load import data_config, load_model
+from memlm.run.source import ModelSource, model_source
 from memlm.train.data_source import build_train_loader
 
 ONE_PROCESS = argparse.Namespace(rank=0, world_size=1)

@@ -9,7 +9,7 @@
 
 Order of construction: process group and meshes (memory_parallel resolved)
 -> data loaders and the run's input checks (nothing written yet) -> the run
-folder's lock -> model (memlm.distributed.run_model) -> value-gradient
+folder's lock -> model (memlm.run.model) -> value-gradient
 reduction -> optimizer and schedule -> checkpointer and restore -> loop.
 The loop knows no component by name: logging, validation, saving,
 evaluation, slot usage, profiling and preemption each decide when a step is
@@ -33,18 +33,18 @@ from memlm.distributed.clip import clip_group_, clip_in_step_
 from memlm.distributed.env import build_meshes, current_env
 from memlm.distributed.parallelize import parallelize
 from memlm.distributed.precision import autocast, enable_tf32
-from memlm.distributed.run_model import build_run_model
 from memlm.files import atomic_write_text
 from memlm.finetune.background import UsageRecorder
 from memlm.finetune.modes import mode_of
-from memlm.hf.load import keep_tokenizer
 from memlm.memory.tables import split_params
+from memlm.optim.build import build_optimizer, build_scheduler
+from memlm.run.load import keep_tokenizer
+from memlm.run.model import build_run_model
 from memlm.train.data_source import build_train_loader, has_validation, model_batch
 from memlm.train.evaluation import Evaluation
 from memlm.train.extensions import Extensions, RunRecord
 from memlm.train.loss import chunked_cross_entropy
 from memlm.train.metrics import check_tensorboard
-from memlm.train.optim import build_optimizer, build_scheduler
 from memlm.train.preemption import install_preemption_handler
 from memlm.train.preflight import check_eval_inputs, check_init_from, check_wandb_login
 from memlm.train.profiling import StepProfiler
@@ -86,7 +86,7 @@ class Trainer:
         self.val_loader = val_loader
         check_eval_inputs(cfg)
         check_wandb_login(cfg)  # wandb.init comes after the run folder is made
-        self.init_source = check_init_from(cfg)  # what init_from names, read once (memlm.hf.source)
+        self.init_source = check_init_from(cfg)  # what init_from names, read once (memlm.run.source)
         if env.is_main:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
         # One run per dump_dir, taken before anything in it is written, cleaned or resumed.

@@ -5,7 +5,7 @@ beside its memlm-named safetensors, the two source files of this folder
 (configuration_memlm.py, modeling_memlm.py: torch + transformers only) and a
 `config.json` whose `auto_map` points at them:
 
-    write_remote_code(out_dir, cfg.model, memory)   # called by hf/export.py
+    write_remote_code(out_dir, cfg.model, memory)   # called by run/export.py
     # then, anywhere (memlm not needed):
     AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True)
 

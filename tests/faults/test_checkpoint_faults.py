@@ -172,8 +172,8 @@ def test_kill_inside_a_resave_is_recovered(tmp_path, monkeypatch, capsys):
     copy not yet in place): readers still load the step, and the next start
     finishes the swap and removes the leftovers."""
     import memlm.checkpoint.checkpointer as ck
-    from memlm.hf.export import export
-    from memlm.hf.load import load_model
+    from memlm.run.export import export
+    from memlm.run.load import load_model
 
     run = tmp_path / "run"
     trainer = Trainer(compose([*BASE, "steps=2", f"dump_dir={run}"]))
@@ -233,7 +233,7 @@ def test_checkpoint_error_names_the_exception_not_dcps_tuple():
 
 @pytest.mark.parametrize("damage", ["missing", "corrupt"])
 def test_export_cli_prints_one_line_for_a_bad_checkpoint(run, tmp_path, capsys, damage):
-    from memlm.hf.export import main
+    from memlm.run.export import main
 
     ckpt = run / "checkpoints" / "step_00000004"
     if damage == "missing":

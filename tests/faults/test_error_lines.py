@@ -27,7 +27,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     """A tiny run, a copy of its checkpoint with a corrupt shard, and its export
     with a weight file missing, one with memlm_config.json not JSON, one with a
     weight file that is not safetensors."""
-    from memlm.hf.export import export
+    from memlm.run.export import export
 
     root = tmp_path_factory.mktemp("faults")
     run = train_tiny_run(root / "run", root / "cache")
@@ -113,7 +113,7 @@ def _corrupt_checkpoint_argv(files) -> dict[str, list[str]]:
                             f"resume={bad}"],
         "memlm.evals.cli": [f"checkpoint={bad}", "tasks=[synthetic_qa]", "limit=2"],
         "memlm.generate.cli": [str(bad), "--prompt", "x", "--max-new-tokens", "2"],
-        "memlm.hf.export": [str(bad), str(root / "never")],
+        "memlm.run.export": [str(bad), str(root / "never")],
         "memlm.train.slot_usage": [str(bad), "--batches", "1"],
     }
 
@@ -180,7 +180,7 @@ def _every_main(files) -> list[tuple[str, list[str], int, str]]:
         ("memlm.evals.cli", [f"checkpoint={files['bad_json']}", "tasks=[synthetic_qa]",
                              f"out={root / 'x.json'}"], FAULT_EXIT, "bad_json/memlm_config.json has 9 bytes"),
         ("memlm.generate.cli", [str(files["missing_weights"]), "--prompt", "x"], FAULT_EXIT, "is missing"),
-        ("memlm.hf.export", [str(root / "nowhere"), str(root / "never")], FAULT_EXIT, "cannot export"),
+        ("memlm.run.export", [str(root / "nowhere"), str(root / "never")], FAULT_EXIT, "cannot export"),
         ("memlm.train.slot_usage", [str(files["good"]), "--batches", "0"], USAGE_EXIT, "--batches"),
         ("memlm.data.prepare", ["--source", f"web={bad_jsonl}", "--tokenizer", tokenizer, "--out",
                                 str(root / "shards"), "--workers", "1"], FAULT_EXIT, "bad.jsonl:2"),

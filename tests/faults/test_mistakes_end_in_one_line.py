@@ -132,7 +132,7 @@ def test_a_missing_checkpoint_is_one_line_and_exit_1_from_every_command(tmp_path
     commands = {
         "memlm.evals.cli": [f"checkpoint={missing}", "tasks=[synthetic_qa]"],
         "memlm.generate.cli": [str(missing), "--prompt", "x"],
-        "memlm.hf.export": [str(missing), str(tmp_path / "export")],
+        "memlm.run.export": [str(missing), str(tmp_path / "export")],
         "memlm.train.slot_usage": [str(missing), "--batches", "1"],
     }
     for module, argv in commands.items():
@@ -144,7 +144,7 @@ def test_a_missing_checkpoint_is_one_line_and_exit_1_from_every_command(tmp_path
 def test_a_garbage_latest_is_named_in_a_warning(run, tmp_path, capsys):
     import shutil
 
-    from memlm.hf.source import model_source
+    from memlm.run.source import model_source
 
     copy = Path(shutil.copytree(run, tmp_path / "run"))
     (copy / "checkpoints" / "latest").write_text("garbage\n")

@@ -43,7 +43,7 @@ def test_lr_1e6_skips_counts_stops_and_saves_only_finite_checkpoints(tmp_path, c
     such step is skipped and counted, the run stops after max_nonfinite_steps
     in a row (found at the next host read: the save of step 6), the weights
     stay finite, and every checkpoint written holds only finite tensors."""
-    from memlm.hf.load import load_model
+    from memlm.run.load import load_model
 
     cfg = compose([*BASE, *MEMPLUS, "optim.lr=1e6", "max_nonfinite_steps=3", "steps=20", "logging.every=1000",
                    "checkpoint.every=2", "checkpoint.keep=100", f"dump_dir={tmp_path}"])

@@ -117,7 +117,7 @@ def test_cli_eval_run_takes_the_runs_own_eval_settings(run_dir, tmp_path, capsys
 
 
 def test_cli_export_folder_needs_out(run_dir, tmp_path, capsys):
-    from memlm.hf.export import export
+    from memlm.run.export import export
 
     folder = export(run_dir / "checkpoints" / "latest", tmp_path / "export")
     assert main([f"checkpoint={folder}", "eval=run", "tasks=[synthetic_qa]"]) == 2
@@ -167,7 +167,7 @@ def test_run_keeps_its_tokenizer_so_a_lost_corpus_cache_does_not_matter(tmp_path
     import filecmp
     import shutil
 
-    from memlm.hf.load import load_model
+    from memlm.run.load import load_model
 
     root = tmp_path_factory.mktemp("tokrun")
     run = train_tiny_run(root / "run", root / "cache")

@@ -9,7 +9,7 @@ import torch
 
 from memlm.config.run import compose
 from memlm.hf import from_pretrained
-from memlm.hf.export import export, main
+from memlm.run.export import export, main
 from memlm.train.trainer import Trainer
 
 BASE = ["model.vocab_size=128", "data.seq_len=16", "data.micro_batch=2", "logging.wandb.mode=disabled",

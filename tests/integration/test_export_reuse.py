@@ -35,8 +35,8 @@ from memlm.data.tokenizer import Tokenizer  # noqa: E402
 from memlm.errors import ConfigError  # noqa: E402
 from memlm.generation.decoding import greedy_generate, prompt_ids  # noqa: E402
 from memlm.hf import from_pretrained  # noqa: E402
-from memlm.hf.export import export  # noqa: E402
-from memlm.hf.load import resolve_checkpoint_dir  # noqa: E402
+from memlm.run.export import export  # noqa: E402
+from memlm.run.load import resolve_checkpoint_dir  # noqa: E402
 from memlm.train.preflight import check_init_from  # noqa: E402
 from memlm.train.trainer import Trainer  # noqa: E402
 

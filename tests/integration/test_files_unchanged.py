@@ -29,8 +29,8 @@ from launch_helpers import TINY
 
 from memlm.files import OutputError
 from memlm.hf import from_pretrained
-from memlm.hf.export import export, main
 from memlm.hf.pretrained import CONFIG_NAME
+from memlm.run.export import export, main
 
 BASE = [o for o in TINY if not o.startswith("steps=")]
 # A run that writes every kind of file a run folder holds: the synthetic corpus' tokenizer (kept

@@ -12,8 +12,8 @@ from equivalence import MEMPLUS, assert_same, distributed_run, global_batches, r
 from memlm.config.run import compose
 from memlm.errors import ConfigError
 from memlm.finetune import background
-from memlm.hf.load import load_model
 from memlm.memory.tables import sparse_tables
+from memlm.run.load import load_model
 from memlm.train import slot_usage
 from memlm.train.trainer import Trainer
 
@@ -133,7 +133,7 @@ def test_pretraining_records_its_last_steps_slot_usage_beside_the_final_checkpoi
 
 
 def test_lora_trains_only_its_adapters_and_exports_merged_weights(base, tmp_path):
-    from memlm.hf.export import export
+    from memlm.run.export import export
 
     base_model = load_model(base).model
     base_state = base_model.state_dict()

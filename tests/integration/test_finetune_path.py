@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers", reason="install the dev extra
 
 from memlm.config.run import compose  # noqa: E402
 from memlm.finetune.background import load_usage  # noqa: E402
-from memlm.hf.load import load_model  # noqa: E402
+from memlm.run.load import load_model  # noqa: E402
 from memlm.train import slot_usage  # noqa: E402
 from memlm.train.preflight import check_init_from  # noqa: E402
 from memlm.train.trainer import Trainer  # noqa: E402
@@ -42,7 +42,7 @@ def llama(tmp_path_factory):
 def test_a_llama_retrofitted_then_sparse_finetuned_then_exported(llama, tmp_path):
     from hf_remote_child import run_remote_child
 
-    from memlm.hf.export import export
+    from memlm.run.export import export
 
     corpus = ["data=synthetic", "data.synthetic.people=20", f"data.cache_dir={tmp_path / 'corpus'}"]
     background = tmp_path / "background.safetensors"

@@ -138,7 +138,7 @@ def run_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def export_dir(run_dir, tmp_path_factory):
-    from memlm.hf.export import export
+    from memlm.run.export import export
 
     return export(run_dir / "checkpoints" / "latest", tmp_path_factory.mktemp("genexport") / "export")
 

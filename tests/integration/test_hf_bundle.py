@@ -33,8 +33,8 @@ from memlm.evals.prompts import qa_prompt  # noqa: E402
 from memlm.evals.tasks import load_task  # noqa: E402
 from memlm.generation.decoding import generate_texts, greedy_generate, prompt_ids  # noqa: E402
 from memlm.hf.bundle import tokenizer_json  # noqa: E402
-from memlm.hf.export import export  # noqa: E402
-from memlm.hf.load import load_model  # noqa: E402
+from memlm.run.export import export  # noqa: E402
+from memlm.run.load import load_model  # noqa: E402
 from memlm.train.trainer import Trainer  # noqa: E402
 
 CHECKER = Path(__file__).resolve().parents[1] / "helpers" / "hf_bundle_checker.py"

@@ -16,9 +16,9 @@ transformers = pytest.importorskip("transformers", reason="install the dev extra
 
 from memlm.config.run import compose  # noqa: E402
 from memlm.errors import ConfigError  # noqa: E402
-from memlm.hf.importer import check_hf_tokenizer  # noqa: E402
 from memlm.hf.mapping import from_hf_json, hf_names  # noqa: E402
 from memlm.model.args import ModelArgs  # noqa: E402
+from memlm.run.importer import check_hf_tokenizer  # noqa: E402
 from memlm.train.preflight import check_init_from  # noqa: E402
 from memlm.train.trainer import Trainer  # noqa: E402
 
@@ -173,7 +173,7 @@ def test_run_from_the_command_line_path_starts_at_the_hf_loss(tmp_path, llamas):
 def test_the_run_stays_loadable_without_the_hf_folder(tmp_path, llamas):
     """config.yaml keeps init_from=hf:<dir>; reading it back (load_model,
     export) must not need that folder any more."""
-    from memlm.hf.load import load_model
+    from memlm.run.load import load_model
 
     directory = tmp_path / "llama"
     shutil.copytree(llamas["untied"][0], directory)
@@ -333,7 +333,7 @@ def test_retrofit_a_parallel_memory_into_a_llama_then_teach_it_and_export_it(tmp
     the values alone, and the export loads in plain transformers (trust_remote_code) with memlm's logits."""
     from hf_remote_child import run_remote_child
 
-    from memlm.hf.export import export
+    from memlm.run.export import export
 
     directory, hf = llamas["untied"]
     tokens, batches = _batches(4)

@@ -71,7 +71,7 @@ def _memlm_model(args_kw: dict, mem_kw: dict | None, seed: int = 0):
 
 
 def _bundle(tmp_path: Path, model, args, memory) -> Path:
-    """What hf/export.py writes for a non-dense model, minus the checkpoint round trip."""
+    """What run/export.py writes for a non-dense model, minus the checkpoint round trip."""
     out = tmp_path / "bundle"
     out.mkdir()
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"),
@@ -179,9 +179,9 @@ def test_modeling_files_import_only_torch_and_transformers():
 # ------------------------------------------------ a real export, memlm absent
 @pytest.fixture(scope="module")
 def memplus_export(tmp_path_factory):
-    """A trained tiny Memory+ run exported by hf/export.py, and the trained model."""
+    """A trained tiny Memory+ run exported by run/export.py, and the trained model."""
     from memlm.config.run import compose
-    from memlm.hf.export import export
+    from memlm.run.export import export
     from memlm.train.trainer import Trainer
 
     tmp = tmp_path_factory.mktemp("remote_export")
@@ -201,7 +201,7 @@ def test_export_loads_with_auto_model_where_memlm_cannot_be_imported(memplus_exp
 
 
 def test_sharded_export_loads_in_transformers(memplus_export):
-    from memlm.hf.export import main
+    from memlm.run.export import main
 
     export_dir, ours, tmp = memplus_export
     sharded = tmp / "sharded"

@@ -24,7 +24,7 @@ from train_workers import full_state
 from memlm.config.run import compose
 from memlm.errors import ConfigError
 from memlm.hf import from_pretrained
-from memlm.hf.export import export
+from memlm.run.export import export
 from memlm.train.preflight import check_init_from
 from memlm.train.trainer import Trainer
 

@@ -30,8 +30,8 @@ import pytest
 
 from memlm.files import folder_manifest
 from memlm.hf import from_pretrained
-from memlm.hf.export import export
 from memlm.hf.pretrained import MANIFEST_NAME, ExportError, write_manifest
+from memlm.run.export import export
 
 RUN = ["model.vocab_size=128", "data.seq_len=16", "data.micro_batch=2", "logging.wandb.mode=disabled",
        "model.n_layers=3", "memory=memplus", "memory.layers=[1]", "memory.n_keys=8", "memory.knn=4",
@@ -98,7 +98,7 @@ def test_export_never_writes_over_its_run_or_a_folder_holding_runs(runs, capsys)
         (["runs/t2", "runs/try", "--overwrite"], "runs/try is a memlm run folder"),  # another run
         (["runs/t2", "elsewhere", "--overwrite"], "elsewhere holds memlm run folders (r1)"),
     ]:
-        code, _, err = run_main("memlm.hf.export", argv, capsys)
+        code, _, err = run_main("memlm.run.export", argv, capsys)
         refused(code, err, named)
         assert hashes(runs.parent) == before, argv
 
@@ -109,7 +109,7 @@ def test_a_reexport_keeps_the_users_files_and_overwrite_refuses_them(runs, capsy
     (out / "MODEL_CARD.md").write_text("card\n")  # echo card > exports/try/MODEL_CARD.md
     (out / ".git").mkdir()
     (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
-    code, stdout, err = run_main("memlm.hf.export", ["runs/try", "exports/try"], capsys)
+    code, stdout, err = run_main("memlm.run.export", ["runs/try", "exports/try"], capsys)
     assert code == 0, err
     assert "kept 2 file(s) of exports/try that memlm did not write: .git/HEAD, MODEL_CARD.md" in stdout
     assert (out / "MODEL_CARD.md").read_text() == "card\n"
@@ -121,7 +121,7 @@ def test_a_reexport_keeps_the_users_files_and_overwrite_refuses_them(runs, capsy
     assert sorted(p.name for p in out.parent.iterdir()) == ["try"]  # nothing left beside it
     # --overwrite replaces a whole export: refused while it holds the user's files.
     before = hashes(out)
-    code, _, err = run_main("memlm.hf.export", ["runs/try", "exports/try", "--overwrite"], capsys)
+    code, _, err = run_main("memlm.run.export", ["runs/try", "exports/try", "--overwrite"], capsys)
     refused(code, err, "exports/try holds files the export did not write (.git/HEAD, MODEL_CARD.md)")
     assert hashes(out) == before
     # A file of the export that the user changed is not the export's to replace without --overwrite.
@@ -129,10 +129,10 @@ def test_a_reexport_keeps_the_users_files_and_overwrite_refuses_them(runs, capsy
     (out / "MODEL_CARD.md").unlink()
     (out / "generation_config.json").write_text('{"do_sample": true}\n')
     before = hashes(out)
-    code, _, err = run_main("memlm.hf.export", ["runs/try", "exports/try"], capsys)
+    code, _, err = run_main("memlm.run.export", ["runs/try", "exports/try"], capsys)
     refused(code, err, "were changed since it was written (generation_config.json)", "--overwrite")
     assert hashes(out) == before
-    code, _, err = run_main("memlm.hf.export", ["runs/try", "exports/try", "--overwrite"], capsys)
+    code, _, err = run_main("memlm.run.export", ["runs/try", "exports/try", "--overwrite"], capsys)
     assert code == 0, err
     assert json.loads((out / "generation_config.json").read_text())["do_sample"] is False
 
@@ -145,14 +145,14 @@ def test_export_refuses_a_folder_that_is_no_export(runs, capsys):
     for argv, named in [(["runs/try", "mine"], "mine is not empty and is not a memlm export"),
                         (["runs/try", "mine", "--overwrite"], "mine is not empty and is not a memlm export"),
                         (["runs/try", "a_file", "--overwrite"], "a_file is a file")]:
-        code, _, err = run_main("memlm.hf.export", argv, capsys)
+        code, _, err = run_main("memlm.run.export", argv, capsys)
         refused(code, err, named)
     assert (mine / "notes.txt").read_text() == "mine" and Path("a_file").read_text() == "mine"
     # An export written before manifests: memlm cannot tell its files from the user's.
     old = export(runs / "try", Path("exports/old"))
     (old / MANIFEST_NAME).unlink()
     before = hashes(old)
-    code, _, err = run_main("memlm.hf.export", ["runs/try", "exports/old", "--overwrite"], capsys)
+    code, _, err = run_main("memlm.run.export", ["runs/try", "exports/old", "--overwrite"], capsys)
     refused(code, err, "memlm cannot tell its own files", MANIFEST_NAME)
     assert hashes(old) == before
 

@@ -588,7 +588,7 @@ def test_two_fsdp_ranks_compute_in_bf16_with_fp32_scores_and_state(tmp_path):
 
 
 def test_bf16_value_table_checkpoint_loads_for_evaluation_as_stored(tmp_path):
-    from memlm.hf.load import load_model
+    from memlm.run.load import load_model
 
     t = _trainer([*VALUES_BF16, "steps=2", "checkpoint.at_end=true", "parallel.dtype=bf16"], tmp_path, "run",
                  _batches(2))

@@ -15,7 +15,7 @@ from fault_injection import nonfinite_loss_at
 
 from memlm.config.run import compose
 from memlm.errors import ConfigError
-from memlm.train.optim import lr_multiplier
+from memlm.optim.build import lr_multiplier
 from memlm.train.trainer import NonFiniteLossError, Trainer
 
 BASE = ["model.vocab_size=128", "data.seq_len=16", "optim.warmup=0", "optim.lr=1e-3",

@@ -74,6 +74,6 @@ def test_every_cited_memlm_name_exists():
 def test_the_walk_sees_the_docs_and_the_help_texts():
     # The walk covers what it claims: a doc, a --help text and a module docstring each cite names.
     cited = {w.split(":")[0] for where in _citations().values() for w in where}
-    assert {"README.md", "docs/evals.md", "hf/export.py", "evals/formats.py"} <= cited
+    assert {"README.md", "docs/evals.md", "run/export.py", "evals/formats.py"} <= cited
     assert _missing("memlm.model.no_such_name") == "memlm.model has no attribute 'no_such_name'"
 

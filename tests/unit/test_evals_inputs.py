@@ -211,9 +211,9 @@ def test_mmlu_csv_header_row_is_skipped(tmp_path):
 # ------------------------------------------------------------- synthetic_qa
 def test_synthetic_qa_on_an_export_asks_about_the_runs_corpus(tmp_path):
     from memlm.config.run import compose
-    from memlm.hf.export import write_data_config
-    from memlm.hf.load import DATA_CONFIG_NAME, data_config
     from memlm.hf.pretrained import write_manifest  # each state of the folder, as an export would write it
+    from memlm.run.export import write_data_config
+    from memlm.run.load import DATA_CONFIG_NAME, data_config
 
     cfg = compose(["data=synthetic", "data.synthetic.people=30", "data.synthetic.docs_per_person=1",
                    "data.vocab_size=400", f"data.cache_dir={tmp_path / 'cache'}"])
@@ -245,13 +245,13 @@ def test_synthetic_qa_on_an_export_asks_about_the_runs_corpus(tmp_path):
 
 # ------------------------------------------------------------ command line
 def test_cli_checks_paths_before_loading_the_model(tmp_path, monkeypatch, capsys):
-    import memlm.hf.load
+    import memlm.run.load
     from memlm.evals.cli import main
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(memlm.hf.load, "load_model", no_load)
+    monkeypatch.setattr(memlm.run.load, "load_model", no_load)
     export = tmp_path / "export"
     export.mkdir()
     (export / "memlm_config.json").write_text("{}")

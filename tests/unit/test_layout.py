@@ -30,23 +30,20 @@ END = "<!-- /layout -->"
 # of the import graph, not a choice.
 LAYERS = [
     ["errors", "files", "ranks", "configs"],  # configs: the YAML presets (a package only to ship them)
-    ["memory", "data", "generation"],
+    ["memory", "data", "generation", "checkpoint"],
     ["model"],
-    ["finetune"],  # what a fine-tune trains: its config section, modes, slot selection and background
-    ["config"],
-    ["distributed", "checkpoint"],
-    ["hf"],
-    ["evals"],
-    ["train", "generate"],
-    ["plan"],
-    ["launch"],
-    ["studies"],
+    ["finetune", "distributed", "hf"],  # hf: the Hugging Face format only (names, export folders, remote code)
+    ["config"],  # composes every package's section: model, memory, data, finetune, parallel, checkpoint
+    ["run", "optim"],  # run: a model path and the run behind it; optim: the run's optimizer
+    ["evals", "plan"],
+    ["train", "generate", "studies"],  # studies: reports read finished runs (evals' results), launch nothing
+    ["launch"],  # the continual study's driver reads the study's plan from studies/
 ]
 SIDEWAYS: set[tuple[str, str]] = {("files", "errors")}  # OutputError: a refused output path
 # The arrows that run up, each an entry point that hands its command on: (file, module) -> why.
 UPWARD = {
     ("train/__main__.py", "memlm.launch.multirun"): "`python -m memlm.train -m ...` hands a sweep to the launcher",
-    ("train/plan.py", "memlm.plan.cli"): "`python -m memlm.train.plan`, the planner's old name (a command: kept)",
+    ("hf/export.py", "memlm.run.export"): "`python -m memlm.hf.export`, the export command (it reads a run: run/)",
 }
 SKIP = {"tests", "bench", "docs", ".venv", "runs", "data_cache", ".git", "build", "memlm.egg-info"}
 

@@ -167,7 +167,7 @@ def _memlm_model(kind: str, w_bias: bool = False):
 @pytest.mark.parametrize("kind,w_bias", [("memplus", False), ("memory", False), ("memplus", True)],
                          ids=["memplus", "memory", "memplus_w_bias"])
 def test_an_export_in_transformers_equals_memlm_bit_for_bit(tmp_path, kind, w_bias):
-    """What hf/export.py writes for a memory model (memlm-named safetensors and
+    """What run/export.py writes for a memory model (memlm-named safetensors and
     the remote code), loaded the way users load it."""
     model, args, memory = _memlm_model(kind, w_bias)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "model.safetensors"),

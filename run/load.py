@@ -16,13 +16,13 @@ import torch
 
 from memlm.checkpoint.checkpointer import Checkpointer, verify
 from memlm.config.run import Config, from_yaml
-from memlm.distributed import run_model
 from memlm.distributed.env import DistEnv
 from memlm.hf.pretrained import CONFIG_NAME, from_pretrained, read_json, verify_export
-from memlm.hf.source import is_export_dir, model_source, resolve_checkpoint_dir
 from memlm.model import Transformer
+from memlm.run.model import build_run_model
+from memlm.run.source import is_export_dir, model_source, resolve_checkpoint_dir
 
-__all__ = ["LoadedModel", "build_run_model", "data_config", "is_export_dir", "keep_tokenizer", "load_model",
+__all__ = ["LoadedModel", "data_config", "is_export_dir", "keep_tokenizer", "load_model",
            "resolve_checkpoint_dir", "run_tokenizer_path"]
 
 
@@ -67,7 +67,7 @@ def run_tokenizer_path(cfg: Config, directory: Path | None = None) -> str | None
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
-    """The model at `path`, any kind memlm.hf.source names but a Llama (hf:<dir> is an init_from only)."""
+    """The model at `path`, any kind memlm.run.source names but a Llama (hf:<dir> is an init_from only)."""
     source = model_source(path)
     if source.kind != "checkpoint":  # an export directory
         step = read_json(source.directory / CONFIG_NAME).get("step", 0)  # ExportError when not JSON
@@ -77,18 +77,13 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedMo
     directory = source.directory
     meta = verify(directory)
     cfg = from_yaml(meta["config"])
-    model = build_run_model(cfg, device)
+    model = build_run_model(cfg, DistEnv.one_process(device))
     Checkpointer.load_weights(directory, model)
     return LoadedModel(model.eval(), cfg, run_tokenizer_path(cfg, directory), meta["step"], directory)
 
 
-def build_run_model(cfg: Config, device: str | torch.device = "cpu") -> Transformer:
-    """The model a run's checkpoint holds, on one process (memlm.distributed.run_model, the trainer's builder)."""
-    return run_model.build_run_model(cfg, DistEnv.one_process(device))
-
-
 # ------------------------------------------------- the training data, without the weights
-DATA_CONFIG_NAME = "memlm_data.json"  # an export's record of the run's data config (hf/export.py)
+DATA_CONFIG_NAME = "memlm_data.json"  # an export's record of the run's data config (run/export.py)
 
 
 def data_config(path: str | Path):

@@ -3,7 +3,7 @@
     python -m memlm.train init_from=hf:/models/llama model.dim=2048 ... memory=memplus memory.layers=[8]
     python -m memlm.train init_from=exports/try1 <the export's model and memory config> data=...
 
-What `init_from` names is read from the folder's files (memlm.hf.source):
+What `init_from` names is read from the folder's files (memlm.run.source):
 
 - a memlm export (`python -m memlm.hf.export`: `memlm_config.json` and
   safetensors), named with or without `hf:`: the run's model and memory config
@@ -64,11 +64,11 @@ from memlm.hf.pretrained import (
     weight_files,
 )
 from memlm.hf.remote import MEMORY_INFERENCE, memory_settings
-from memlm.hf.source import ModelSource, strip_prefix
 from memlm.memory.config import MemoryConfig
 from memlm.model.args import ModelArgs
 from memlm.model.lora import is_lora_key
 from memlm.model.transformer import layer_ffn_kinds
+from memlm.run.source import ModelSource, strip_prefix
 
 HF_CONFIG = "config.json"
 HF_TOKENIZER = "tokenizer.model"  # sentencepiece: the only tokenizer format memlm reads
