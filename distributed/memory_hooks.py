@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from memlm.distributed.env import DistEnv, Meshes
+from memlm.distributed.env import DistEnv, Meshes, build_meshes
 from memlm.distributed.memory_parallel import init_value_tables as _init_pool_tables
 from memlm.distributed.memory_parallel import shard_value_pools
 from memlm.distributed.value_grads import REDUCE_DTYPES, ValueGradReduction
@@ -75,6 +75,14 @@ def resolve_memory_parallel(cfg: Any, world: int, gpus_per_node: int) -> int:
         return setting
     layouts = value_layouts_of(cfg, world, gpus_per_node) if world > 1 else []
     return least_traffic(layouts)["memory_parallel"] if layouts else 1
+
+
+def run_meshes(cfg: Any, env: DistEnv, say) -> Meshes:
+    """The run's meshes, parallel.memory_parallel resolved (`say`: where the whole-table warning goes)."""
+    world, per_node = env.world_size, env.local_world_size
+    if warning := value_grad_warning(cfg, world, per_node):
+        say(f"[train] warning: {warning}")
+    return build_meshes(env, resolve_memory_parallel(cfg, world, per_node), cfg.parallel.fsdp)
 
 
 def value_grad_warning(cfg: Any, world: int, gpus_per_node: int) -> str | None:

@@ -17,7 +17,7 @@ from memlm.distributed.config import ParallelConfig
 from memlm.distributed.env import Meshes
 from memlm.distributed.precision import compute_dtype
 from memlm.memory.tables import table_modules, value_pools
-from memlm.model import Transformer, family
+from memlm.model import Transformer, family_of
 
 # The policy of the product-key lookups (query projection + sub-keys): gathered
 # and computing in float32, so that the top-k selects what the float32 model
@@ -28,7 +28,7 @@ FULL_PRECISION = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=to
 
 
 def _is_memory_block(block: nn.Module) -> bool:
-    return bool(table_modules(block)) or family(block.ffn_kind).reads_rows
+    return bool(table_modules(block)) or family_of(block.ffn_kind).reads_rows
 
 
 def apply_activation_checkpointing(model: Transformer, mode: str) -> None:

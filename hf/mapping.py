@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from memlm.model.args import ModelArgs
+from memlm.model.family import family_of
 
 # memlm name (per layer, after "layers.{i}.") -> HF name (after "model.layers.{i}.")
 _LAYER_KEYS = {
@@ -51,7 +52,7 @@ def _key_map(args: ModelArgs) -> dict[str, str]:
 
 
 def _check_dense(args: ModelArgs, memory: Any = None) -> None:
-    if args.ffn != "dense" or (memory is not None and memory.kind != "none"):
+    if not family_of(args.ffn).llama_equivalent or (memory is not None and memory.kind != "none"):
         raise ValueError(
             "only dense models (model.ffn=dense, memory.kind=none) have a Hugging Face Llama "
             "equivalent; export memory models with memlm's own safetensors format"

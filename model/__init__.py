@@ -15,7 +15,7 @@ import memlm.model.moe  # noqa: F401
 import memlm.model.peer  # noqa: F401
 from memlm.model.args import ModelArgs
 from memlm.model.build import build_model
-from memlm.model.family import Family, family, memory_family, register_family
+from memlm.model.family import Family, families, family_of, memory_family, register_family
 from memlm.model.ffn import FFNContext, build_ffn, ffn_kinds
 from memlm.model.kv_cache import KVCache
 from memlm.model.transformer import Transformer, layer_ffn_kinds
@@ -28,7 +28,8 @@ __all__ = [
     "Transformer",
     "build_ffn",
     "build_model",
-    "family",
+    "families",
+    "family_of",
     "ffn_kinds",
     "layer_ffn_kinds",
     "memory_family",

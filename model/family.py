@@ -8,7 +8,7 @@
         def build(self, ctx: FFNContext) -> nn.Module:
             return SwiGLU(ctx.args.dim, ctx.args.hidden_dim)
 
-    family("memplus").holds_tables          # True: the house asks the object, never the name
+    family_of("memplus").holds_tables          # True: the house asks the object, never the name
     memory_family(cfg.memory)               # the run's memory family, None for memory.kind=none
 
 The trainer, the optimizer builder, the planner, the fine-tune modes, the
@@ -27,6 +27,8 @@ family's own files). A family declares:
 - `product_keys`: addressed by product keys (memory.n_keys**2 slots or experts);
 - `step_start(model, memory, step)`: before each optimizer step (`step` done so far);
 - `llama_equivalent`: its weights map onto a Hugging Face Llama's (the export without remote code);
+- `remote_code`: the modeling file an export ships (hf/remote/) builds it, so `transformers` loads
+  its exports with `trust_remote_code=True`; an export of a family without it loads with memlm only;
 - `label`: its name in reports.
 Where it shards, what its health metrics are and what its export holds
 follow from its modules and these flags (docs/architecture.md, "A memory family").
@@ -51,6 +53,7 @@ class Family:
     reads_rows: ClassVar[bool] = False
     product_keys: ClassVar[bool] = False
     llama_equivalent: ClassVar[bool] = False
+    remote_code: ClassVar[bool] = False
 
     def build(self, ctx: FFNContext) -> nn.Module:
         raise NotImplementedError
@@ -73,7 +76,7 @@ def register_family(cls: type[Family]) -> type[Family]:
     return cls
 
 
-def family(kind: str) -> Family:
+def family_of(kind: str) -> Family:
     """The family of FFN kind `kind` (ConfigError naming the kinds there are)."""
     if kind not in _FAMILIES:
         raise ConfigError("ffn kind", kind, f"one of: {', '.join(sorted(_FAMILIES))}")
@@ -88,4 +91,4 @@ def memory_family(memory: Any) -> Family | None:
     """The family a memory section places (memory.kind), None for none (or no section)."""
     if memory is None or memory.kind == "none":
         return None
-    return family(memory.kind)
+    return family_of(memory.kind)

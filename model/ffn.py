@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memlm.model.args import ModelArgs
-from memlm.model.family import Family, families, family, register_family
+from memlm.model.family import Family, families, family_of, register_family
 
 
 @dataclass
@@ -50,7 +50,7 @@ def table_kinds() -> list[str]:
 
 
 def build_ffn(kind: str, ctx: FFNContext) -> nn.Module:
-    return family(kind).build(ctx)
+    return family_of(kind).build(ctx)
 
 
 class SwiGLU(nn.Module):
@@ -79,7 +79,7 @@ class Dense(Family):
     """Llama's SwiGLU FFN, the slot's default (model.ffn)."""
 
     kind, label = "dense", "Dense"
-    llama_equivalent = True
+    llama_equivalent = remote_code = True
 
     def build(self, ctx: FFNContext) -> nn.Module:
         return SwiGLU(ctx.args.dim, ctx.args.hidden_dim)

@@ -261,6 +261,7 @@ def default_expert_hidden_dim(dense_hidden_dim: int, top_k: int) -> int:
 @register_family
 class MoEFamily(Family):
     kind, label = "moe", "MoE"
+    remote_code = True
 
     def build(self, ctx: FFNContext) -> nn.Module:
         cfg = ctx.memory

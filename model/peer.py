@@ -151,7 +151,7 @@ class PEERFamily(Family):
     """PEER's expert tables are sparse tables (finetune=memory trains them) kept under FSDP."""
 
     kind, label = "peer", "PEER"
-    holds_tables = product_keys = True
+    holds_tables = product_keys = remote_code = True
 
     def build(self, ctx: FFNContext) -> nn.Module:
         cfg = ctx.memory

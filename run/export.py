@@ -85,6 +85,8 @@ from memlm.hf.pretrained import (
     write_manifest,
 )
 from memlm.hf.remote import write_remote_code
+from memlm.model.family import family_of
+from memlm.model.transformer import layer_ffn_kinds
 from memlm.run.load import resolve_checkpoint_dir, run_tokenizer_path
 from memlm.run.model import build_run_model
 
@@ -127,7 +129,7 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9, ove
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     state = mode_of(cfg).export_state(state, cfg)  # what the fine-tune folds in (lora: merged adapters)
     check_finite(state, f"export of {checkpoint}", ExportError)
-    dense = cfg.model.ffn == "dense" and memory is None
+    dense = family_of(cfg.model.ffn).llama_equivalent and memory is None
     if dense:
         state = to_hf_state_dict(state, cfg.model)
         if cfg.model.tie_embeddings:
@@ -165,8 +167,14 @@ def write_export(out_dir: Path, cfg, checkpoint: Path, meta: dict, state: dict[s
     write_data_config(cfg, out_dir)
     tokenizer = run_tokenizer_path(cfg, checkpoint)
     tokenizer = tokenizer if tokenizer and Path(tokenizer).is_file() else None
-    if not dense:  # config.json + trust_remote_code modeling files for the memlm-named weights above
+    kinds = sorted(set(layer_ffn_kinds(cfg.model, memory)))
+    if not dense and all(family_of(kind).remote_code for kind in kinds):
+        # config.json + trust_remote_code modeling files for the memlm-named weights above
         write_remote_code(out_dir, cfg.model, memory, extra=hf_token_ids(tokenizer))
+    elif not dense:
+        missing = [kind for kind in kinds if not family_of(kind).remote_code]
+        print(f"[export] FFN kind(s) {', '.join(missing)} have no Hugging Face modeling code (hf/remote/): "
+              f"{out_dir} loads with memlm (memlm.hf.from_pretrained), not with transformers", flush=True)
     if dense:
         to_hf_config(cfg.model, torch_dtype="float32", architectures=["LlamaForCausalLM"],
                      **hf_token_ids(tokenizer)).save_pretrained(str(out_dir))

@@ -66,6 +66,7 @@ from memlm.hf.pretrained import (
 from memlm.hf.remote import MEMORY_INFERENCE, memory_settings
 from memlm.memory.config import MemoryConfig
 from memlm.model.args import ModelArgs
+from memlm.model.family import family_of
 from memlm.model.lora import is_lora_key
 from memlm.model.transformer import layer_ffn_kinds
 from memlm.run.source import ModelSource, strip_prefix
@@ -137,7 +138,7 @@ def check_hf_source(cfg: Any) -> ModelArgs:
     """For `init_from=hf:<dir>`: the folder is a readable Llama checkpoint and the
     run's model config has its architecture (every difference is named)."""
     hf = read_hf_args(cfg.init_from)
-    if cfg.model.ffn != "dense":
+    if not family_of(cfg.model.ffn).llama_equivalent:
         raise ConfigError("model.ffn", cfg.model.ffn, f"dense with init_from={cfg.init_from} (the Llama's MLPs "
                           "fill the dense blocks; other kinds go into the memory.layers blocks via memory.kind)")
     diffs = [(key, get(cfg.model), get(hf), hf_key) for key, get, hf_key in _ARCH if get(cfg.model) != get(hf)]
@@ -274,7 +275,7 @@ def read_export(init_from: str) -> tuple[ModelArgs, MemoryConfig, dict[str, Any]
 def _built_memory(args: ModelArgs, memory: MemoryConfig) -> MemoryConfig:
     """The MemoryConfig the model's non-dense blocks are built with: `memory`, or with memory.kind=none
     and model.ffn=moe|peer|..., that kind's defaults (as the FFN builders and the export do)."""
-    if memory.kind == "none" and args.ffn != "dense":
+    if memory.kind == "none" and not family_of(args.ffn).llama_equivalent:
         return MemoryConfig(kind=args.ffn)
     return memory
 
@@ -289,7 +290,7 @@ def architecture(args: ModelArgs, memory: MemoryConfig) -> dict[str, Any]:
     values.update({"model.ffn": args.ffn, "memory.kind": memory.kind,
                    "memory.layers": memory.resolved_layers(args.n_layers)})
     built = _built_memory(args, memory)
-    if set(layer_ffn_kinds(args, built)) != {"dense"}:
+    if not all(family_of(kind).llama_equivalent for kind in layer_ffn_kinds(args, built)):
         values.update(_memory_settings(args, built))
     return values
 

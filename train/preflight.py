@@ -103,6 +103,14 @@ def check_wandb_login(cfg: Config) -> None:
         raise ConfigError("logging.wandb.mode", "online", f"{fix}: no W&B API key is configured for {host}")
 
 
+def check_trainer_inputs(cfg: Config) -> ModelSource | None:
+    """The trainer's checks (its loaders check the data as they are built): the eval files, the W&B
+    login (wandb.init comes after the run folder is made), and what init_from names, returned."""
+    check_eval_inputs(cfg)
+    check_wandb_login(cfg)
+    return check_init_from(cfg)
+
+
 def check_run_inputs(cfg: Config) -> None:
     check_inputs(cfg.data)
     check_eval_inputs(cfg)

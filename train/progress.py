@@ -81,6 +81,11 @@ class Logging:
         self.logger = MetricsLogger(Path(cfg.dump_dir), env.is_main, cfg.name,
                                     OmegaConf.to_container(OmegaConf.structured(cfg)), cfg.logging.wandb,
                                     cfg.logging.tensorboard, start_step=first_step)
+        if env.is_main:
+            counts = model.num_params()
+            print(f"[train] {cfg.name}: {counts['total']:,} params ({counts['active']:,} active), {env.world_size} "
+                  f"rank(s) on {env.device.type}, accumulation {cfg.accumulation_steps(env.world_size)}, "
+                  f"{cfg.steps} steps -> {cfg.dump_dir}", flush=True)
         self.progress = Progress(cfg, env, model, first_step, counters()[0])
 
     def due(self, step: int, last_step: int) -> bool:

@@ -1,6 +1,7 @@
 """Where a run's weights come from at its start: its own checkpoint, init_from, or its initialization.
 
     step, tokens, nonfinite, path = restore(cfg, checkpointer, model, state, init_source, tokenizer, say)
+    nothing_to_train = open_run_folder(cfg, is_main, checkpointer, step, path)
 
 - resume (a checkpoint of the run's own, chosen by `resume`): everything,
   model, optimizer, schedule, counters, data and RNG (`state()`, the
@@ -18,9 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from memlm.checkpoint.checkpointer import Checkpointer, TrainingState
-from memlm.config.run import Config
+from memlm.config.run import Config, to_yaml
+from memlm.files import atomic_write_text
 from memlm.finetune.modes import mode_of
 from memlm.run.importer import import_init
+from memlm.run.load import keep_tokenizer
+from memlm.train.summary import settings_not_recorded
 
 
 def restore(cfg: Config, checkpointer: Checkpointer, model: Any, state: Callable[[], TrainingState],
@@ -51,3 +55,21 @@ def restore(cfg: Config, checkpointer: Checkpointer, model: Any, state: Callable
         say(f"[train] the run already reached steps={cfg.steps}: nothing to train (a larger steps= "
             "trains it further; resume=none starts it over)")
     return meta["step"], meta["tokens"], meta.get("nonfinite_total", 0), path
+
+
+def open_run_folder(cfg: Config, is_main: bool, checkpointer: Checkpointer, step: int, resumed: Path | None) -> bool:
+    """Whether there is nothing to train. Everything is checked and loaded: only now does a run write
+    into its folder (config.yaml, its tokenizer), so a command that failed before leaves an existing
+    run's files as they were. A finished run's command run again (resumed at steps or later) trains
+    and writes nothing: its folder keeps describing the run that happened (study reports read
+    config.yaml); the settings of this command it does not record are named on one line."""
+    dump_dir = Path(cfg.dump_dir)
+    if resumed is not None and step >= cfg.steps:
+        if is_main and (line := settings_not_recorded(dump_dir, to_yaml(cfg))):
+            print(line, flush=True)
+        return True
+    if is_main:
+        atomic_write_text(dump_dir / "config.yaml", to_yaml(cfg))
+        keep_tokenizer(cfg, dump_dir)
+    checkpointer.start_lineage(step)  # later checkpoints belong to an abandoned history
+    return False

@@ -30,15 +30,13 @@ from memlm.checkpoint.run_lock import RunLock, lock_run_dir
 from memlm.config.run import Config, to_yaml
 from memlm.distributed import memory_hooks
 from memlm.distributed.clip import clip_group_, clip_in_step_
-from memlm.distributed.env import build_meshes, current_env
+from memlm.distributed.env import current_env
 from memlm.distributed.parallelize import parallelize
 from memlm.distributed.precision import autocast, enable_tf32
-from memlm.files import atomic_write_text
 from memlm.finetune.background import UsageRecorder
 from memlm.finetune.modes import mode_of
 from memlm.memory.tables import split_params
 from memlm.optim.build import build_optimizer, build_scheduler
-from memlm.run.load import keep_tokenizer
 from memlm.run.model import build_run_model
 from memlm.train.data_source import build_train_loader, has_validation, model_batch
 from memlm.train.evaluation import Evaluation
@@ -46,13 +44,13 @@ from memlm.train.extensions import Extensions, RunRecord
 from memlm.train.loss import chunked_cross_entropy
 from memlm.train.metrics import check_tensorboard
 from memlm.train.preemption import install_preemption_handler
-from memlm.train.preflight import check_eval_inputs, check_init_from, check_wandb_login
+from memlm.train.preflight import check_trainer_inputs
 from memlm.train.profiling import StepProfiler
 from memlm.train.progress import Logging
-from memlm.train.restore import restore
+from memlm.train.restore import open_run_folder, restore
 from memlm.train.saving import Saving
 from memlm.train.step_guard import NonFiniteLossError, StepGuard, lower_hint, step_if_finite, step_ok
-from memlm.train.summary import recorded_summary, run_summary, settings_not_recorded, summary_line, write_summary
+from memlm.train.summary import recorded_summary, run_summary, summary_line, write_summary
 from memlm.train.validation import Validation
 
 __all__ = ["NonFiniteLossError", "Trainer"]
@@ -71,11 +69,8 @@ class Trainer:
         self.cfg = cfg
         self.env = env = current_env(cfg.device)  # the caller's ProcessGroup (memlm.train.cli) opens and closes it
         enable_tf32(env.device)
-        world, per_node = env.world_size, env.local_world_size
-        self.meshes = build_meshes(env, memory_hooks.resolve_memory_parallel(cfg, world, per_node), cfg.parallel.fsdp)
-        if warning := memory_hooks.value_grad_warning(cfg, world, per_node):
-            self._print_main(f"[train] warning: {warning}")
-        self.accum = cfg.accumulation_steps(world)
+        self.meshes = memory_hooks.run_meshes(cfg, env, self._print_main)  # memory_parallel resolved
+        self.accum = cfg.accumulation_steps(env.world_size)
         check_tensorboard(cfg.logging.tensorboard and env.is_main)  # before any file or model
         self.dump_dir = Path(cfg.dump_dir)
         # Data and eval tasks first: every file and the vocabulary are checked (reading
@@ -84,9 +79,7 @@ class Trainer:
         if val_loader is None and train_loader is None and cfg.val_batches and has_validation(cfg):
             val_loader = self._default_loader("val")
         self.val_loader = val_loader
-        check_eval_inputs(cfg)
-        check_wandb_login(cfg)  # wandb.init comes after the run folder is made
-        self.init_source = check_init_from(cfg)  # what init_from names, read once (memlm.run.source)
+        self.init_source = check_trainer_inputs(cfg)  # eval files, W&B login; what init_from names, read once
         if env.is_main:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
         # One run per dump_dir, taken before anything in it is written, cleaned or resumed.
@@ -108,31 +101,15 @@ class Trainer:
         self.checkpointer = Checkpointer(self.dump_dir, cfg.checkpoint)
         self.checkpointer.recover()  # finish or undo a save a kill interrupted, before choosing one
         self.step, self.tokens = 0, 0  # a resume's TrainingState loads into these
-        self.step, self.tokens, self.nonfinite_total, self.resumed_from = restore(
+        self.step, self.tokens, self.guard.nonfinite_total, self.resumed_from = restore(
             cfg, self.checkpointer, self.model, self._training_state, self.init_source,
             getattr(self.train_loader, "tokenizer", None), self._print_main)
-        # A finished run's command run again (resumed at steps or later) trains nothing and writes
-        # nothing: its folder keeps describing the run that happened (study reports read config.yaml).
-        self.nothing_to_train = self.resumed_from is not None and self.step >= cfg.steps
-        if self.nothing_to_train:
-            if env.is_main and (line := settings_not_recorded(self.dump_dir, to_yaml(cfg))):
-                print(line, flush=True)
-        else:
-            # Everything is checked and loaded: only now does this run write into its folder (a
-            # command that failed above leaves an existing run's files as they were).
-            if env.is_main:
-                atomic_write_text(self.dump_dir / "config.yaml", to_yaml(cfg))
-                keep_tokenizer(cfg, self.dump_dir)
-            self.checkpointer.start_lineage(self.step)  # later checkpoints belong to an abandoned history
+        self.nothing_to_train = open_run_folder(cfg, env.is_main, self.checkpointer, self.step, self.resumed_from)
 
     @property
     def nonfinite_total(self) -> int:
         """Steps skipped for a non-finite loss or gradient norm, as of the last host read."""
         return self.guard.nonfinite_total
-
-    @nonfinite_total.setter
-    def nonfinite_total(self, value: int) -> None:
-        self.guard.nonfinite_total = value
 
     def _print_main(self, line: str) -> None:
         if self.env.is_main:
@@ -197,10 +174,6 @@ class Trainer:
         self.guard.record(self.step, lr, loss_sum, gnorm, vnorm, ok)
         return self.guard.read() if read else {}
 
-    def validate(self) -> float | None:
-        """The validation loss now (the loop's validations are memlm.train.validation's to time)."""
-        return Validation(self.cfg, self.env, self.model, self.val_loader, self._autocast, None).loss()
-
     # ---------------------------------------------------------------- loop
     def fit(self, stop_after: int | None = None) -> dict[str, Any]:
         """Train until `cfg.steps` (or `stop_after` steps, e.g. a time slot
@@ -208,7 +181,7 @@ class Trainer:
         on dump_dir is held until everything, summary.json included, is written.
         A run with nothing to train writes nothing (the summary is the one recorded)."""
         try:
-            return self._recorded_summary() if self.nothing_to_train else self._fit(stop_after)
+            return self._finish(0.0, RunRecord(self.step)) if self.nothing_to_train else self._fit(stop_after)
         finally:
             self.close()
 
@@ -231,10 +204,6 @@ class Trainer:
     def _fit(self, stop_after: int | None) -> dict[str, Any]:
         cfg, env = self.cfg, self.env
         run = RunRecord(last_step=cfg.steps if stop_after is None else min(cfg.steps, stop_after))
-        counts = self.model.num_params()
-        self._print_main(f"[train] {cfg.name}: {counts['total']:,} params ({counts['active']:,} active), "
-                         f"{env.world_size} rank(s) on {env.device.type}, accumulation {self.accum}, "
-                         f"{cfg.steps} steps -> {self.dump_dir}")
         first_step = self.step
         logging = Logging(cfg, env, self.model, first_step, lambda: (self.tokens, self.nonfinite_total))
         loop = Extensions(*self._loop_parts(logging))
@@ -261,23 +230,14 @@ class Trainer:
         if self.run_lock is not None:
             self.run_lock.release()
 
-    def _summary(self, seconds: float, run: RunRecord) -> dict[str, Any]:
-        return run_summary(name=self.cfg.name, steps=self.step, tokens=self.tokens, metrics=run.metrics,
-                           val_loss=run.val_loss, evals=run.evals, nonfinite_skipped=self.nonfinite_total,
-                           preempted=run.stop, seconds=seconds, dump_dir=self.dump_dir)
-
-    def _recorded_summary(self) -> dict[str, Any]:
-        """fit() with nothing to train: the run's summary.json as it is (if it is this step's)."""
-        summary = self._summary(0.0, RunRecord(last_step=self.step))
-        if self.env.is_main:
-            summary = recorded_summary(summary, self.dump_dir)
-            print(summary_line(summary), flush=True)
-        return summary
-
     def _finish(self, seconds: float, run: RunRecord) -> dict[str, Any]:
-        summary = self._summary(seconds, run)
+        """summary.json, on rank 0: this fit's, or with nothing to train the recorded one (if it is this step's)."""
+        summary = run_summary(name=self.cfg.name, steps=self.step, tokens=self.tokens, metrics=run.metrics,
+                              val_loss=run.val_loss, evals=run.evals, nonfinite_skipped=self.nonfinite_total,
+                              preempted=run.stop, seconds=seconds, dump_dir=self.dump_dir)
         if self.env.is_main:
-            # nothing trained (a requeue of a finished run): keep the results already reported
-            summary = write_summary(self.dump_dir, summary, trained=bool(run.metrics))
+            summary = (recorded_summary(summary, self.dump_dir) if self.nothing_to_train
+                       # nothing trained (a requeue of a finished run): keep the results already reported
+                       else write_summary(self.dump_dir, summary, trained=bool(run.metrics)))
             print(summary_line(summary), flush=True)
         return summary

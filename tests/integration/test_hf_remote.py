@@ -32,7 +32,7 @@ from safetensors.torch import save_file  # noqa: E402
 from memlm.hf import remote as hf_remote  # noqa: E402
 from memlm.hf.remote.modeling_memlm import MemlmForCausalLM  # noqa: E402
 from memlm.memory.config import MemoryConfig  # noqa: E402
-from memlm.model import ModelArgs, build_model, ffn_kinds  # noqa: E402
+from memlm.model import ModelArgs, build_model, families  # noqa: E402
 
 ARGS = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=101, multiple_of=16, max_seq_len=64,
             rope_theta=5000.0)
@@ -150,7 +150,8 @@ def test_every_config_field_and_ffn_kind_is_covered():
     # What the remote config is built from must exist.
     assert set(hf_remote.MODEL_TO_CONFIG) <= model_fields
     assert memory_mapped <= memory_fields
-    assert set(hf_remote.REMOTE_KINDS) == set(ffn_kinds()), "an FFN kind without Hugging Face modeling code"
+    remote = {f.kind for f in families() if f.remote_code}
+    assert set(hf_remote.REMOTE_KINDS) == remote, "a family says remote_code and the modeling file disagrees"
     from memlm.hf.remote.configuration_memlm import FFN_KINDS, MEMORY_KEYS, MEMORY_SWITCHES
 
     assert set(FFN_KINDS) == set(hf_remote.REMOTE_KINDS)
