@@ -23,6 +23,7 @@ user can fix a sweep or launch command without reading the code.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 import traceback
@@ -96,3 +97,11 @@ def entry_point(main: Callable[..., int]) -> Callable[..., int]:
             return report(err)
 
     return run
+
+
+def check_number(key: str, value: float, zero: str = "") -> None:
+    """An optimizer number must be finite and positive; `zero` (what 0 means)
+    makes 0 valid too. A NaN or inf here would reach the weights at the first step."""
+    if math.isfinite(value) and (value > 0 or (zero and value == 0)):
+        return
+    raise ConfigError(key, value, f"a finite number > 0{f' (or 0: {zero})' if zero else ''}")

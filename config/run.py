@@ -8,7 +8,6 @@ before any process group, file or tensor is created.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from memlm.config.keys import unknown_key_error
 from memlm.data.config import KINDS as DATA_KINDS
 from memlm.data.config import DataConfig
 from memlm.distributed.config import ParallelConfig
-from memlm.errors import ConfigError
+from memlm.errors import ConfigError, check_number
 from memlm.finetune.config import FinetuneConfig
 from memlm.finetune.modes import mode_of
 from memlm.memory.config import MemoryConfig
@@ -37,16 +36,8 @@ from memlm.model.ffn import ffn_kinds
 __all__ = ["CheckpointConfig", "Config", "OptimConfig", "ParallelConfig", "compose", "from_yaml", "to_yaml"]
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-HF_PREFIX = "hf:"  # init_from=hf:<dir>: a Hugging Face Llama, or an export read as one (memlm.run.source)
-
-
-def check_number(key: str, value: float, zero: str = "") -> None:
-    """An optimizer number must be finite and positive; `zero` (what 0 means)
-    makes 0 valid too. A NaN or inf here would reach the weights at the first step."""
-    if math.isfinite(value) and (value > 0 or (zero and value == 0)):
-        return
-    raise ConfigError(key, value, f"a finite number > 0{f' (or 0: {zero})' if zero else ''}")
 GROUPS = ("model", "memory", "data", "optim", "parallel", "eval", "finetune", "experiment")
+HF_PREFIX = "hf:"  # init_from=hf:<dir>: a Hugging Face Llama, or an export read as one (memlm.run.source)
 
 
 @dataclass
@@ -189,11 +180,6 @@ class Config:
                 f"a multiple of parallel.memory_parallel={self.parallel.memory_parallel} "
                 "(the value table is split by columns over the memory-parallel ranks)",
             )
-        if self.memory.kind != "none":
-            # The value group's own optimizer numbers (memlm.optim.build.param_groups).
-            check_number("memory.value_lr", self.memory.value_lr)
-            check_number("memory.value_grad_clip", self.memory.value_grad_clip, zero="no clipping")
-            check_number("memory.value_weight_decay", self.memory.value_weight_decay, zero="no weight decay")
         self.data.validate()
         if self.model.doc_mask and self.data.kind == "random":
             raise ConfigError("model.doc_mask", True, "false with data.kind=random (random tokens have no "

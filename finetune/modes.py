@@ -232,4 +232,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (Full(), Memory(), Sparse(), Lora()
 
 
 def mode_of(cfg: Config) -> Mode:
+    """The object of `finetune.mode` (ConfigError naming the modes there are)."""
+    if cfg.finetune.mode not in MODES:
+        raise ConfigError("finetune.mode", cfg.finetune.mode, f"one of: {', '.join(MODES)}")
     return MODES[cfg.finetune.mode]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memlm.errors import ConfigError
+from memlm.errors import ConfigError, check_number
 from memlm.memory.fast.launches import ALGORITHMS as TRITON_ALGORITHMS
 from memlm.memory.fast.launches import launch_problem
 from memlm.memory.fast.ops import KERNELS
@@ -162,6 +162,10 @@ class MemoryConfig:
             problem = launch_problem(getattr(self, key))
             if problem:
                 raise ConfigError(f"{prefix}.{key}", list(getattr(self, key)), problem)
+        # The sparse tables' own optimizer numbers, for every family (memlm.optim.build.param_groups).
+        check_number(f"{prefix}.value_lr", self.value_lr)
+        check_number(f"{prefix}.value_grad_clip", self.value_grad_clip, zero="no clipping")
+        check_number(f"{prefix}.value_weight_decay", self.value_weight_decay, zero="no weight decay")
         if self.kind in PRODUCT_KEY_KINDS:
             self._validate_product_key_memory(prefix)
         # The other families' keys are their own to check (memlm.model.family: Family.validate).
@@ -182,9 +186,7 @@ class MemoryConfig:
             raise ConfigError(f"{prefix}.value_dtype", self.value_dtype, f"one of: {', '.join(VALUE_DTYPE_NAMES)}")
         if self.value_grad_reduce_dtype not in ("fp32", "bf16"):
             raise ConfigError(f"{prefix}.value_grad_reduce_dtype", self.value_grad_reduce_dtype, "one of: fp32, bf16")
-        if self.value_lr <= 0:
-            raise ConfigError(f"{prefix}.value_lr", self.value_lr, "a positive number")
-        for key in ("value_weight_decay", "value_grad_clip", "balance_loss_coef", "value_init_scale"):
+        for key in ("balance_loss_coef", "value_init_scale"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{prefix}.{key}", getattr(self, key), "a number >= 0")
         if not 0 <= self.knn_schedule_start <= self.n_keys:
