@@ -94,7 +94,10 @@ def _shard_placement(ranks: int):
     def placement(param: nn.Parameter) -> Shard | None:
         if param.dim() < 2 or param.shape[0] >= ranks:
             return None  # FSDP's default, Shard(0)
-        return Shard(max(range(param.dim()), key=lambda d: param.shape[d]))
+        largest = max(range(param.dim()), key=lambda d: param.shape[d])
+        # FSDP pads dim 0 only: another dim must divide evenly (a tiny tensor, such as
+        # UltraMem's (heads, rank, rank) cores, keeps Shard(0) and its padding).
+        return Shard(largest) if param.shape[largest] % ranks == 0 else None
     return placement
 
 

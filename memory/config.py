@@ -114,6 +114,15 @@ class MemoryConfig:
     n_experts: int = 8
     top_k: int = 2
     expert_hidden_dim: int = 0  # 0 -> dense SwiGLU hidden size // top_k (compute-matched)
+    # ultramem (memory/ultramem.py, model/ultramem_ffn.py): the Tucker core's rank, implicit
+    # value expansion (grid addresses per table row), the rows and columns the approximate
+    # search keeps (0: min(knn, n_keys)), the pre-value dim (0: dim / 16; v_dim 0: 3 dim / 16),
+    # and the SwiGLU beside the memory as a fraction of the dense FFN's width (0: none).
+    rank: int = 2
+    expansion: int = 1
+    candidates: int = 0
+    pre_dim: int = 0
+    ffn_fraction: float = 0.5
 
     def resolved_layers(self, n_layers: int) -> list[int]:
         """The block indices that hold a memory layer in an `n_layers`-deep model."""

@@ -230,6 +230,8 @@ class UltraMemV2(nn.Module):
 
     @torch.no_grad()
     def _init_all_but_values(self) -> None:
+        if self.lookup.core.is_meta:  # built on the meta device: init_weights() runs after to_empty()
+            return
         self.lookup.init_weights(self.init_std)  # calibrates lookup.score_std, which value_std() reads
         for lin in (self.pre_proj, self.value_proj):
             nn.init.normal_(lin.weight, mean=0.0, std=self.init_std)

@@ -59,6 +59,7 @@ class ValuePool(nn.Module):
         # read it (each adds heads * knn when it is built): what one token
         # "uses" for the active-parameter count.
         self.reads_per_token = 0
+        self.layers = 0  # the layers that read it (the planner's reads per step)
         # How the table is read: None -> a local read through memory.fast.ops.
         # Memory parallelism (distributed/memory_parallel.py) installs a column-parallel
         # reader here, called as reader(pool, indices, weights, sparse, kernel, launches).
@@ -68,6 +69,7 @@ class ValuePool(nn.Module):
     def add_reader(self, reads_per_token: int) -> None:
         """Called by each layer that reads this pool (at construction)."""
         self.reads_per_token += reads_per_token
+        self.layers += 1
 
     def read(
         self, indices: torch.Tensor, weights: torch.Tensor, sparse: bool = False, kernel: str = "auto",

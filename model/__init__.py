@@ -13,6 +13,7 @@ this package and imports it).
 import memlm.model.memory_ffn  # noqa: F401
 import memlm.model.moe  # noqa: F401
 import memlm.model.peer  # noqa: F401
+import memlm.model.ultramem_ffn  # noqa: F401
 from memlm.model.args import ModelArgs
 from memlm.model.build import build_model
 from memlm.model.family import Family, families, family_of, memory_family, register_family

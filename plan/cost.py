@@ -85,7 +85,9 @@ def _block_bytes_per_token(block: nn.Module, layout: Layout) -> tuple[int, int]:
     attention = norm + a * (d + q_dim + 2 * kv_dim + q_dim)
     ffn = block.feed_forward
     memory = getattr(ffn, "memory", None)
-    if memory is not None:
+    if hasattr(ffn, "saved_bytes_per_token"):  # a module that counts its own (model/ultramem_ffn.py)
+        ffn_part = norm + ffn.saved_bytes_per_token(a, layout.memory_parallel)
+    elif memory is not None:
         k = memory.lookup.heads * memory.knn
         q = memory.lookup.heads * memory.lookup.k_dim
         reads = layout.memory_parallel * k * (8 + 4)  # int64 slots + weights, group-gathered

@@ -320,17 +320,17 @@ def _layout(cfg: Config, model, meshes, env: DistEnv, accum: int, memory_paralle
 
 def model_value_tables(model: torch.nn.Module, cfg: Config) -> ValueTables | None:
     """The value tables of a built model and how a step reads them, read from
-    its modules (what `memory_hooks.value_tables` derives from the config)."""
-    from memlm.memory.layers import ProductKeyMemory
-
-    tables = [pool.weight for pool in value_pools(model)]
+    its modules (what `memory_hooks.value_tables` derives from the config): every
+    pool's reading layers and the rows each reads per token (ValuePool.add_reader)."""
+    pools = value_pools(model)
+    tables = [pool.weight for pool in pools]
     if not tables:
         return None
-    reads = [m for m in model.modules() if isinstance(m, ProductKeyMemory)]
+    layers = sum(pool.layers for pool in pools)
     return ValueTables(
         tables=len(tables), rows=tables[0].shape[0], v_dim=tables[0].shape[1],
         value_bytes=tables[0].element_size(),
         grad_bytes=REDUCE_DTYPES[cfg.memory.value_grad_reduce_dtype].itemsize,
-        reads=len(reads), reads_per_token=reads[0].lookup.heads * reads[0].knn,
+        reads=layers, reads_per_token=sum(pool.reads_per_token for pool in pools) // layers,
         sparse_updates=cfg.memory.sparse_updates,
     )

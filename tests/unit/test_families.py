@@ -23,6 +23,7 @@ OWN = {
     "memplus": ("model/memory_ffn.py", "memory/"),
     "moe": ("model/moe.py",),
     "peer": ("model/peer.py",),
+    "ultramem": ("model/ultramem_ffn.py", "memory/"),
 }
 
 

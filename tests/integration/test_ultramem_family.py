@@ -1,0 +1,90 @@
+"""UltraMemV2 as a memory family (memory=ultramem; model/ultramem_ffn.py): a layer in every
+block beside a reduced SwiGLU, trained, resumed, fine-tuned and exported by the same house as
+Memory+, and on two ranks (memory_parallel 1 and 2) as on one process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from equivalence import BASE, assert_same, distributed_run, global_batches, reference_run
+
+from memlm.config.run import compose
+from memlm.errors import ConfigError
+from memlm.memory.tables import sparse_tables
+from memlm.memory.ultramem import UltraMemV2
+from memlm.model import build_model
+from memlm.model.ultramem_ffn import UltraMemFFN, reduced_hidden
+
+SMALL = ["memory=ultramem", "memory.n_keys=16", "memory.k_dim=32", "memory.knn=8"]
+RUN = ["model.vocab_size=128", "data.seq_len=16", "data.micro_batch=2", "optim.warmup=0", "logging.every=1",
+       "logging.wandb.mode=disabled", "val_batches=0", *SMALL]
+
+
+def _losses(run) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line]
+
+
+def test_every_block_holds_the_layer_beside_a_reduced_ffn():
+    cfg = compose([*RUN, "model.n_layers=3", "memory.ffn_fraction=0.25"])
+    model = build_model(cfg.model, cfg.memory)
+    ffns = [block.feed_forward for block in model.layers]
+    assert all(isinstance(f, UltraMemFFN) and isinstance(f.memory, UltraMemV2) for f in ffns)
+    assert {f.ffn.w1.out_features for f in ffns} == {reduced_hidden(cfg.model.hidden_dim, 0.25)}
+    tables = {id(p) for p in sparse_tables(model)}
+    assert tables == {id(p) for f in ffns for p in (f.memory.values.weight, f.memory.pre_values.weight)}
+    bare = compose([*RUN, "memory.ffn_fraction=0"])
+    alone = build_model(bare.model, bare.memory)
+    assert all(block.feed_forward.ffn is None for block in alone.layers)
+    counts = model.num_params()
+    assert counts["active"] < counts["total"]  # the rows a token does not read are inactive
+
+
+@pytest.mark.parametrize("override,key", [("memory.expansion=3", "memory.expansion"),
+                                          ("memory.value_dtype=bf16", "memory.value_dtype"),
+                                          ("memory.knn=300", "memory.knn"),
+                                          ("memory.ffn_fraction=-1", "memory.ffn_fraction")])
+def test_bad_settings_name_their_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        compose([*RUN, override])
+    assert err.value.key == key
+
+
+def test_trains_resumes_fine_tunes_and_exports(tmp_path):
+    from memlm.hf import from_pretrained
+    from memlm.run.export import export
+    from memlm.run.load import load_model
+    from memlm.train.trainer import Trainer
+
+    full = tmp_path / "full"
+    Trainer(compose([*RUN, "steps=4", f"dump_dir={full}"])).fit()
+    halves = tmp_path / "halves"
+    Trainer(compose([*RUN, "steps=4", f"dump_dir={halves}"])).fit(stop_after=2)
+    Trainer(compose([*RUN, "steps=4", f"dump_dir={halves}", "resume=auto"])).fit()
+    assert _losses(halves) == _losses(full)  # resumed bit for bit
+
+    (ckpt,) = (full / "checkpoints").glob("step_*4")
+    base = load_model(ckpt).model.state_dict()
+    tuned = Trainer(compose([*RUN, "steps=2", "finetune=memory", "memory.value_lr=0.1", f"init_from={ckpt}",
+                             f"dump_dir={tmp_path / 'tuned'}"]))
+    tuned.fit()
+    table = {id(p) for p in sparse_tables(tuned.model)}
+    for name, p in tuned.model.named_parameters():
+        assert (not torch.equal(p.detach(), base[name])) == (id(p) in table), name  # V and P alone move
+
+    out = export(ckpt, tmp_path / "export")
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(from_pretrained(out)(tokens), load_model(ckpt).model(tokens))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("memory_parallel", [1, 2])
+def test_two_ranks_equal_one_process(tmp_path, memory_parallel):
+    run = [*BASE, *SMALL, "model.n_layers=2"]
+    batches = global_batches(128)
+    ref = reference_run(run, batches, tmp_path / "ref")
+    got = distributed_run([*run, f"parallel.memory_parallel={memory_parallel}"], batches, tmp_path)
+    assert_same(ref, got)
