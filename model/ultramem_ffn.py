@@ -63,9 +63,9 @@ class UltraMemFFN(nn.Module):
         return kept
 
     def inactive_params(self) -> int:
-        """Rows of V and P a token does not read (the planner's active parameters)."""
+        """Rows of P a token does not read (V's are its ValuePool's to count: memory/values.py)."""
         reads = self.memory.lookup.heads * self.memory.lookup.knn
-        return max(0, self.memory.n_rows - reads) * (self.memory.v_dim + self.memory.pre_dim)
+        return max(0, self.memory.n_rows - reads) * self.memory.pre_dim
 
 
 def reduced_hidden(hidden_dim: int, fraction: float) -> int:

@@ -39,7 +39,9 @@ def test_every_block_holds_the_layer_beside_a_reduced_ffn():
     alone = build_model(bare.model, bare.memory)
     assert all(block.feed_forward.ffn is None for block in alone.layers)
     counts = model.num_params()
-    assert counts["active"] < counts["total"]  # the rows a token does not read are inactive
+    unread = sum((f.memory.n_rows - f.memory.lookup.heads * f.memory.lookup.knn) * (f.memory.v_dim + f.memory.pre_dim)
+                 for f in ffns)  # the rows of V and P a token does not read
+    assert counts["active"] == counts["total"] - unread
 
 
 @pytest.mark.parametrize("override,key", [("memory.expansion=3", "memory.expansion"),
@@ -88,3 +90,18 @@ def test_two_ranks_equal_one_process(tmp_path, memory_parallel):
     ref = reference_run(run, batches, tmp_path / "ref")
     got = distributed_run([*run, f"parallel.memory_parallel={memory_parallel}"], batches, tmp_path)
     assert_same(ref, got)
+
+
+def test_the_capacity_row_matches_memplus_in_sparse_parameters_and_active_flops():
+    """configs/experiment/capacity_ultramem.yaml against capacity_memplus (issue #52's study)."""
+    from memlm.model import Transformer
+
+    def measured(experiment: str) -> tuple[int, int]:
+        cfg = compose([f"experiment={experiment}"])
+        with torch.device("meta"):
+            model = Transformer(cfg.model, cfg.memory)
+        return model.num_params()["memory"], model.flops_per_token(cfg.data.seq_len)
+
+    (ours, our_flops), (theirs, their_flops) = measured("capacity_ultramem"), measured("capacity_memplus")
+    assert ours == theirs
+    assert abs(our_flops / their_flops - 1) <= 0.05
