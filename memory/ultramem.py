@@ -184,9 +184,13 @@ class UltraMemV2(nn.Module):
             # Implicit value expansion (UltraMem's Shuffle, then V2's single projection): a fixed
             # random map from the n**2 grid addresses onto the N rows, each row taking `expansion`
             # of them. Persistent, so a checkpoint carries the map it was trained with.
-            gen = torch.Generator().manual_seed(ADDRESS_SEED)
-            self.register_buffer("address_rows", torch.randperm(n_keys**2, generator=gen) % self.n_rows)
+            self.register_buffer("address_rows", self._address_map(n_keys))
         self.usage = SlotUsage(self.n_rows)
+
+    def _address_map(self, n_keys: int) -> torch.Tensor:
+        """(n_keys**2,) int64: grid address -> table row, a fixed random permutation modulo the rows."""
+        gen = torch.Generator().manual_seed(ADDRESS_SEED)
+        return torch.randperm(n_keys**2, generator=gen) % self.n_rows
 
     @property
     def init_std(self) -> float:
@@ -224,6 +228,8 @@ class UltraMemV2(nn.Module):
         """(Re-)initialize with the paper's init, e.g. after `to_empty()`. Layers are
         also initialized at construction, like torch.nn layers."""
         self._init_all_but_values()
+        if self.expansion > 1:  # after to_empty() the buffer holds garbage: the map again, on its device
+            self.address_rows.copy_(self._address_map(self.lookup.n_keys))
         self.values.init_scale = self.value_std() * self.v_dim**0.5  # the pool's init std: init_scale / sqrt(v_dim)
         self.values.init_weights()
         self.usage.reset()

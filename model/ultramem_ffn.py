@@ -13,7 +13,8 @@ give the math); this file adapts it to the FFN slot contract of model/ffn.py,
   value group's lr, weight decay and clip, and all that finetune=memory trains;
 - its init is the paper's, matched to the output variance of the FFN beside it
   (n_layers and the FFN's width / dim);
-- an export loads with memlm (the remote modeling file does not build it yet).
+- an export carries it in the remote modeling file (hf/remote/), so `transformers`
+  loads it with `trust_remote_code=True`.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def reduced_hidden(hidden_dim: int, fraction: float) -> int:
 @register_family
 class UltraMemFamily(Family):
     kind, label = "ultramem", "UltraMemV2"
-    holds_tables = product_keys = True  # V and P: sparse tables; n_keys**2 grid addresses
+    holds_tables = product_keys = remote_code = True  # V and P: sparse tables; n_keys**2 grid addresses
 
     def build(self, ctx: FFNContext) -> nn.Module:
         cfg, args = ctx.memory, ctx.args

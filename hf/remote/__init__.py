@@ -56,7 +56,11 @@ MODEL_TRAINING_ONLY = ("name", "init_std", "depth_init", "doc_mask", "rope_resta
 MEMORY_INFERENCE = (
     "n_keys", "heads", "knn", "eval_knn", "k_dim", "v_dim", "share_values", "qk_norm", "gate",
     "placement", "value_dtype", "n_experts", "top_k", "expert_hidden_dim", "w_bias",
+    "rank", "expansion", "candidates", "pre_dim", "ffn_fraction",
 )
+# Of those, UltraMemV2's (configuration_memlm.ULTRAMEM_KEYS): written only for a model
+# with an ultramem block, so every other export's config.json is what it was before them.
+ULTRAMEM_KEYS = ("rank", "expansion", "candidates", "pre_dim", "ffn_fraction")
 # Of those, the switches config.json carries only when on (configuration_memlm.MEMORY_SWITCHES):
 # a model without them exports the config.json it exported before they existed.
 MEMORY_SWITCHES = ("w_bias",)
@@ -67,7 +71,7 @@ MEMORY_TRAINING_ONLY = (
     "knn_schedule_start", "knn_schedule_steps",
 )
 # FFN kinds the modeling file implements (tests check this against memlm's registry).
-REMOTE_KINDS = ("dense", "memory", "memplus", "moe", "peer")
+REMOTE_KINDS = ("dense", "memory", "memplus", "moe", "peer", "ultramem")
 
 
 def memory_settings(args: ModelArgs, memory: MemoryConfig | None) -> dict[str, Any]:
@@ -80,6 +84,13 @@ def memory_settings(args: ModelArgs, memory: MemoryConfig | None) -> dict[str, A
     settings["expert_hidden_dim"] = (mem.expert_hidden_dim
                                      or default_expert_hidden_dim(args.hidden_dim, max(mem.top_k, 1)))
     settings["peer_activation"] = "gelu"  # model/peer.py builds PEER with its default activation
+    if "ultramem" in layer_ffn_kinds(args, memory):  # the layer's own defaults, resolved (memory/ultramem.py)
+        settings["v_dim"] = mem.v_dim or max(1, 3 * args.dim // 16)
+        settings["pre_dim"] = mem.pre_dim or max(1, args.dim // 16)
+        settings["candidates"] = mem.candidates or min(mem.knn, mem.n_keys)
+    else:
+        for key in ULTRAMEM_KEYS:
+            del settings[key]
     return settings
 
 

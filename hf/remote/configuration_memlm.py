@@ -9,7 +9,7 @@ loads where memlm is not installed.
 
 Decoder sizes use the usual Hugging Face names; what is memlm's own:
 - `layer_ffn_kinds`: the FFN kind of every block ("dense", "memory",
-  "memplus", "moe", "peer"), resolved by memlm at export time;
+  "memplus", "moe", "peer", "ultramem"), resolved by memlm at export time;
 - `memory`: the settings those layers need at inference, resolved (v_dim and
   expert_hidden_dim are numbers, never 0). Training-only settings (learning
   rates, kernels, losses) are not part of it.
@@ -17,7 +17,7 @@ Decoder sizes use the usual Hugging Face names; what is memlm's own:
 
 from transformers import PretrainedConfig
 
-FFN_KINDS = ("dense", "memory", "memplus", "moe", "peer")
+FFN_KINDS = ("dense", "memory", "memplus", "moe", "peer", "ultramem")
 # The keys of `memory` this file's model reads (the export writes exactly these).
 MEMORY_KEYS = (
     "n_keys", "heads", "knn", "eval_knn", "k_dim", "v_dim", "share_values", "qk_norm", "gate",
@@ -25,6 +25,8 @@ MEMORY_KEYS = (
 )
 # Switches the export writes only when on (absent: off, as in exports made before them).
 MEMORY_SWITCHES = ("w_bias",)
+# UltraMemV2's settings (resolved), written only for a model with an ultramem block.
+ULTRAMEM_KEYS = ("rank", "expansion", "candidates", "pre_dim", "ffn_fraction")
 
 
 class MemlmConfig(PretrainedConfig):

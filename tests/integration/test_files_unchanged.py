@@ -126,7 +126,7 @@ def test_export_of_the_same_run_again_replaces_it(small_run, tmp_path):
 
 KILLED_EXPORT = """
 import os, signal, sys
-import memlm.hf.export as export
+import memlm.run.export as export
 export.write_data_config = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # after the weights
 sys.exit(export.main(sys.argv[1:]))
 """

@@ -51,6 +51,10 @@ CASES = {
     "moe_everywhere": (dict(ffn="moe"), None),
     "peer_qknorm": ({}, dict(kind="peer", layers=[1], n_keys=8, knn=4, heads=2, k_dim=16, qk_norm=True)),
     "memplus_and_peer": (dict(ffn="memplus"), dict(kind="peer", layers=[1], **PKM)),
+    "ultramem_every_block": ({}, dict(kind="ultramem", layers=[0, 1, 2], n_keys=8, knn=6, heads=1, k_dim=16)),
+    "ultramem_expanded_two_heads": ({}, dict(kind="ultramem", layers=[1], n_keys=8, knn=4, heads=2, k_dim=16,
+                                             rank=3, expansion=4, candidates=5, v_dim=24, pre_dim=8,
+                                             ffn_fraction=0.0)),
 }
 
 
@@ -193,6 +197,37 @@ def memplus_export(tmp_path_factory):
     trainer = Trainer(compose(overrides))
     trainer.fit()
     return export(tmp / "run", tmp / "export"), trainer.model.eval(), tmp
+
+
+@pytest.fixture(scope="module")
+def ultramem_export(tmp_path_factory):
+    """A trained tiny UltraMemV2 run (every block, implicit value expansion) exported, and the model."""
+    from memlm.config.run import compose
+    from memlm.run.export import export
+    from memlm.train.trainer import Trainer
+
+    tmp = tmp_path_factory.mktemp("remote_ultramem")
+    overrides = ["model.vocab_size=128", "data.seq_len=16", "data.micro_batch=2", "logging.wandb.mode=disabled",
+                 "steps=3", "optim.lr=3e-3", "model.n_layers=2", "memory=ultramem", "memory.n_keys=8",
+                 "memory.knn=6", "memory.k_dim=16", "memory.expansion=2", f"dump_dir={tmp / 'run'}"]
+    trainer = Trainer(compose(overrides))
+    trainer.fit()
+    return export(tmp / "run", tmp / "export"), trainer.model.eval(), tmp
+
+
+def test_ultramem_export_loads_with_auto_model_where_memlm_cannot_be_imported(ultramem_export):
+    export_dir, ours, tmp = ultramem_export
+    run_remote_child(sys.executable, True, export_dir, ours, tmp)
+
+
+def test_ultramem_export_loads_in_a_fresh_venv_without_memlm(ultramem_export):
+    python = os.environ.get("MEMLM_REMOTE_PYTHON")
+    if not python:
+        pytest.skip("set MEMLM_REMOTE_PYTHON to the python of a venv with torch + transformers and no memlm "
+                    "(make test-tf4 does)")
+    export_dir, ours, tmp = ultramem_export
+    stdout = run_remote_child(python, False, export_dir, ours, tmp)
+    assert "memlm installed: False" in stdout, stdout
 
 
 def test_export_loads_with_auto_model_where_memlm_cannot_be_imported(memplus_export):

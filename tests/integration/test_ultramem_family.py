@@ -105,3 +105,17 @@ def test_the_capacity_row_matches_memplus_in_sparse_parameters_and_active_flops(
     (ours, our_flops), (theirs, their_flops) = measured("capacity_ultramem"), measured("capacity_memplus")
     assert ours == theirs
     assert abs(our_flops / their_flops - 1) <= 0.05
+
+
+def test_built_on_meta_it_reads_the_same_rows():
+    """The address map (implicit value expansion) is a buffer: to_empty() leaves garbage in it and
+    init_weights() draws it again, so a model built on the meta device (loaders, init=sharded) reads
+    the rows the same model built on CPU reads."""
+    cfg = compose([*RUN, "memory.expansion=4"])
+    on_meta = build_model(cfg.model, cfg.memory)
+    from memlm.model import Transformer
+
+    on_cpu = Transformer(cfg.model, cfg.memory)
+    for a, b in zip(on_meta.layers, on_cpu.layers):
+        assert torch.equal(a.feed_forward.memory.address_rows, b.feed_forward.memory.address_rows)
+        assert int(a.feed_forward.memory.address_rows.max()) < a.feed_forward.memory.n_rows
