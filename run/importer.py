@@ -298,8 +298,8 @@ def architecture(args: ModelArgs, memory: MemoryConfig) -> dict[str, Any]:
 def _memory_settings(args: ModelArgs, memory: MemoryConfig) -> dict[str, Any]:
     """memory.<key> -> value of every memory setting the model computes with, resolved as the remote
     config resolves them (v_dim 0 -> model.dim, expert_hidden_dim 0 -> dense size // top_k)."""
-    settings = memory_settings(args, memory)
-    return {f"memory.{key}": settings[key] for key in MEMORY_INFERENCE}
+    settings = memory_settings(args, memory)  # UltraMemV2's keys only for a model that holds it
+    return {f"memory.{key}": settings[key] for key in MEMORY_INFERENCE if key in settings}
 
 
 def check_export_source(cfg: Any) -> tuple[ModelArgs, MemoryConfig, dict[str, Any]]:

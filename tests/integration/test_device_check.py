@@ -406,13 +406,13 @@ def test_mfu_floor_must_be_a_fraction(capsys):
 # ---------------------------------------------------------------------- compile
 def _compile_with_aot_eager(monkeypatch):
     """parallel.compile=true with dynamo's graphs but no inductor (seconds, not minutes on CPU)."""
-    import memlm.train.trainer as trainer_module
+    import memlm.distributed.parallelize as parallelize
 
     def apply_compile(model):
         for block in model.layers:
             block.compile(backend="aot_eager")
 
-    monkeypatch.setattr(trainer_module, "apply_compile", apply_compile)
+    monkeypatch.setattr(parallelize, "apply_compile", apply_compile)
 
 
 def test_judge_compile_rules():
@@ -562,12 +562,12 @@ INJECT = {
     """,
     "compile_dense": """
         import torch
-        import memlm.train.trainer as trainer
+        import memlm.distributed.parallelize as parallelize
         from memlm.model.block import Block
         def apply_compile(model):
             for block in model.layers:
                 block.compile(backend="aot_eager")
-        trainer.apply_compile = apply_compile
+        parallelize.apply_compile = apply_compile
         forward = Block.forward
         def with_break(self, *args, **kwargs):
             torch._dynamo.graph_break()
@@ -576,12 +576,12 @@ INJECT = {
     """,
     "compile_memplus": """
         import torch
-        import memlm.train.trainer as trainer
+        import memlm.distributed.parallelize as parallelize
         from memlm.memory import MemoryPlus
         def apply_compile(model):
             for block in model.layers:
                 block.compile(backend="aot_eager")
-        trainer.apply_compile = apply_compile
+        parallelize.apply_compile = apply_compile
         forward = MemoryPlus.forward
         def with_break(self, *args, **kwargs):
             torch._dynamo.graph_break()
