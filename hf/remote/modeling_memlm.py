@@ -160,6 +160,7 @@ class ValuePool(nn.Module):
             # dtype (memory.value_dtype) is part of the math, so it is restored once.
             with torch.no_grad():
                 self.weight.data = self.weight.data.to(self.dtype)
+        _aligned(self.weight)
         with _full_precision(slots.device):
             return F.embedding_bag(slots, self.weight, per_sample_weights=weights.to(self.weight.dtype), mode="sum")
 
@@ -279,10 +280,56 @@ class ExpertTable(nn.Module):
         self.up = nn.Parameter(torch.zeros(n_experts, dim))  # v: (N, dim)
 
 
+def _dots(table: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """table (N, dim), idx (T, K), x (T, dim) of table's dtype -> (T, K) float32 or wider: table[idx[t, k]] . x[t],
+    each dot by the kernel memlm's row_dots takes, so the sums are memlm's bit for bit."""
+    tokens, k = idx.shape
+    if table.device.type == "cpu":
+        # memlm (memory/fast/bag_grad.py weight_gradients): the per-sample-weights backward of
+        # embedding_bag, a BLAS dot per read, without gathering (T, K, dim).
+        flat = idx.reshape(-1)
+        offsets = torch.arange(0, tokens * k, k, dtype=flat.dtype)
+        bag = torch.arange(tokens).repeat_interleave(k).to(flat.dtype)
+        try:
+            return torch.ops.aten._embedding_bag_per_sample_weights_backward(
+                x, table, flat, offsets, bag, 0, -1).view(tokens, k)
+        except (AttributeError, RuntimeError, TypeError):
+            pass
+    compute = torch.promote_types(table.dtype, torch.float32)  # memlm's gathered_dots: a batched matmul
+    return torch.bmm(table[idx].to(compute), x.to(compute).unsqueeze(-1)).squeeze(-1)
+
+
+class _RowDots(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, table, idx, x):
+        ctx.save_for_backward(table, idx, x)
+        return _dots(table.detach(), idx, x.detach().to(table.dtype).contiguous())
+
+    @staticmethod
+    def backward(ctx, grad):
+        table, idx, x = ctx.saved_tensors
+        grad_table = grad_x = None
+        if ctx.needs_input_grad[2]:
+            grad_x = F.embedding_bag(idx, table, per_sample_weights=grad.to(table.dtype), mode="sum").to(x.dtype)
+        if ctx.needs_input_grad[0]:
+            reads = (grad.unsqueeze(-1) * x.unsqueeze(1).to(grad.dtype)).flatten(0, 1)  # (T*K, dim)
+            grad_table = torch.zeros_like(table).index_add_(0, idx.reshape(-1), reads.to(table.dtype))
+        return grad_table, None, grad_x
+
+
+def _aligned(table: torch.Tensor) -> torch.Tensor:
+    """The table, moved once to memory aligned as torch allocates it (64 bytes on CPU). A
+    safetensors file maps tensors at any offset, and the CPU's BLAS dots split their sums by
+    the data's alignment: a table read where it was mapped gives other last bits than memlm's."""
+    if table.device.type == "cpu" and table.data_ptr() % 64:
+        with torch.no_grad():
+            table.data = table.data.clone()
+    return table
+
+
 def row_dots(table: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """table (N, dim), idx (T, K), x (T, dim) -> (T, K): table[idx[t, k]] . x[t], by a gather and a batched matmul."""
-    # Not bit for bit memlm's row_dots: that one skips the gather and on CPU takes BLAS dots (another summation order).
-    return torch.einsum("tkd,td->tk", table[idx], x.to(table.dtype)).to(torch.promote_types(table.dtype, x.dtype))
+    """table (N, dim), idx (T, K), x (T, dim) -> (T, K): table[idx[t, k]] . x[t] (memlm memory/fast/row_dots.py)."""
+    return _RowDots.apply(_aligned(table), idx, x).to(torch.promote_types(table.dtype, x.dtype))
 
 
 class PEER(nn.Module):

@@ -1,7 +1,7 @@
 """A memlm export loaded by plain transformers (AutoModelForCausalLM, trust_remote_code)
 in a child process where `import memlm` is blocked, checked against memlm's own model:
-logits within TOL and greedy generation equal (tests/integration/test_hf_remote.py,
-test_hf_import.py's retrofit)."""
+logits equal (or within `tol`, for MoE's other summation order) and greedy generation
+equal (tests/integration/test_hf_remote.py, test_hf_import.py's retrofit)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+# Where the modeling file cannot sum in memlm's order: MoE's per-expert loop against
+# memlm's grouped GEMM, and the KV cache or a padded batch against a full recompute.
 TOL = 1e-5
 
 CHILD = r"""
@@ -39,7 +41,7 @@ print("memlm installed:", memlm_installed, "| transformers", transformers.__vers
 """
 
 
-def run_remote_child(python: str, isolated: bool, export_dir: Path, ours, tmp: Path) -> str:
+def run_remote_child(python: str, isolated: bool, export_dir: Path, ours, tmp: Path, tol: float = 0.0) -> str:
     io = tmp / f"io_{'isolated' if isolated else 'venv'}"
     io.mkdir(exist_ok=True)
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -52,7 +54,8 @@ def run_remote_child(python: str, isolated: bool, export_dir: Path, ours, tmp: P
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = load_file(str(io / "out.safetensors"))
     with torch.no_grad():
-        assert (out["logits"] - ours(tokens)).abs().max().item() <= TOL
+        diff = (out["logits"] - ours(tokens)).abs().max().item()
+        assert diff == 0.0 if tol == 0.0 else diff <= tol, f"max |logit difference| {diff}"
         expected = tokens[:, :4]
         for _ in range(6):
             expected = torch.cat([expected, ours(expected)[:, -1].argmax(-1, keepdim=True)], dim=1)

@@ -2,10 +2,12 @@
 
 The modeling file (hf/remote/modeling_memlm.py) re-implements memlm's
 decoder and every FFN kind in plain PyTorch; these tests keep the two equal:
-- logits within 1e-5 of memlm's for each kind and its variants (gates, shared
+- logits equal to memlm's (0.0) for each memory kind and its variants (gates, shared
   or own value tables, qk-norm, W1/W2 biases, parallel placement, bf16 tables, v_dim != dim,
-  MoE, PEER, mixed kinds), greedy generate() equal to memlm's greedy decoding,
-  left-padded batches equal to unpadded rows;
+  PEER, UltraMemV2, mixed kinds), and within 1e-5 for MoE (its per-expert loop sums
+  in another order than memlm's grouped GEMM); greedy generate() equal to memlm's
+  greedy decoding, left-padded batches equal to unpadded rows (within 1e-5: another
+  computation than the full recompute);
 - every ModelArgs / MemoryConfig field and every registered FFN kind is mapped
   or declared training-only (a new field or kind fails here first);
 - a real export loads through AutoModelForCausalLM + auto_map in a
@@ -56,6 +58,8 @@ CASES = {
                                              rank=3, expansion=4, candidates=5, v_dim=24, pre_dim=8,
                                              ffn_fraction=0.0)),
 }
+# MoE's per-expert loop sums in another order than memlm's grouped GEMM: within TOL, not equal.
+SUMMED_OTHERWISE = {"moe_layer", "moe_everywhere"}
 
 
 def _memlm_model(args_kw: dict, mem_kw: dict | None, seed: int = 0):
@@ -98,14 +102,17 @@ def test_remote_model_logits_match_memlm(tmp_path, case):
     with torch.no_grad():
         logits, out = ours(tokens), hf(tokens, labels=tokens)
     diff = (logits - out.logits).abs().max().item()
-    assert diff <= TOL, f"{case}: max |logit difference| {diff}"
+    if case in SUMMED_OTHERWISE:
+        assert diff <= TOL, f"{case}: max |logit difference| {diff}"
+    else:
+        assert diff == 0.0, f"{case}: max |logit difference| {diff}"
     # Hugging Face's convention: labels are the inputs, the model shifts them.
     expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
     assert abs(out.loss.item() - expected.item()) <= TOL
     # `.float()` (a habit with HF models) must not change the math: a bf16
     # value table goes back to its storage dtype (memory.value_dtype) at the next read.
     with torch.no_grad():
-        assert (logits - hf.float()(tokens).logits).abs().max().item() <= TOL
+        assert (logits - hf.float()(tokens).logits).abs().max().item() <= (TOL if case in SUMMED_OTHERWISE else 0.0)
 
 
 def test_generate_with_kv_cache_matches_memlm_greedy(tmp_path):
@@ -246,7 +253,7 @@ def test_sharded_export_loads_in_transformers(memplus_export):
     hf = MemlmForCausalLM.from_pretrained(str(sharded)).eval()
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert (hf(tokens).logits - ours(tokens)).abs().max().item() <= TOL
+        assert (hf(tokens).logits - ours(tokens)).abs().max().item() == 0.0
 
 
 def test_export_loads_in_a_fresh_venv_without_memlm(memplus_export):
@@ -257,3 +264,15 @@ def test_export_loads_in_a_fresh_venv_without_memlm(memplus_export):
     export_dir, ours, tmp = memplus_export
     stdout = run_remote_child(python, False, export_dir, ours, tmp)
     assert "memlm installed: False" in stdout, stdout
+
+
+def test_remote_row_dots_gradients_are_the_einsums():
+    """The modeling file's row_dots takes memlm's forward (an aten dot per read); its own
+    backward must be the gradient of table[idx] . x (fine-tuning an export in transformers)."""
+    from memlm.hf.remote.modeling_memlm import row_dots
+
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(10, 5, dtype=torch.double, generator=gen, requires_grad=True)
+    x = torch.randn(7, 5, dtype=torch.double, generator=gen, requires_grad=True)
+    idx = torch.randint(0, 10, (7, 3), generator=gen)
+    assert torch.autograd.gradcheck(lambda t, v: row_dots(t, idx, v), (table, x))
