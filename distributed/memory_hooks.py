@@ -13,19 +13,22 @@ dense models pay nothing. The layout, before the meshes are built:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch.distributed as dist
 from torch import nn
 
+from memlm.distributed.config import ParallelConfig
 from memlm.distributed.env import DistEnv, Meshes, build_meshes
 from memlm.distributed.memory_parallel import init_value_tables as _init_pool_tables
 from memlm.distributed.memory_parallel import shard_value_pools
 from memlm.distributed.value_grads import REDUCE_DTYPES, ValueGradReduction
 from memlm.distributed.value_layout import ValueTables, least_traffic, value_layouts
+from memlm.memory.config import MemoryConfig
 from memlm.memory.tables import value_pools
 from memlm.memory.usage import usage_metrics
 from memlm.memory.values import VALUE_DTYPES
+from memlm.model import ModelArgs
 from memlm.model.family import memory_family
 
 # A whole-table all-reduce this large per step (bytes one rank sends) is
@@ -33,7 +36,18 @@ from memlm.model.family import memory_family
 WHOLE_TABLE_WARNING_BYTES = 2**30
 
 
-def value_tables(cfg: Any) -> ValueTables | None:
+class RunSections(Protocol):
+    """What these functions read of a run's config (memlm.config.Config has it; config/
+    sits above distributed/, so the sections are named here rather than the class)."""
+
+    model: ModelArgs
+    memory: MemoryConfig
+    parallel: ParallelConfig
+
+    def tokens_per_step(self, world: int) -> int: ...
+
+
+def value_tables(cfg: RunSections) -> ValueTables | None:
     """The run's value tables and how a step reads them, from the config
     alone (the meshes are built before the model); None without tables."""
     mem = cfg.memory
@@ -49,13 +63,13 @@ def value_tables(cfg: Any) -> ValueTables | None:
     )
 
 
-def tokens_per_rank(cfg: Any, world: int) -> int:
+def tokens_per_rank(cfg: RunSections, world: int) -> int:
     """Tokens one rank trains on per optimizer step (global_batch_tokens
     split over the ranks, or one micro-batch)."""
     return cfg.tokens_per_step(world) // world
 
 
-def value_layouts_of(cfg: Any, world: int, gpus_per_node: int) -> list[dict]:
+def value_layouts_of(cfg: RunSections, world: int, gpus_per_node: int) -> list[dict]:
     """Every memory_parallel this run could take on `world` ranks, with its
     value-table traffic and seconds (memlm.distributed.value_layout.value_layouts);
     [] without value tables."""
@@ -65,7 +79,7 @@ def value_layouts_of(cfg: Any, world: int, gpus_per_node: int) -> list[dict]:
     return value_layouts(values, world, gpus_per_node, tokens_per_rank(cfg, world))
 
 
-def resolve_memory_parallel(cfg: Any, world: int, gpus_per_node: int) -> int:
+def resolve_memory_parallel(cfg: RunSections, world: int, gpus_per_node: int) -> int:
     """parallel.memory_parallel as an integer: the one given, or for `auto`
     the layout whose value-table traffic takes the least time on `world`
     ranks (1 on one rank or without value tables). The trainer and the
@@ -77,7 +91,7 @@ def resolve_memory_parallel(cfg: Any, world: int, gpus_per_node: int) -> int:
     return least_traffic(layouts)["memory_parallel"] if layouts else 1
 
 
-def run_meshes(cfg: Any, env: DistEnv, say) -> Meshes:
+def run_meshes(cfg: RunSections, env: DistEnv, say) -> Meshes:
     """The run's meshes, parallel.memory_parallel resolved (`say`: where the whole-table warning goes)."""
     world, per_node = env.world_size, env.local_world_size
     if warning := value_grad_warning(cfg, world, per_node):
@@ -85,7 +99,7 @@ def run_meshes(cfg: Any, env: DistEnv, say) -> Meshes:
     return build_meshes(env, resolve_memory_parallel(cfg, world, per_node), cfg.parallel.fsdp)
 
 
-def value_grad_warning(cfg: Any, world: int, gpus_per_node: int) -> str | None:
+def value_grad_warning(cfg: RunSections, world: int, gpus_per_node: int) -> str | None:
     """The start-up warning of a run that all-reduces its whole value table
     every step (memory_parallel 1 on several ranks, dense value gradients)
     at WHOLE_TABLE_WARNING_BYTES or more per rank; None otherwise."""
@@ -131,14 +145,14 @@ class _NoReduction:
         pass
 
 
-def value_grad_reduction(model: nn.Module, meshes: Meshes, env: DistEnv, accum: int, cfg: Any):
+def value_grad_reduction(model: nn.Module, meshes: Meshes, env: DistEnv, accum: int, memory: MemoryConfig):
     """What sums the value tables' gradients over replicas; call `.finish()`
     after the last micro-batch's backward, before clipping. The dense
     reduction starts from a hook during that backward (distributed/value_grads.py)."""
     pools = value_pools(model)
     if meshes.memory is None or not pools:
         return _NoReduction()
-    return ValueGradReduction(pools, meshes.memory, env.world_size, accum, cfg.memory.value_grad_reduce_dtype)
+    return ValueGradReduction(pools, meshes.memory, env.world_size, accum, memory.value_grad_reduce_dtype)
 
 
 class MemoryStep:
@@ -146,9 +160,9 @@ class MemoryStep:
     `step_start` (product keys: the knn schedule) before a step, the value gradients' reduction
     (`reduction`, value_grad_reduction's) once the step's backward is done."""
 
-    def __init__(self, model: nn.Module, cfg: Any, reduction):
-        self.model, self.memory, self.reduction = model, cfg.memory, reduction
-        self.family = memory_family(cfg.memory)
+    def __init__(self, model: nn.Module, memory: MemoryConfig, reduction):
+        self.model, self.memory, self.reduction = model, memory, reduction
+        self.family = memory_family(memory)
 
     def step_start(self, step: int) -> None:
         if self.family is not None:

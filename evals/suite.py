@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any
 
 from memlm.config.eval import EvalConfig
 from memlm.config.eval_tasks import known_tasks
+from memlm.data.config import DataConfig
 from memlm.errors import ConfigError
 from memlm.evals.harness import evaluate_task
 from memlm.evals.metrics import exact_match_by
@@ -29,7 +29,7 @@ def run_suite(
     rank: int = 0,
     world_size: int = 1,
     *,
-    data_cfg: Any = None,
+    data_cfg: DataConfig | None = None,
     json_name: str | None = None,
     meta: dict | None = None,
 ) -> dict[str, dict]:

@@ -12,10 +12,10 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from memlm.config.eval import EvalConfig
 from memlm.config.eval_tasks import FACTS_FORMAT, SYNTHETIC_QA_FILES, TaskSpec, task_spec
+from memlm.data.config import DataConfig
 from memlm.errors import ConfigError
 from memlm.evals.formats import (
     TaskDataError,
@@ -40,7 +40,7 @@ class TaskData:
     source: str = ""  # the evaluated file (or corpus), for the report
 
 
-def load_task(name: str, cfg: EvalConfig, data_cfg: Any = None) -> TaskData:
+def load_task(name: str, cfg: EvalConfig, data_cfg: DataConfig | None = None) -> TaskData:
     spec = task_spec(name)
     k = cfg.fewshot_for(name) if spec.kind not in ("ppl", "bits") else 0
     if spec.name in SYNTHETIC_QA_FILES:
@@ -119,7 +119,7 @@ def _with_phrasing(example: dict, record: dict) -> dict:
     return example
 
 
-def synthetic_folder_of_shards(data_cfg: Any) -> Path | None:
+def synthetic_folder_of_shards(data_cfg: DataConfig | None) -> Path | None:
     """The synthetic corpus folder that `kind: shards` data was prepared from,
     else None. The shards' manifest names each source file; a synthetic
     corpus' train.jsonl sits next to its question files (qa*.jsonl)."""
@@ -134,7 +134,7 @@ def synthetic_folder_of_shards(data_cfg: Any) -> Path | None:
     return folders.pop() if len(folders) == 1 else None
 
 
-def _synthetic_qa(data_cfg: Any, task: str = "synthetic_qa") -> tuple[list[dict], str]:
+def _synthetic_qa(data_cfg: DataConfig | None, task: str = "synthetic_qa") -> tuple[list[dict], str]:
     """(the questions, their file) of the synthetic corpus the model was trained
     on: from the run's data config when it trained on the synthetic corpus
     (same people and facts; regenerated under data.cache_dir when missing), or
@@ -186,7 +186,7 @@ def _synthetic_qa(data_cfg: Any, task: str = "synthetic_qa") -> tuple[list[dict]
     return examples, str(path)
 
 
-def _facts(data_cfg: Any, task: str) -> list[dict]:
+def _facts(data_cfg: DataConfig | None, task: str) -> list[dict]:
     """Every fact of the random-facts corpus the run trained on (all of them:
     capacity is a sum over the corpus, so `limit` is an estimate's sample only)."""
     if data_cfg is None or getattr(data_cfg, "kind", "") != "facts":

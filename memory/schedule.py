@@ -16,9 +16,12 @@ any saved state.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from memlm.memory.config import MemoryConfig
 
 from memlm.memory.product_keys import ProductKeys
 
@@ -47,7 +50,7 @@ def set_knn(model: nn.Module, knn: int | None = None, eval_knn: int | None = Non
     return changed
 
 
-def apply_knn_schedule(model: nn.Module, memory_cfg: Any, step: int) -> int | None:
+def apply_knn_schedule(model: nn.Module, memory_cfg: MemoryConfig, step: int) -> int | None:
     """Set every memory layer's training knn for `step` from a MemoryConfig.
 
     Returns the knn set, or None when the config has no schedule (nothing is

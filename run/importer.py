@@ -43,7 +43,7 @@ import dataclasses
 import json
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -70,6 +70,9 @@ from memlm.model.family import family_of
 from memlm.model.lora import is_lora_key
 from memlm.model.transformer import layer_ffn_kinds
 from memlm.run.source import ModelSource, strip_prefix
+
+if TYPE_CHECKING:
+    from memlm.config.run import Config
 
 HF_CONFIG = "config.json"
 HF_TOKENIZER = "tokenizer.model"  # sentencepiece: the only tokenizer format memlm reads
@@ -134,7 +137,7 @@ def _show(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def check_hf_source(cfg: Any) -> ModelArgs:
+def check_hf_source(cfg: Config) -> ModelArgs:
     """For `init_from=hf:<dir>`: the folder is a readable Llama checkpoint and the
     run's model config has its architecture (every difference is named)."""
     hf = read_hf_args(cfg.init_from)
@@ -239,7 +242,7 @@ def load_safetensors(init_from: str, model: torch.nn.Module, args: ModelArgs, la
     return {"kept": sorted(kept), "new": new, "dropped": dropped}
 
 
-def import_hf(cfg: Any, model: torch.nn.Module, tokenizer: Any, log: Callable[[str], None]) -> dict[str, list[str]]:
+def import_hf(cfg: Config, model: torch.nn.Module, tokenizer: Any, log: Callable[[str], None]) -> dict[str, list[str]]:
     """init_from=hf:<dir> (checked by check_import_source): load, and log what was kept, new and dropped."""
     directory = strip_prefix(cfg.init_from)
     log(f"[hf-import] {check_hf_tokenizer(cfg.init_from, tokenizer)}")
@@ -302,7 +305,7 @@ def _memory_settings(args: ModelArgs, memory: MemoryConfig) -> dict[str, Any]:
     return {f"memory.{key}": settings[key] for key in MEMORY_INFERENCE if key in settings}
 
 
-def check_export_source(cfg: Any) -> tuple[ModelArgs, MemoryConfig, dict[str, Any]]:
+def check_export_source(cfg: Config) -> tuple[ModelArgs, MemoryConfig, dict[str, Any]]:
     """For `init_from=<export>`: the folder is a readable export and the run's model and memory
     config build its model. A difference is refused with every difference named and the overrides
     that fix them all; memory.knn / eval_knn (FREE_MEMORY: no tensors) alone are not refused."""
@@ -326,7 +329,7 @@ def check_export_source(cfg: Any) -> tuple[ModelArgs, MemoryConfig, dict[str, An
     return args, memory, meta
 
 
-def import_export(cfg: Any, meta: dict[str, Any], model: torch.nn.Module, tokenizer: Any,
+def import_export(cfg: Config, meta: dict[str, Any], model: torch.nn.Module, tokenizer: Any,
                   log: Callable[[str], None]) -> dict[str, list[str]]:
     """init_from=<export> (checked by check_import_source; `meta`: its memlm_config.json): load every
     tensor (exact: none new, none dropped) and log it."""
@@ -337,7 +340,7 @@ def import_export(cfg: Any, meta: dict[str, Any], model: torch.nn.Module, tokeni
     return summary
 
 
-def check_import_source(cfg: Any, source: ModelSource) -> ModelSource:
+def check_import_source(cfg: Config, source: ModelSource) -> ModelSource:
     """What the preflight checks of an `init_from` export or Llama (`source`, as model_source named it)
     before a run starts: its architecture against the run's. Returns `source` with what was read
     (`checked`), which import_init loads from without reading it again."""
@@ -348,7 +351,7 @@ def check_import_source(cfg: Any, source: ModelSource) -> ModelSource:
     raise ValueError(f"check_import_source: {source.name} is a memlm checkpoint, not an export or a Llama")
 
 
-def import_init(cfg: Any, source: ModelSource, model: torch.nn.Module, tokenizer: Any,
+def import_init(cfg: Config, source: ModelSource, model: torch.nn.Module, tokenizer: Any,
                 log: Callable[[str], None]) -> dict[str, list[str]]:
     """The load of an `init_from` that is not a memlm checkpoint: a Llama or an export, as
     check_import_source returned it."""

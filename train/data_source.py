@@ -8,15 +8,19 @@ and their copy to the device.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from memlm.data.loader import build_loader
 from memlm.errors import ConfigError
 
+if TYPE_CHECKING:
+    from memlm.config.run import Config
+    from memlm.distributed.env import DistEnv
 
-def build_train_loader(cfg: Any, env: Any, split: str = "train"):
+
+def build_train_loader(cfg: Config, env: DistEnv, split: str = "train"):
     """This rank's loader: (inputs, targets) int64 CPU tensors of shape
     (micro_batch, seq_len), with state_dict() / load_state_dict(); with
     model.doc_mask also each token's document id (inputs, targets, doc_ids).
@@ -34,7 +38,7 @@ def build_train_loader(cfg: Any, env: Any, split: str = "train"):
     return loader
 
 
-def has_validation(cfg: Any) -> bool:
+def has_validation(cfg: Config) -> bool:
     """Whether the data config holds out a validation stream."""
     return cfg.data.kind in ("random", "shards") or cfg.data.val_fraction > 0
 

@@ -87,14 +87,14 @@ class Trainer:
         self.model = build_run_model(cfg, env, self.meshes,
                                      wrap=lambda model: parallelize(model, self.meshes, cfg.parallel, env.device))
         self.params = split_params(self.model)  # (dense, sparse tables): clipped apart (memlm.memory.tables)
-        self.value_grads = memory_hooks.value_grad_reduction(self.model, self.meshes, env, self.accum, cfg)
+        self.value_grads = memory_hooks.value_grad_reduction(self.model, self.meshes, env, self.accum, cfg.memory)
         self.optimizer = build_optimizer(self.model, cfg, env.device)
         # What the fine-tune mode does between backward and step (sparse: the rows that may change)
         self.finetune = mode_of(cfg).step_hook(self.model, cfg, env.distributed, self.init_source)
         if (line := self.finetune.describe()) is not None:  # sparse: the background file it ranks against
             self._print_main(f"[train] {line}")
         # The step's own parts: the memory layers' (knn schedule, value-gradient reduction), the mode's.
-        self.extensions = Extensions(memory_hooks.MemoryStep(self.model, cfg, self.value_grads), self.finetune)
+        self.extensions = Extensions(memory_hooks.MemoryStep(self.model, cfg.memory, self.value_grads), self.finetune)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         # Per-step loss, norms and the skip flag stay on the device until a read.
         self.guard = StepGuard(cfg.max_nonfinite_steps, self._print_main, lower=lower_hint(mode_of(cfg), cfg))
