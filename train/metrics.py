@@ -18,12 +18,15 @@ import json
 import resource
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from memlm.errors import ConfigError
 from memlm.files import atomic_write_text
+
+if TYPE_CHECKING:
+    from memlm.config.run import WandbConfig
 
 # Dense bf16 tensor-core peak per GPU, for MFU. Unknown devices report no MFU.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
@@ -79,7 +82,7 @@ def trim_metrics(path: Path, step: int) -> int:
 
 
 class MetricsLogger:
-    def __init__(self, dump_dir: Path, is_main: bool, run_name: str, config: dict, wandb_cfg: Any,
+    def __init__(self, dump_dir: Path, is_main: bool, run_name: str, config: dict, wandb_cfg: WandbConfig,
                  tensorboard: bool = False, start_step: int = 0):
         self.is_main = is_main
         self.path = dump_dir / "metrics.jsonl"
