@@ -28,7 +28,8 @@ RunsAt = Callable[[str, int, float | None], list[dict]]
 # (issue #32): a run that sets another is a lever run, set beside the same
 # seed's run without it and never averaged in as a seed of a setting.
 LEVER_DEFAULTS = {"value_weight_decay": 0.0, "value_dtype": "fp32", "w_bias": False}
-ORDER = ["Dense", "MoE", "PEER", "Memory", "Memory+"]
+# The variants of the capacity study, by family label (memlm.model.family), in the report's order.
+ORDER = ["Dense", "MoE", "PEER", "Memory", "Memory+", "UltraMemV2"]
 PAPER_ORDER = "Memory+ > PEER > Memory > MoE > Dense"
 GOAL_VS_DENSE = 5.0  # issues #32, #40: Memory+ at its default levers stores at least 5x Dense's bits (two-seed means)
 

@@ -111,9 +111,29 @@ def test_memplus_is_compared_at_its_study_size_and_the_sweep_is_its_own_goal(tmp
 
 def test_a_run_of_an_unknown_memory_kind_is_named(tmp_path, monkeypatch):
     _run(tmp_path, "d20", "capacity_dense", 20, 100.0)
-    monkeypatch.setattr(report, "VARIANTS", {"moe": "MoE"})
-    with pytest.raises(report.ReportError, match=r"d20/config.yaml: memory.kind='none', the report knows moe"):
+    monkeypatch.setattr(report, "ORDER", ["MoE"])
+    with pytest.raises(report.ReportError,
+                       match=r"d20/config.yaml: memory.kind='none' \(Dense\), the report knows MoE"):
         report.load_runs([tmp_path])
+
+
+def test_ultramem_is_set_against_memplus_and_moe_at_their_active_flops(tmp_path):
+    """Issue #52's study presets: UltraMemV2's row carries its family's label, its value lr and
+    n_keys**2 grid addresses, and a line sets its FLOPs and bits against Memory+'s and MoE's."""
+    _run(tmp_path, "d40", "capacity_dense", 40, 100.0)
+    _run(tmp_path, "m40", "capacity_memplus", 40, 400.0)
+    _run(tmp_path, "x40", "capacity_moe", 40, 200.0)
+    _run(tmp_path, "u40", "capacity_ultramem", 40, 300.0)
+    rows = report.load_runs([tmp_path])
+    ultra = next(r for r in rows if r["run"] == "u40")
+    memplus = next(r for r in rows if r["run"] == "m40")
+    assert (ultra["variant"], ultra["value_lr"], ultra["slots"]) == ("UltraMemV2", 1e-2, 128**2)
+    assert [r["variant"] for r in rows] == ["Dense", "MoE", "Memory+", "UltraMemV2"]
+    line = next(x for x in report.findings(rows) if x.startswith("- UltraMemV2"))
+    ratio = ultra["flops"] / memplus["flops"]
+    assert f"0.75x Memory+'s bits (400) at {ratio:.3f}x its active FLOPs/token ({memplus['flops']:,})" in line
+    assert "1.50x MoE's bits (200)" in line and "(1 seed)" in line
+    assert line.endswith(f"(equal active FLOPs, within 5%: {'met' if abs(ratio - 1) <= 0.05 else 'NOT met'}).")
 
 
 def test_seeds_are_averaged_and_a_longer_run_is_not_a_seed(tmp_path):
