@@ -5,15 +5,13 @@ finetune=memory (its table is a sparse table) and exports."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
+from family_paths import check_family_paths
 from torch import nn
 
-from memlm.config.run import compose
-from memlm.memory.tables import CATEGORY, sparse_tables
+from memlm.memory.tables import CATEGORY
 from memlm.model import family as family_module
 from memlm.model.family import Family
 
@@ -69,39 +67,10 @@ RUN = ["model.vocab_size=128", "data.seq_len=16", "data.micro_batch=2", "optim.w
        "logging.wandb.mode=disabled", f"memory.kind={KIND}", "memory.layers=[1]", "val_batches=0"]
 
 
-def _losses(run) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
-            if '"loss"' in line]
-
-
 def test_trains_resumes_fine_tunes_and_exports(registered, tmp_path, capsys):
-    from memlm.hf import from_pretrained
-    from memlm.run.export import export
-    from memlm.run.load import load_model
-    from memlm.train.trainer import Trainer
+    def inspect(trainer):
+        assert [type(m) for m in trainer.model.modules() if isinstance(m, RowTable)] == [RowTable]
+        assert {g["name"] for g in trainer.optimizer.param_groups} >= {"memory_values"}  # its table's own group
 
-    full = tmp_path / "full"
-    trainer = Trainer(compose([*RUN, "steps=4", f"dump_dir={full}"]))
-    assert [type(m) for m in trainer.model.modules() if isinstance(m, RowTable)] == [RowTable]
-    assert {g["name"] for g in trainer.optimizer.param_groups} >= {"memory_values"}  # its table's own group
-    trainer.fit()
-    halves = tmp_path / "halves"
-    Trainer(compose([*RUN, "steps=4", f"dump_dir={halves}"])).fit(stop_after=2)
-    Trainer(compose([*RUN, "steps=4", f"dump_dir={halves}", "resume=auto"])).fit()
-    assert _losses(halves) == _losses(full)  # resumed bit for bit
-
-    (ckpt,) = (full / "checkpoints").glob("step_*4")
-    base = load_model(ckpt).model.state_dict()
-    tuned = Trainer(compose([*RUN, "steps=2", "finetune=memory", "memory.value_lr=0.1", f"init_from={ckpt}",
-                             f"dump_dir={tmp_path / 'tuned'}"]))
-    tuned.fit()
-    table = {id(p) for p in sparse_tables(tuned.model)}
-    for name, p in tuned.model.named_parameters():
-        moved = not torch.equal(p.detach(), base[name])
-        assert moved == (id(p) in table), name  # finetune=memory trains the family's table alone
-
-    out = export(ckpt, tmp_path / "export")
+    check_family_paths(RUN, tmp_path, inspect)
     assert "no Hugging Face modeling code" in capsys.readouterr().out
-    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert torch.equal(from_pretrained(out)(tokens), load_model(ckpt).model(tokens))

@@ -222,23 +222,14 @@ def ultramem_export(tmp_path_factory):
     return export(tmp / "run", tmp / "export"), trainer.model.eval(), tmp
 
 
-def test_ultramem_export_loads_with_auto_model_where_memlm_cannot_be_imported(ultramem_export):
-    export_dir, ours, tmp = ultramem_export
-    run_remote_child(sys.executable, True, export_dir, ours, tmp)
+@pytest.fixture(scope="module", params=["memplus", "ultramem"])
+def exported(request):
+    """Each real export: (its folder, the trained memlm model, the fixture's folder)."""
+    return request.getfixturevalue(f"{request.param}_export")
 
 
-def test_ultramem_export_loads_in_a_fresh_venv_without_memlm(ultramem_export):
-    python = os.environ.get("MEMLM_REMOTE_PYTHON")
-    if not python:
-        pytest.skip("set MEMLM_REMOTE_PYTHON to the python of a venv with torch + transformers and no memlm "
-                    "(make test-tf4 does)")
-    export_dir, ours, tmp = ultramem_export
-    stdout = run_remote_child(python, False, export_dir, ours, tmp)
-    assert "memlm installed: False" in stdout, stdout
-
-
-def test_export_loads_with_auto_model_where_memlm_cannot_be_imported(memplus_export):
-    export_dir, ours, tmp = memplus_export
+def test_export_loads_with_auto_model_where_memlm_cannot_be_imported(exported):
+    export_dir, ours, tmp = exported
     assert {"config.json", "configuration_memlm.py", "modeling_memlm.py"} <= {p.name for p in export_dir.iterdir()}
     run_remote_child(sys.executable, True, export_dir, ours, tmp)
 
@@ -256,12 +247,12 @@ def test_sharded_export_loads_in_transformers(memplus_export):
         assert (hf(tokens).logits - ours(tokens)).abs().max().item() == 0.0
 
 
-def test_export_loads_in_a_fresh_venv_without_memlm(memplus_export):
+def test_export_loads_in_a_fresh_venv_without_memlm(exported):
     python = os.environ.get("MEMLM_REMOTE_PYTHON")
     if not python:
         pytest.skip("set MEMLM_REMOTE_PYTHON to the python of a venv with torch + transformers and no memlm "
-                    "(docs/checkpoints.md, 'Memory, MoE and PEER exports in transformers')")
-    export_dir, ours, tmp = memplus_export
+                    "(make test-tf4 does; docs/checkpoints.md, 'Memory, MoE and PEER exports in transformers')")
+    export_dir, ours, tmp = exported
     stdout = run_remote_child(python, False, export_dir, ours, tmp)
     assert "memlm installed: False" in stdout, stdout
 

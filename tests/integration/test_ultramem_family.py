@@ -4,11 +4,10 @@ Memory+, and on two ranks (memory_parallel 1 and 2) as on one process."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from equivalence import BASE, assert_same, distributed_run, global_batches, reference_run
+from family_paths import check_family_paths
 
 from memlm.config.run import compose
 from memlm.errors import ConfigError
@@ -20,11 +19,6 @@ from memlm.model.ultramem_ffn import UltraMemFFN, reduced_hidden
 SMALL = ["memory=ultramem", "memory.n_keys=16", "memory.k_dim=32", "memory.knn=8"]
 RUN = ["model.vocab_size=128", "data.seq_len=16", "data.micro_batch=2", "optim.warmup=0", "logging.every=1",
        "logging.wandb.mode=disabled", "val_batches=0", *SMALL]
-
-
-def _losses(run) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
-            if '"loss"' in line]
 
 
 def test_every_block_holds_the_layer_beside_a_reduced_ffn():
@@ -55,31 +49,7 @@ def test_bad_settings_name_their_key(override, key):
 
 
 def test_trains_resumes_fine_tunes_and_exports(tmp_path):
-    from memlm.hf import from_pretrained
-    from memlm.run.export import export
-    from memlm.run.load import load_model
-    from memlm.train.trainer import Trainer
-
-    full = tmp_path / "full"
-    Trainer(compose([*RUN, "steps=4", f"dump_dir={full}"])).fit()
-    halves = tmp_path / "halves"
-    Trainer(compose([*RUN, "steps=4", f"dump_dir={halves}"])).fit(stop_after=2)
-    Trainer(compose([*RUN, "steps=4", f"dump_dir={halves}", "resume=auto"])).fit()
-    assert _losses(halves) == _losses(full)  # resumed bit for bit
-
-    (ckpt,) = (full / "checkpoints").glob("step_*4")
-    base = load_model(ckpt).model.state_dict()
-    tuned = Trainer(compose([*RUN, "steps=2", "finetune=memory", "memory.value_lr=0.1", f"init_from={ckpt}",
-                             f"dump_dir={tmp_path / 'tuned'}"]))
-    tuned.fit()
-    table = {id(p) for p in sparse_tables(tuned.model)}
-    for name, p in tuned.model.named_parameters():
-        assert (not torch.equal(p.detach(), base[name])) == (id(p) in table), name  # V and P alone move
-
-    out = export(ckpt, tmp_path / "export")
-    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert torch.equal(from_pretrained(out)(tokens), load_model(ckpt).model(tokens))
+    check_family_paths(RUN, tmp_path)  # finetune=memory: V and P alone move
 
 
 @pytest.mark.slow
