@@ -75,6 +75,11 @@ def test_the_capacity_row_matches_memplus_in_sparse_parameters_and_active_flops(
     (ours, our_flops), (theirs, their_flops) = measured("capacity_ultramem"), measured("capacity_memplus")
     assert ours == theirs
     assert abs(our_flops / their_flops - 1) <= 0.05
+    # The denser point: the same tables, twice the reads, still within 5% of Memory+'s FLOPs.
+    denser, denser_flops = measured("capacity_ultramem_dense")
+    assert denser == ours and abs(denser_flops / their_flops - 1) <= 0.05
+    reads = {name: compose([f"experiment={name}"]).memory for name in ("capacity_ultramem", "capacity_ultramem_dense")}
+    assert reads["capacity_ultramem_dense"].knn == 2 * reads["capacity_ultramem"].knn
 
 
 def test_built_on_meta_it_reads_the_same_rows():
