@@ -53,13 +53,43 @@ def test_trains_resumes_fine_tunes_and_exports(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("memory_parallel", [1, 2])
-def test_two_ranks_equal_one_process(tmp_path, memory_parallel):
+@pytest.mark.parametrize("world,memory_parallel", [(2, 1), (2, 2), (4, 2), (4, 4)])
+def test_ranks_equal_one_process(tmp_path, world, memory_parallel):
+    """V and P column-sharded over memory_parallel ranks (replicated over the rest) train as one process."""
     run = [*BASE, *SMALL, "model.n_layers=2"]
     batches = global_batches(128)
     ref = reference_run(run, batches, tmp_path / "ref")
-    got = distributed_run([*run, f"parallel.memory_parallel={memory_parallel}"], batches, tmp_path)
+    got = distributed_run([*run, f"parallel.memory_parallel={memory_parallel}"], batches, tmp_path, world=world)
     assert_same(ref, got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_on,resumed_on", [(2, 1), (1, 2)])
+def test_resharding_restores_model_and_optimizer(tmp_path, saved_on, resumed_on):
+    """A checkpoint saved with the tables column-sharded over 2 ranks resumes on 1 process, and back:
+    every weight and optimizer state equal."""
+    from distributed_workers import run_ranks
+    from train_workers import fit_and_dump
+
+    run = [*BASE, *SMALL, "model.n_layers=2", "data.micro_batch=2", "steps=3", f"dump_dir={tmp_path}"]
+    layout = {1: ["parallel.memory_parallel=1"], 2: ["parallel.memory_parallel=2"]}
+    saved, resumed = tmp_path / "saved.pt", tmp_path / "resumed.pt"
+
+    def fit(world: int, overrides: list[str], out) -> None:
+        if world == 1:
+            fit_and_dump(0, [*overrides, *layout[1]], str(out))
+        else:
+            run_ranks(fit_and_dump, world, [*overrides, *layout[world]], str(out))
+
+    fit(saved_on, [*run, "checkpoint.at_end=true"], saved)
+    fit(resumed_on, [*run, "resume=auto"], resumed)  # the final checkpoint restored, no step trained
+    a, b = torch.load(saved, weights_only=True), torch.load(resumed, weights_only=True)
+    assert b["step"] == 3
+    for part in ("model", "optim"):
+        assert a[part].keys() == b[part].keys()
+        for k in a[part]:
+            assert torch.equal(a[part][k], b[part][k]), f"{part} {k}"
+    assert any("pre_values" in k for k in a["model"]) and any("exp_avg_sq" in k for k in a["optim"])
 
 
 def test_the_capacity_row_matches_memplus_in_sparse_parameters_and_active_flops():
