@@ -82,6 +82,8 @@ def load_run(dump: Path) -> dict | None:
     return {
         "run": dump.name, "variant": family.label, "slots": slots,
         "value_lr": cfg.memory.value_lr if product_keys else None,
+        # rows a token reads per memory layer (the activation density's numerator); None without one
+        "reads": cfg.memory.heads * cfg.memory.knn if product_keys else None,
         "lever": value_lr.lever_of(cfg.memory) if product_keys else "",
         "command": command.read_text().strip() if command.is_file() else "",
         "seed": cfg.seed, "entities": cfg.data.facts.entities,
@@ -152,8 +154,13 @@ def _study_lr(rows: list[dict], variant: str) -> float | None:
     return _study_setting(rows, variant, "value_lr", tie=-1)
 
 
+def _study_reads(rows: list[dict], variant: str) -> int | None:
+    """A variant's study reads per token (ties: the fewer); a denser point is an extra."""
+    return _study_setting(rows, variant, "reads", tie=-1)
+
+
 def _runs(rows: list[dict], variant: str, entities: int, slots: int | None = None,
-          value_lr: float | None = None) -> list[dict]:
+          value_lr: float | None = None, reads: int | None = None) -> list[dict]:
     """The study's runs of a variant at N, one per seed: at the fewest steps run at N
     (a longer run is an extra, not a seed), without a lever (value_lr.LEVER_DEFAULTS),
     for Memory+ at `slots` (default: its study size, so a sweep's larger memory
@@ -169,6 +176,9 @@ def _runs(rows: list[dict], variant: str, entities: int, slots: int | None = Non
     lr = value_lr or _study_lr(rows, variant)
     if lr is not None:
         found = [r for r in found if r["value_lr"] == lr]
+    per_token = reads or _study_reads(rows, variant)
+    if per_token is not None:
+        found = [r for r in found if r["reads"] == per_token]
     return sorted(found, key=lambda r: r["seed"])
 
 
@@ -248,9 +258,19 @@ def _equal_flops_lines(rows: list[dict], entities: int) -> list[str]:
             parts.append(f"{mean_bits(ours) / max(mean_bits(theirs), 1e-9):.2f}x {other}'s bits ({said(theirs)}) "
                          f"at {flops:.3f}x its active FLOPs/token ({theirs[0]['flops']:,})")
     seeds = f"{len(ours)} seed{'s' if len(ours) > 1 else ''}"
-    return [f"- UltraMemV2 at N = {entities:,} stores {said(ours)} bits ({seeds}) at {ours[0]['flops']:,} active "
-            f"FLOPs/token: " + "; ".join(parts)
-            + f" (equal active FLOPs, within {EQUAL_FLOPS:.0%}: {'met' if equal else 'NOT met'})."]
+    out = [f"- UltraMemV2 at N = {entities:,} stores {said(ours)} bits ({seeds}) at {ours[0]['flops']:,} active "
+           f"FLOPs/token: " + "; ".join(parts)
+           + f" (equal active FLOPs, within {EQUAL_FLOPS:.0%}: {'met' if equal else 'NOT met'})."]
+    study = ours[0]["reads"]
+    for reads in sorted({r["reads"] for r in rows if r["variant"] == "UltraMemV2" and r["entities"] == entities
+                         and r["total"] == ours[0]["total"]} - {study}):
+        denser = _runs(rows, "UltraMemV2", entities, reads=reads)
+        if denser:
+            out.append(f"  At {reads / study:g}x the reads per token ({reads} against {study}) over the same "
+                       f"{ours[0]['total']:,} parameters (activation density), it stores {said(denser)} bits: "
+                       f"{mean_bits(denser) / max(mean_bits(ours), 1e-9):.2f}x, at "
+                       f"{denser[0]['flops'] / ours[0]['flops']:.3f}x the active FLOPs/token.")
+    return out
 
 
 def render(rows: list[dict]) -> str:

@@ -134,6 +134,13 @@ def test_ultramem_is_set_against_memplus_and_moe_at_their_active_flops(tmp_path)
     assert f"0.75x Memory+'s bits (400) at {ratio:.3f}x its active FLOPs/token ({memplus['flops']:,})" in line
     assert "1.50x MoE's bits (200)" in line and "(1 seed)" in line
     assert line.endswith(f"(equal active FLOPs, within 5%: {'met' if abs(ratio - 1) <= 0.05 else 'NOT met'}).")
+    # The denser point (capacity_ultramem_dense): an extra beside the study's reads, never a seed of it.
+    _run(tmp_path, "u40_dense", "capacity_ultramem_dense", 40, 360.0)
+    rows = report.load_runs([tmp_path])
+    text = report.findings(rows)
+    assert next(x for x in text if x.startswith("- UltraMemV2")) == line
+    assert "  At 2x the reads per token (64 against 32) over the same 1,274,440 parameters (activation density), " \
+           "it stores 360 bits: 1.20x, at 1.022x the active FLOPs/token." in text
 
 
 def test_seeds_are_averaged_and_a_longer_run_is_not_a_seed(tmp_path):
