@@ -37,7 +37,7 @@ WHOLE_TABLE_WARNING_BYTES = 2**30
 
 
 class RunSections(Protocol):
-    """What these functions read of a run's config (memlm.config.Config has it; config/
+    """What these functions read of a run's config (memlm.config.run.Config has it; config/
     sits above distributed/, so the sections are named here rather than the class)."""
 
     model: ModelArgs
