@@ -281,7 +281,7 @@ class ExpertTable(nn.Module):
 
 
 def _dots(table: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """table (N, dim), idx (T, K), x (T, dim) of table's dtype -> (T, K) float32 or wider: table[idx[t, k]] . x[t],
+    """table (N, dim), idx (T, K), x (T, dim) of table's dtype -> (T, K): table[idx[t, k]] . x[t],
     each dot by the kernel memlm's row_dots takes, so the sums are memlm's bit for bit."""
     tokens, k = idx.shape
     if table.device.type == "cpu":
