@@ -52,14 +52,15 @@ def value_tables(cfg: RunSections) -> ValueTables | None:
     alone (the meshes are built before the model); None without tables."""
     mem = cfg.memory
     fam = memory_family(mem)
-    if fam is None or not fam.reads_rows:
+    pools = fam.value_pools(mem, cfg.model) if fam is not None else None
+    if pools is None:
         return None
-    layers = len(mem.resolved_layers(cfg.model.n_layers))
     return ValueTables(
-        tables=1 if mem.share_values else layers, rows=mem.n_keys**2, v_dim=mem.v_dim or cfg.model.dim,
+        tables=pools.tables, rows=pools.rows, v_dim=pools.v_dim,
         value_bytes=VALUE_DTYPES[mem.value_dtype].itemsize,
         grad_bytes=REDUCE_DTYPES[mem.value_grad_reduce_dtype].itemsize,
-        reads=layers, reads_per_token=mem.heads * mem.knn, sparse_updates=mem.sparse_updates,
+        reads=len(mem.resolved_layers(cfg.model.n_layers)), reads_per_token=pools.reads_per_token,
+        sparse_updates=mem.sparse_updates,
     )
 
 

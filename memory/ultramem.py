@@ -52,6 +52,11 @@ def _check(key: str, value, ok: bool, valid: str) -> None:
         raise ValueError(f"{key}={value!r} is invalid: {valid}")
 
 
+def default_v_dim(dim: int) -> int:
+    """V's width when not given: 3 dim / 16 (UltraMemV2's pre_dim : v_dim = 1 : 3, their sum dim / 4)."""
+    return max(1, 3 * dim // 16)
+
+
 def ffn_output_var(n_layers: int, ffn_mult: float) -> float:
     """The output variance at init of the SwiGLU FFN the paper matches (its eq. 25):
     0.16 * 0.4 * ffn_mult / (2 * n_layers), ffn_mult = FFN inner dim / model dim."""
@@ -154,7 +159,7 @@ class UltraMemV2(nn.Module):
                  value_dtype: torch.dtype = torch.float32, layer_id: int | None = None):
         super().__init__()
         k_dim = max(1, dim // 2) if k_dim is None else k_dim
-        v_dim = max(1, 3 * dim // 16) if v_dim is None else v_dim
+        v_dim = default_v_dim(dim) if v_dim is None else v_dim
         pre_dim = max(1, dim // 16) if pre_dim is None else pre_dim
         candidates = min(knn, n_keys) if candidates is None else candidates
         for key, value in (("dim", dim), ("n_keys", n_keys), ("heads", heads), ("rank", rank), ("knn", knn),

@@ -20,11 +20,13 @@ family's own files). A family declares:
 - `holds_tables`: its modules hold sparse tables (memlm.memory.tables): they
   get the value group's optimizer (memory.value_lr, value_weight_decay,
   value_grad_clip) and are all that finetune=memory trains;
-- `reads_rows`: its tables are product-key value pools, read by rows: column-
-  sharded by memory parallelism, left out of FSDP, their rows selected by
-  finetune=sparse, stored in memory.value_dtype with float32 moments, counted
-  by the planner's value-table layout;
+- `reads_rows`: its tables are product-key value pools, read by rows: their
+  rows selected by finetune=sparse, stored in memory.value_dtype with float32
+  moments, their blocks' attention alone recomputed under activation checkpointing;
 - `product_keys`: addressed by product keys (memory.n_keys**2 slots or experts);
+- `value_pools(memory, args)`: the value pools (memlm.memory.values.ValuePool) its layers
+  would build, from the config alone: (tables, rows, v_dim, rows a layer reads per token),
+  or None (the trainer lays out memory parallelism before the model exists);
 - `step_start(model, memory, step)`: before each optimizer step (`step` done so far);
 - `llama_equivalent`: its weights map onto a Hugging Face Llama's (the export without remote code);
 - `remote_code`: the modeling file an export ships (hf/remote/) builds it, so `transformers` loads
@@ -36,7 +38,7 @@ follow from its modules and these flags (docs/architecture.md, "A memory family"
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from torch import nn
 
@@ -44,6 +46,16 @@ from memlm.errors import ConfigError
 
 if TYPE_CHECKING:
     from memlm.model.ffn import FFNContext
+
+
+class PoolShape(NamedTuple):
+    """What a family's value pools are, from the config: their count, rows and width, and the rows
+    one layer reads per token."""
+
+    tables: int
+    rows: int
+    v_dim: int
+    reads_per_token: int
 
 
 class Family:
@@ -60,6 +72,10 @@ class Family:
 
     def validate(self, memory: Any, prefix: str = "memory") -> None:
         """Its keys of the memory section (ConfigError naming the key, the value and what is valid)."""
+
+    def value_pools(self, memory: Any, args: Any) -> PoolShape | None:
+        """The value pools its layers build (a pool shared by all of them: tables 1), or None."""
+        return None
 
     def step_start(self, model: nn.Module, memory: Any, step: int) -> None:
         """Before each optimizer step; `step`: optimizer steps done so far."""

@@ -24,7 +24,7 @@ from memlm.memory.fast.launches import read_launches
 from memlm.memory.layers import Memory, MemoryPlus, ProductKeyMemory
 from memlm.memory.schedule import apply_knn_schedule
 from memlm.memory.values import VALUE_DTYPES, ValuePool
-from memlm.model.family import Family, register_family
+from memlm.model.family import Family, PoolShape, register_family
 from memlm.model.ffn import FFNContext, SwiGLU
 
 SHARED_POOL_KEY = "memory_values"
@@ -93,6 +93,11 @@ class ProductKeyFamily(Family):
 
     def build(self, ctx: FFNContext) -> nn.Module:
         return _build(ctx, self.kind)
+
+    def value_pools(self, memory: Any, args: Any) -> PoolShape:
+        layers = len(memory.resolved_layers(args.n_layers))
+        return PoolShape(tables=1 if memory.share_values else layers, rows=memory.n_keys**2,
+                         v_dim=memory.v_dim or args.dim, reads_per_token=memory.heads * memory.knn)
 
     def step_start(self, model: nn.Module, memory: Any, step: int) -> None:
         apply_knn_schedule(model, memory, step)

@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from memlm.errors import ConfigError
-from memlm.memory.ultramem import UltraMemV2
+from memlm.memory.ultramem import UltraMemV2, default_v_dim
 from memlm.memory.values import VALUE_DTYPES
-from memlm.model.family import Family, register_family
+from memlm.model.family import Family, PoolShape, register_family
 from memlm.model.ffn import FFNContext, SwiGLU
 
 
@@ -89,6 +89,12 @@ class UltraMemFamily(Family):
             sparse_updates=cfg.sparse_updates, kernel=cfg.kernel, value_dtype=VALUE_DTYPES[cfg.value_dtype],
             layer_id=ctx.layer_id)
         return UltraMemFFN(memory, SwiGLU(args.dim, hidden) if hidden else None)
+
+    def value_pools(self, memory: Any, args: Any) -> PoolShape:
+        """V: one pool per layer of n_keys**2 / expansion rows, v_dim wide (UltraMemV2's default
+        when 0), heads * knn rows read per token."""
+        return PoolShape(tables=len(memory.resolved_layers(args.n_layers)), rows=memory.n_keys**2 // memory.expansion,
+                         v_dim=memory.v_dim or default_v_dim(args.dim), reads_per_token=memory.heads * memory.knn)
 
     def validate(self, memory: Any, prefix: str = "memory") -> None:
         for key in ("n_keys", "heads", "rank", "knn", "k_dim", "expansion"):

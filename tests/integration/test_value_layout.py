@@ -42,6 +42,8 @@ EIGHT_B = ["model=8b", "memory=memplus", "memory.n_keys=1024", "data.seq_len=819
     ["memory=memplus", "memory.sparse_updates=true", "memory.layers=[2,5]"],
     ["memory=moe"],
     ["memory=peer"],
+    ["memory=ultramem"],
+    ["memory=ultramem", "memory.expansion=4", "memory.v_dim=40", "memory.heads=2"],
     ["memory=none"],
 ], ids=lambda m: " ".join(m))
 def test_value_tables_from_the_config_equal_the_built_model(memory):
@@ -51,7 +53,7 @@ def test_value_tables_from_the_config_equal_the_built_model(memory):
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.memory)
     assert value_tables(cfg) == model_value_tables(model, cfg)
-    assert (value_tables(cfg) is None) == (cfg.memory.kind not in ("memory", "memplus"))
+    assert (value_tables(cfg) is None) == (cfg.memory.kind not in ("memory", "memplus", "ultramem"))
 
 
 def test_auto_takes_the_layout_of_least_traffic():
