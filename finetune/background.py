@@ -23,15 +23,16 @@ from safetensors.torch import load_file, save_file
 
 from memlm.errors import ConfigError
 from memlm.files import follow_umask
-from memlm.memory.layers import ProductKeyMemory
 from memlm.memory.usage import SlotUsage, reset_usage
 
 FILE = "slot_usage.safetensors"
 
 
-def memory_layers(model: torch.nn.Module) -> dict[str, ProductKeyMemory]:
-    """The product-key memory layers by their usage name ("layer4")."""
-    return {f"layer{m.layer_id}": m for m in model.modules() if isinstance(m, ProductKeyMemory)}
+def memory_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The memory layers that count their reads per table row, by usage name ("layer4"): each has
+    `usage` (memlm.memory.usage.SlotUsage), `values` (its value pool) and `row_tables()` (the
+    tables those rows address: product-key memory's values; UltraMemV2's V and P)."""
+    return {f"layer{m.layer_id}": m for m in model.modules() if callable(getattr(m, "row_tables", None))}
 
 
 def layer_counts(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -188,7 +189,7 @@ class UsageRecorder:
 
 
 @torch.no_grad()
-def value_tables(layers: dict[str, ProductKeyMemory]) -> dict[str, list[str]]:
+def value_tables(layers: dict[str, torch.nn.Module]) -> dict[str, list[str]]:
     """Each value table by its label -> the names of the layers that read it: a pool that
     several layers share (Memory+) is one table, "layer1+layer3"."""
     tables: dict[int, list[str]] = {}

@@ -164,19 +164,19 @@ class Sparse(Memory):
     name = "sparse"
     reads = ("optimizer", "top_t", "ranking", "background")
     row_gradients = True
-    kinds_note = "selects the slots of product-key memory layers"
+    kinds_note = "selects the rows of memory layers that count their reads per row"
 
     def validate(self, cfg: Config) -> None:
         fam = memory_family(cfg.memory)
-        if fam is None or not fam.reads_rows:
-            rows = [f.kind for f in families() if f.reads_rows]
+        if fam is None or not fam.sparse_rows:
+            rows = [f.kind for f in families() if f.sparse_rows]
             raise ConfigError("finetune.mode", self.name, f"full, lora or memory with memory.kind="
                               f"{cfg.memory.kind}: mode={self.name} {self.kinds_note} (memory.kind="
                               f"{' or '.join(rows)})")
-        slots = cfg.memory.n_keys ** 2
+        slots = fam.value_pools(cfg.memory, cfg.model).rows
         if cfg.finetune.top_t > slots:
-            raise ConfigError("finetune.top_t", cfg.finetune.top_t, f"at most the table's {slots:,} slots "
-                              f"(memory.n_keys={cfg.memory.n_keys} squared)")
+            raise ConfigError("finetune.top_t", cfg.finetune.top_t, f"at most the table's {slots:,} rows "
+                              f"(memory.kind={cfg.memory.kind}, memory.n_keys={cfg.memory.n_keys})")
 
     def background_path(self, cfg: Config, init: Any) -> Path:
         """finetune.background, else slot_usage.safetensors in the init_from checkpoint folder."""

@@ -1,4 +1,5 @@
-"""finetune=sparse: which rows of each value table a step may change.
+"""finetune=sparse: which rows of each value table a step may change (and of every table read
+at the same rows: UltraMemV2's pre-values).
 
     hook = SlotSelection(model, cfg, background_path, distributed)   # once the model is sharded
     hook.describe()         # the run's start line: the background file it ranks against
@@ -33,7 +34,7 @@ class SlotSelection:
         background = load_usage(path, {name: layer.usage.n_slots for name, layer in self.layers.items()})
         # One entry per table: a pool shared by several layers (Memory+) is ranked on their summed reads.
         device = next(iter(self.layers.values())).usage.counts.device
-        self.tables = [(self.layers[names[0]].values.weight, names, sum(background[n] for n in names).to(device))
+        self.tables = [(self.layers[names[0]].row_tables(), names, sum(background[n] for n in names).to(device))
                        for names in value_tables(self.layers).values()]
         self._reads = StepReads(self.layers)
 
@@ -56,7 +57,8 @@ class SlotSelection:
 
     @torch.no_grad()
     def after_backward(self) -> None:
-        for weight, names, background in self.tables:
+        for weights, names, background in self.tables:
             counts = self.batch_counts(names)
             rows = top_slots(slot_scores(counts, background, self.ranking), counts, self.top_t)
-            restrict_table_grad_(weight, rows)
+            for weight in weights:  # the same rows of every table the slots address
+                restrict_table_grad_(weight, rows)

@@ -119,6 +119,10 @@ class ProductKeyMemory(nn.Module):
         return self.values.read(slots, weights, sparse=self.sparse_updates, kernel=self.kernel,
                                 launches=self.launches)
 
+    def row_tables(self) -> list[nn.Parameter]:
+        """The tables whose rows are the slots `usage` counts (finetune=sparse selects among them)."""
+        return [self.values.weight]
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """(Re-)initialize with the published init, e.g. after `to_empty()`.

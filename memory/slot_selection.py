@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from memlm.memory.sharded_rows import local_rows
 from memlm.memory.sparse_adamw import set_local_sparse_grad, sparse_rows, table_grad
 
 RANKINGS = ("tfidf", "kl")
@@ -80,6 +81,7 @@ def restrict_table_grad_(table: torch.Tensor, rows: torch.Tensor) -> None:
     grad = table_grad(table)
     if grad is None:
         return
+    rows = local_rows(table, rows)  # a table sharded by rows holds some of them, at its own offsets
     if grad.is_sparse:
         held, values = sparse_rows(grad)
         keep = torch.isin(held, rows)

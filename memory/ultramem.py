@@ -219,6 +219,10 @@ class UltraMemV2(nn.Module):
         y = self.values.read(rows, coef, sparse=self.sparse_updates, kernel=self.kernel).to(x.dtype)  # (T, v_dim)
         return self.value_proj(y).reshape(shape)
 
+    def row_tables(self) -> list[nn.Parameter]:
+        """The tables whose rows are the slots `usage` counts: V and P, read at the same rows."""
+        return [self.values.weight, self.pre_values.weight]
+
     def value_std(self) -> float:
         """sigma_V, the init std of V and P (the paper's eq. 22 set equal to the FFN's eq. 25):
         out var = v_dim s^2 * H knn * sigma_V^4 * pre_dim (dim s^2) * (1 + sigma_s^2), s = init_std."""

@@ -20,9 +20,11 @@ family's own files). A family declares:
 - `holds_tables`: its modules hold sparse tables (memlm.memory.tables): they
   get the value group's optimizer (memory.value_lr, value_weight_decay,
   value_grad_clip) and are all that finetune=memory trains;
-- `reads_rows`: its tables are product-key value pools, read by rows: their
-  rows selected by finetune=sparse, stored in memory.value_dtype with float32
-  moments, their blocks' attention alone recomputed under activation checkpointing;
+- `reads_rows`: its tables are product-key value pools, read by rows: stored in
+  memory.value_dtype with float32 moments, their blocks' attention alone
+  recomputed under activation checkpointing;
+- `sparse_rows`: its layers count their reads per table row (`usage`, `row_tables()`), so
+  finetune=sparse selects the rows a step may change;
 - `product_keys`: addressed by product keys (memory.n_keys**2 slots or experts);
 - `value_pools(memory, args)`: the value pools (memlm.memory.values.ValuePool) its layers
   would build, from the config alone: (tables, rows, v_dim, rows a layer reads per token),
@@ -63,6 +65,7 @@ class Family:
     label: ClassVar[str]
     holds_tables: ClassVar[bool] = False
     reads_rows: ClassVar[bool] = False
+    sparse_rows: ClassVar[bool] = False
     product_keys: ClassVar[bool] = False
     llama_equivalent: ClassVar[bool] = False
     remote_code: ClassVar[bool] = False

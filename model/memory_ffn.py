@@ -89,7 +89,7 @@ def _build(ctx: FFNContext, kind: str) -> MemoryFFN:
 class ProductKeyFamily(Family):
     """Product-key memory layers: value pools read by rows, a knn schedule, slot-usage health."""
 
-    holds_tables = reads_rows = product_keys = remote_code = True
+    holds_tables = reads_rows = sparse_rows = product_keys = remote_code = True
 
     def build(self, ctx: FFNContext) -> nn.Module:
         return _build(ctx, self.kind)

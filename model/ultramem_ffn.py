@@ -78,6 +78,7 @@ def reduced_hidden(hidden_dim: int, fraction: float) -> int:
 class UltraMemFamily(Family):
     kind, label = "ultramem", "UltraMemV2"
     holds_tables = product_keys = remote_code = True  # V and P: sparse tables; n_keys**2 grid addresses
+    sparse_rows = True  # finetune=sparse selects rows of V and P (both read at the same rows)
 
     def build(self, ctx: FFNContext) -> nn.Module:
         cfg, args = ctx.memory, ctx.args

@@ -151,7 +151,8 @@ def background(name: str, batches: int, out: str = "", overrides: list[str] | No
     else:
         model, cfg, loader, step, default = _started_model(name, overrides, out)
     if not memory_layers(model):
-        raise ConfigError("model", name, f"a model with product-key memory layers (its memory.kind is "
+        raise ConfigError("model", name, f"a model with product-key memory layers or others that count their "
+                          f"reads per row (its memory.kind is "
                           f"{cfg.memory.kind}; for a Llama or a dense export, the overrides of the retrofit: "
                           "memory=memplus memory.layers=[...])")
     path = Path(out) if out else default

@@ -124,3 +124,59 @@ def test_built_on_meta_it_reads_the_same_rows():
     for a, b in zip(on_meta.layers, on_cpu.layers):
         assert torch.equal(a.feed_forward.memory.address_rows, b.feed_forward.memory.address_rows)
         assert int(a.feed_forward.memory.address_rows.max()) < a.feed_forward.memory.n_rows
+
+
+def _changed_rows(before: dict, after: dict, name: str) -> set[int]:
+    return set((after[name] != before[name]).any(1).nonzero().flatten().tolist())
+
+
+def test_sparse_finetune_moves_only_the_selected_rows_of_v_and_p(tmp_path):
+    """finetune=sparse: each step keeps the gradient of the same top_t rows of V and of P (read at the
+    same rows); every other tensor stays as the base checkpoint has it."""
+    from memlm.train import slot_usage
+    from memlm.train.trainer import Trainer
+
+    run = [*RUN, "model.n_layers=2"]
+    Trainer(compose([*run, "steps=3", f"dump_dir={tmp_path / 'base'}"])).fit()
+    (ckpt,) = (tmp_path / "base" / "checkpoints").glob("step_*")
+    assert slot_usage.main([str(ckpt), "--batches", "2"]) == 0
+    top_t = 5
+    trainer = Trainer(compose([*run, "finetune=sparse", f"finetune.top_t={top_t}", "finetune.optimizer=sgd",
+                               "memory.value_lr=10", f"init_from={ckpt}", "steps=2", f"dump_dir={tmp_path / 'ft'}"]))
+    try:
+        for _ in range(2):
+            before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+            trainer.train_step()
+            after = trainer.model.state_dict()
+            moved = {k for k in after if not torch.equal(after[k], before[k])}
+            tables = {f"layers.{i}.feed_forward.memory.{t}.weight" for i in range(2) for t in ("values", "pre_values")}
+            assert moved == tables, moved ^ tables
+            for i in range(2):
+                prefix = f"layers.{i}.feed_forward.memory"
+                rows_v = _changed_rows(before, after, f"{prefix}.values.weight")
+                rows_p = _changed_rows(before, after, f"{prefix}.pre_values.weight")
+                assert 1 <= len(rows_v | rows_p) <= top_t, (rows_v, rows_p)  # the same rows of both tables
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("memory_parallel", [1, 2])
+def test_sparse_selection_is_the_same_on_two_ranks(tmp_path, memory_parallel):
+    """P sharded by rows (FSDP) and V replicated (memory_parallel 1) or column-sharded (2): each rank
+    keeps the selected rows it holds, and the run equals one process. SGD with a large lr: a row
+    kept on one side and not the other would differ by ~lr x its gradient."""
+    from memlm.train import slot_usage
+    from memlm.train.trainer import Trainer
+
+    run = [*BASE, *SMALL, "model.n_layers=2"]
+    Trainer(compose([*run, "data.micro_batch=4", "steps=2", "checkpoint.at_end=true",
+                     f"dump_dir={tmp_path / 'base'}"])).fit()
+    (ckpt,) = (tmp_path / "base" / "checkpoints").glob("step_*")
+    assert slot_usage.main([str(ckpt), "--batches", "2"]) == 0
+    overrides = [*run, "finetune=sparse", "finetune.top_t=6", "finetune.optimizer=sgd", "memory.value_lr=10",
+                 f"init_from={ckpt}"]
+    batches = global_batches(128)
+    ref = reference_run(overrides, batches, tmp_path / "ref")
+    got = distributed_run([*overrides, f"parallel.memory_parallel={memory_parallel}"], batches, tmp_path)
+    assert_same(ref, got)

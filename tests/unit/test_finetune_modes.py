@@ -46,7 +46,7 @@ def test_a_setting_the_mode_ignores_is_refused_naming_who_reads_it(mode, overrid
 
 
 def test_top_t_above_the_slot_count_is_refused():
-    with pytest.raises(ConfigError, match=re.escape("finetune.top_t=65: at most the table's 64 slots")):
+    with pytest.raises(ConfigError, match=re.escape("finetune.top_t=65: at most the table's 64 rows")):
         compose([*MEMPLUS, "finetune=sparse", "finetune.top_t=65"])
     assert compose([*MEMPLUS, "finetune=sparse", "finetune.top_t=64"]).finetune.top_t == 64
 
