@@ -59,3 +59,26 @@ def hybrid_init_shards(rank: int, overrides: list[str], out_dir: str) -> None:
              for k, v in trainer.model.state_dict().items()}
     torch.save(local, f"{out_dir}/rank{rank}.pt")
     trainer.close()
+
+
+def fit_on(world: int, overrides: list[str], out_path: str) -> None:
+    """fit_and_dump on one process or on `world` ranks (the same run, the same dump)."""
+    from distributed_workers import run_ranks
+
+    if world == 1:
+        fit_and_dump(0, overrides, out_path)
+    else:
+        run_ranks(fit_and_dump, world, overrides, out_path)
+
+
+def assert_restored_equal(saved: str, resumed: str, step: int) -> dict:
+    """Two fit_and_dump files: the resumed run stopped at `step` and holds every weight and optimizer
+    state of the saved one, equal. Returns the saved dump."""
+    a, b = torch.load(saved, weights_only=True), torch.load(resumed, weights_only=True)
+    assert b["step"] == step
+    for part in ("model", "optim"):
+        assert a[part].keys() == b[part].keys()
+        for k in a[part]:
+            assert torch.equal(a[part][k], b[part][k]), f"{part} {k}"
+    assert any("exp_avg_sq" in k for k in a["optim"])
+    return a

@@ -198,27 +198,14 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("saved_on,resumed_on", [(2, 1), (1, 2)])
 def test_resharding_restores_model_and_optimizer(tmp_path, saved_on, resumed_on):
-    from train_workers import fit_and_dump
+    from train_workers import assert_restored_equal, fit_on
 
     overrides = [*BASE, "steps=3", f"dump_dir={tmp_path}"]
     saved, resumed = tmp_path / "saved.pt", tmp_path / "resumed.pt"
-    if saved_on == 1:
-        fit_and_dump(0, overrides, str(saved))
-    else:
-        run_ranks(fit_and_dump, saved_on, overrides, str(saved))
+    fit_on(saved_on, overrides, str(saved))
     # Same steps, resume=auto: the second run restores the final checkpoint and trains no further.
-    again = [*overrides, "resume=auto", "checkpoint.at_end=false"]
-    if resumed_on == 1:
-        fit_and_dump(0, again, str(resumed))
-    else:
-        run_ranks(fit_and_dump, resumed_on, again, str(resumed))
-    a, b = torch.load(saved, weights_only=True), torch.load(resumed, weights_only=True)
-    assert b["step"] == 3
-    for part in ("model", "optim"):
-        assert a[part].keys() == b[part].keys()
-        for k in a[part]:
-            assert torch.equal(a[part][k], b[part][k]), f"{part} {k}"
-    assert any("exp_avg_sq" in k for k in a["optim"])
+    fit_on(resumed_on, [*overrides, "resume=auto", "checkpoint.at_end=false"], str(resumed))
+    assert_restored_equal(str(saved), str(resumed), step=3)
 
 
 @pytest.mark.slow

@@ -68,28 +68,16 @@ def test_ranks_equal_one_process(tmp_path, world, memory_parallel):
 def test_resharding_restores_model_and_optimizer(tmp_path, saved_on, resumed_on):
     """A checkpoint saved with the tables column-sharded over 2 ranks resumes on 1 process, and back:
     every weight and optimizer state equal."""
-    from distributed_workers import run_ranks
-    from train_workers import fit_and_dump
+    from train_workers import assert_restored_equal, fit_on
 
     run = [*BASE, *SMALL, "model.n_layers=2", "data.micro_batch=2", "steps=3", f"dump_dir={tmp_path}"]
-    layout = {1: ["parallel.memory_parallel=1"], 2: ["parallel.memory_parallel=2"]}
     saved, resumed = tmp_path / "saved.pt", tmp_path / "resumed.pt"
-
-    def fit(world: int, overrides: list[str], out) -> None:
-        if world == 1:
-            fit_and_dump(0, [*overrides, *layout[1]], str(out))
-        else:
-            run_ranks(fit_and_dump, world, [*overrides, *layout[world]], str(out))
-
-    fit(saved_on, [*run, "checkpoint.at_end=true"], saved)
-    fit(resumed_on, [*run, "resume=auto"], resumed)  # the final checkpoint restored, no step trained
-    a, b = torch.load(saved, weights_only=True), torch.load(resumed, weights_only=True)
-    assert b["step"] == 3
-    for part in ("model", "optim"):
-        assert a[part].keys() == b[part].keys()
-        for k in a[part]:
-            assert torch.equal(a[part][k], b[part][k]), f"{part} {k}"
-    assert any("pre_values" in k for k in a["model"]) and any("exp_avg_sq" in k for k in a["optim"])
+    # memory_parallel = the ranks: the tables column-sharded over every rank
+    fit_on(saved_on, [*run, f"parallel.memory_parallel={saved_on}", "checkpoint.at_end=true"], str(saved))
+    # the final checkpoint restored, no step trained
+    fit_on(resumed_on, [*run, f"parallel.memory_parallel={resumed_on}", "resume=auto"], str(resumed))
+    a = assert_restored_equal(str(saved), str(resumed), step=3)
+    assert any("pre_values" in k for k in a["model"])
 
 
 def test_the_capacity_row_matches_memplus_in_sparse_parameters_and_active_flops():
