@@ -51,7 +51,7 @@ def batches(n: int, cfg) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def bare_step(overrides: list[str]):
     """A hand-written step: forward, loss, backward, clip, AdamW (the baseline)."""
     cfg = compose(overrides)
-    model = build_model(cfg.model, cfg.memory if cfg.memory.kind != "none" else None, seed=0).train()
+    model = build_model(cfg.model, cfg.memory, seed=0).train()
     opt = build_optimizer(model, cfg, torch.device("cpu"))
 
     def step(x, y):

@@ -167,6 +167,7 @@ class Config:
     def validate(self) -> None:
         self.model.validate(ffn_kinds())
         self.memory.validate(self.model.n_layers)
+        self.memory.engram.validate(self.model.n_layers, self.model.dim, self.model.vocab_size)
         if self.memory.kind != "none" and self.memory.kind not in ffn_kinds():
             raise ConfigError("memory.kind", self.memory.kind,
                               f"none or one of the FFN kinds: {', '.join(ffn_kinds())}")

@@ -120,7 +120,7 @@ class Mode:
         """{key: value} of every learning rate the mode trains with (a non-finite stop names them):
         optim.lr, and memory.value_lr for a model with value tables (they keep their own)."""
         settings = {"optim.lr": cfg.optim.lr}
-        if cfg.memory.kind in table_kinds():
+        if cfg.memory.kind in table_kinds() or cfg.memory.engram.layers:
             settings["memory.value_lr"] = cfg.memory.value_lr
         return settings
 
@@ -139,6 +139,8 @@ class Memory(Mode):
 
     def validate(self, cfg: Config) -> None:
         kinds = table_kinds()
+        if cfg.memory.kind == "none" and cfg.memory.engram.layers:
+            return  # Engram's tables are the tables it trains
         if cfg.memory.kind == "none":
             raise ConfigError("finetune.mode", self.name, "full for a model without memory layers (memory.kind="
                               f"none): mode={self.name} trains only the memory's value tables")
@@ -167,6 +169,10 @@ class Sparse(Memory):
     kinds_note = "selects the rows of memory layers that count their reads per row"
 
     def validate(self, cfg: Config) -> None:
+        if cfg.memory.engram.layers:
+            raise ConfigError("finetune.mode", self.name, f"full, lora or memory with memory.engram.layers="
+                              f"{list(cfg.memory.engram.layers)}: mode={self.name} does not count Engram's reads "
+                              "per row yet")
         fam = memory_family(cfg.memory)
         if fam is None or not fam.sparse_rows:
             rows = [f.kind for f in families() if f.sparse_rows]

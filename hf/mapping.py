@@ -52,9 +52,9 @@ def _key_map(args: ModelArgs) -> dict[str, str]:
 
 
 def _check_dense(args: ModelArgs, memory: Any = None) -> None:
-    if not family_of(args.ffn).llama_equivalent or (memory is not None and memory.kind != "none"):
+    if not family_of(args.ffn).llama_equivalent or (memory is not None and memory.places_layers()):
         raise ValueError(
-            "only dense models (model.ffn=dense, memory.kind=none) have a Hugging Face Llama "
+            "only dense models (model.ffn=dense, memory.kind=none, no memory.engram.layers) have a Hugging Face Llama "
             "equivalent; export memory models with memlm's own safetensors format"
         )
 

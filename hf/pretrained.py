@@ -57,10 +57,17 @@ REWRITE = "export the checkpoint again (python -m memlm.hf.export)"
 
 
 def _dataclass_from(cls, values: dict[str, Any]):
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - names)
+    """cls(**values), a nested section (memory.engram) built as its own dataclass."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ValueError(f"unknown {cls.__name__} keys in {CONFIG_NAME}: {unknown}")
+    values = dict(values)
+    for name, f in fields.items():
+        if name in values and isinstance(values[name], dict) and f.default_factory is not dataclasses.MISSING:
+            section = f.default_factory()
+            if dataclasses.is_dataclass(section):
+                values[name] = _dataclass_from(type(section), values[name])
     return cls(**values)
 
 
@@ -203,7 +210,7 @@ def from_pretrained(directory: str | Path, device: str | torch.device = "cpu") -
     """Build the exported model and load its weights (safetensors only, no pickle)."""
     args, memory, meta = read_config(directory)
     weight_files(directory)  # every file checked against the manifest before anything is built
-    model = build_model(args, memory if memory.kind != "none" else None, device=device)
+    model = build_model(args, memory, device=device)
     state = load_weights(directory)
     if meta.get("weights_layout") == "hf_llama":
         state = from_hf_state_dict(state, args)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memlm.errors import ConfigError, check_number
+from memlm.memory.engram_config import EngramConfig
 from memlm.memory.fast.launches import ALGORITHMS as TRITON_ALGORITHMS
 from memlm.memory.fast.launches import launch_problem
 from memlm.memory.fast.ops import KERNELS
@@ -123,6 +124,12 @@ class MemoryConfig:
     candidates: int = 0
     pre_dim: int = 0
     ffn_fraction: float = 0.5
+    # Engram layers before chosen blocks' attention, beside any kind (memory/engram_config.py).
+    engram: EngramConfig = field(default_factory=EngramConfig)
+
+    def places_layers(self) -> bool:
+        """Whether the section puts anything into the model: a memory kind's layers or Engram's."""
+        return self.kind != "none" or bool(self.engram.layers)
 
     def resolved_layers(self, n_layers: int) -> list[int]:
         """The block indices that hold a memory layer in an `n_layers`-deep model."""
@@ -143,6 +150,8 @@ class MemoryConfig:
                               f"false with {prefix}.kind={self.kind!r}: the biases are Memory+'s W1 and W2 "
                               "(memory.kind=memplus)")
         if self.kind == "none":
+            if self.engram.layers:  # Engram's tables alone use the value group's settings
+                self._validate_table_optimizer(prefix)
             return
         for idx in self.layers:
             if not 0 <= idx < n_layers:
@@ -171,13 +180,16 @@ class MemoryConfig:
             problem = launch_problem(getattr(self, key))
             if problem:
                 raise ConfigError(f"{prefix}.{key}", list(getattr(self, key)), problem)
-        # The sparse tables' own optimizer numbers, for every family (memlm.optim.build.param_groups).
-        check_number(f"{prefix}.value_lr", self.value_lr)
-        check_number(f"{prefix}.value_grad_clip", self.value_grad_clip, zero="no clipping")
-        check_number(f"{prefix}.value_weight_decay", self.value_weight_decay, zero="no weight decay")
+        self._validate_table_optimizer(prefix)
         if self.kind in PRODUCT_KEY_KINDS:
             self._validate_product_key_memory(prefix)
         # The other families' keys are their own to check (memlm.model.family: Family.validate).
+
+    def _validate_table_optimizer(self, prefix: str) -> None:
+        """The sparse tables' own optimizer numbers, for every family and Engram (memlm.optim.build.param_groups)."""
+        check_number(f"{prefix}.value_lr", self.value_lr)
+        check_number(f"{prefix}.value_grad_clip", self.value_grad_clip, zero="no clipping")
+        check_number(f"{prefix}.value_weight_decay", self.value_weight_decay, zero="no weight decay")
 
     def validate_lookup_size(self, prefix: str, **knns: int) -> None:
         """A product-key lookup of n_keys, heads, k_dim and these knns fits (memory/product_keys.py)."""

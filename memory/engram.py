@@ -9,6 +9,9 @@ written from its equations (docs/memory.md, "Engram (standalone module)"):
     h = h + engram(h, tokens)   # h (B, T, 512) the residual stream before attention, tokens (B, T) int64
     rows = engram.hash(tokens)  # (B, T, H) int64, H = (max_order - 1) * heads: known before the forward
     h = h + engram(h, rows=rows)                 # the same output from rows computed ahead
+    state = engram.new_state(batch=B, max_len=64)             # incremental decoding: what the layer keeps
+    y = engram(h[:, :5], tokens[:, :5], state=state)          # positions 0..4, then 5, 6, ...: the
+    y = engram(h[:, 5:6], tokens[:, 5:6], state=state, start=5)   # same outputs as the whole sequence
 
 Per position t (E = H * head_dim; memlm.memory.engram_hash gives the rows):
     e_t = concat_j table[rows[t, j]]                       # (E,)   the memory vector, heads concatenated
@@ -87,6 +90,25 @@ class EngramTables(nn.Module):
         return F.embedding(rows, self.weight).flatten(-2)
 
 
+class EngramState:
+    """What incremental decoding keeps for one Engram layer: every position's token id and conv input
+    so far, so the n-grams and the convolution of new positions reach back exactly (max_len positions)."""
+
+    def __init__(self, batch: int, max_len: int, dim: int, device: torch.device | str | None = None):
+        self.tokens = torch.zeros(batch, max_len, dtype=torch.int64, device=device)  # (B, max_len)
+        self.conv_in = None  # (B, max_len, dim), allocated at the first write in the dtype the layer computes in
+        self.shape = (batch, max_len, dim)
+        self.device = device
+
+    def write_conv_in(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Store x (B, T, dim) at positions start.. and return every conv input so far (B, start + T, dim)."""
+        if self.conv_in is None:
+            self.conv_in = torch.zeros(self.shape, dtype=x.dtype, device=self.device)
+        end = start + x.shape[1]
+        self.conv_in[:, start:end] = x
+        return self.conv_in[:, :end]
+
+
 class Engram(nn.Module):
     """Hashed n-gram memory gated by the hidden state (module docstring). Output: the residual delta."""
 
@@ -133,12 +155,24 @@ class Engram(nn.Module):
             nn.init.ones_(norm)
         nn.init.zeros_(self.conv)  # y = u at step 0: the convolution starts as no change
 
+    def new_state(self, batch: int, max_len: int, device: torch.device | str | None = None) -> EngramState:
+        """An empty decoding state for `batch` rows of up to `max_len` positions (on the table's device)."""
+        return EngramState(batch, max_len, self.dim, device or self.tables.weight.device)
+
     def forward(self, h: torch.Tensor, tokens: torch.Tensor | None = None, *,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
-        """h (B, T, dim), and tokens (B, T) or their rows (B, T, H) -> y (B, T, dim)."""
+                rows: torch.Tensor | None = None, state: EngramState | None = None, start: int = 0) -> torch.Tensor:
+        """h (B, T, dim), and tokens (B, T) or their rows (B, T, H) -> y (B, T, dim).
+        With `state` (incremental decoding; tokens only): h and tokens are positions start..start+T-1
+        after the `start` positions already passed through this state."""
         if (tokens is None) == (rows is None):
             raise ValueError("Engram needs exactly one of tokens= (B, T) and rows= (B, T, H) from engram.hash")
-        if rows is None:
+        if state is not None:
+            if tokens is None or start < 0 or start + h.shape[1] > state.tokens.shape[1]:
+                raise ValueError(f"start={start} with {h.shape[1]} new positions and a state of "
+                                 f"{state.tokens.shape[1]} is invalid: tokens= (not rows=) and "
+                                 "0 <= start <= start + T <= the state's max_len")
+            rows = self._rows_after(tokens, state, start)
+        elif rows is None:
             rows = self.hash(tokens)
         if h.dim() != 3 or h.shape[-1] != self.dim or tuple(rows.shape) != (*h.shape[:2], self.n_heads):
             raise ValueError(f"h {tuple(h.shape)} with rows {tuple(rows.shape)} is invalid: "
@@ -149,7 +183,21 @@ class Engram(nn.Module):
         dot = (F.rms_norm(k, (self.dim,), self.norm_k, eps) * F.rms_norm(h, (self.dim,), self.norm_h, eps)).sum(-1)
         gate = torch.sigmoid(signed_sqrt(dot / math.sqrt(self.dim)))  # (B, T)
         u = gate.unsqueeze(-1) * v  # (B, T, dim)
-        return u + F.silu(self._causal_conv(F.rms_norm(u, (self.dim,), self.norm_c, eps)))
+        conv_in = F.rms_norm(u, (self.dim,), self.norm_c, eps)  # (B, T, dim)
+        if state is None:
+            return u + F.silu(self._causal_conv(conv_in))
+        past = state.write_conv_in(conv_in, start)  # (B, start + T, dim): every input the taps may reach
+        first = max(0, start - (self.kernel_size - 1) * self.dilation)
+        return u + F.silu(self._causal_conv(past[:, first:])[:, start - first:])
+
+    def _rows_after(self, tokens: torch.Tensor, state: EngramState, start: int) -> torch.Tensor:
+        """The rows of positions start.. of tokens (B, T), their n-grams reaching into the state's earlier
+        tokens: hashed over a window from max_order - 1 positions back (from 0, padded as usual, when
+        fewer came before), the window's first positions dropped."""
+        end = start + tokens.shape[1]
+        state.tokens[:, start:end] = tokens
+        first = max(0, start - (self.hash.max_order - 1))
+        return self.hash(state.tokens[:, first:end])[:, start - first:]
 
     def _causal_conv(self, x: torch.Tensor) -> torch.Tensor:
         """Depthwise causal dilated conv over T: out_t = sum_j conv[:, j] * x_{t - (w-1-j) * dil} (zeros before 0).
@@ -162,6 +210,21 @@ class Engram(nn.Module):
             term = self.conv[:, j] * shifted
             out = term if out is None else out + term
         return out
+
+    def flops_per_token(self) -> int:
+        """Forward FLOPs per token: the key and value projections (2 x 2 E dim) and the conv taps (2 w dim);
+        the gather, the norms, the gate and the SiLU are left out, as the other layers' counts leave theirs."""
+        return 4 * self.mem_dim * self.dim + 2 * self.kernel_size * self.dim
+
+    def saved_bytes_per_token(self, act_bytes: int) -> int:
+        """What a forward keeps for the backward per token, at `act_bytes` per activation: the rows
+        (int64, H), the memory vector (E), and about six dim-wide tensors (k, v, their norms, u, the
+        conv input and output)."""
+        return 8 * self.n_heads + act_bytes * (self.mem_dim + 6 * self.dim)
+
+    def inactive_params(self) -> int:
+        """Table parameters one token does not read: every row but its H."""
+        return self.tables.weight.numel() - self.n_heads * self.head_dim
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.n_heads}, head_dim={self.head_dim}, " \

@@ -9,7 +9,7 @@
 The hash (docs/memory.md, "Engram (standalone module)"), for position t, order
 n in 2..N and head k in 1..K, with canonical ids c = token_map[tokens]:
 
-    c_s = pad = max(token_map) + 1 for s < 0        (left padding of each sequence)
+    c_s = pad = len(token_map) for s < 0           (left padding: above every canonical id)
     mix_n(t) = XOR_{i=0}^{n-1} (c_{t-i} * m_i)      (int64, exact: c < 2**31, m < 2**31)
     row(t, n, k) = offset_{n,k} + mix_n(t) mod p_{n,k}
 
@@ -112,7 +112,9 @@ class NgramHash(nn.Module):
         self.max_order, self.heads, self.seed, self.layer = max_order, heads, seed, layer
         self.rows_per_head = list(rows_per_head)  # the requested size of each order's tables
         self.vocab_size = int(token_map.numel())
-        self.pad = int(token_map.max()) + 1  # one past every canonical id: no token hashes like padding
+        # Above every canonical id (they are < vocab_size), and a function of the shape alone: a model
+        # built with any map hashes padding alike once a checkpoint's map is loaded into it.
+        self.pad = self.vocab_size
         self.primes = head_primes(rows_per_head, heads)  # (N - 1) x K python ints
         self.head_rows = [p for order in self.primes for p in order]
         self.n_rows = sum(self.head_rows)

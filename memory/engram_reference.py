@@ -58,7 +58,7 @@ def reference_rows(layer: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """tokens (B, T) -> (B, T, H) int64: offset of head (n, k) + z_{t,n,k}, by Python integer arithmetic."""
     hasher = layer.hash
     token_map = hasher.token_map.tolist()
-    pad = max(token_map) + 1
+    pad = len(token_map)
     n_max = hasher.max_order
     mult = layer_multipliers(hasher.seed, hasher.layer, n_max)
     primes = [p for order in reference_primes(hasher.rows_per_head, hasher.heads) for p in order]

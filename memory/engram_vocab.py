@@ -95,12 +95,14 @@ def load_canonical_map(path: str | os.PathLike) -> torch.Tensor:
 
 
 def check_canonical_map(token_map: torch.Tensor, key: str) -> torch.Tensor:
-    """`token_map` if it is a non-empty 1-D integer tensor of ids in [0, 2**31 - 1); else a ValueError naming `key`."""
+    """`token_map` if it is a non-empty 1-D integer tensor of ids in [0, len(token_map)); else a ValueError
+    naming `key` (a map numbers at most one canonical id per token, and the hash pads with len(token_map))."""
     if not isinstance(token_map, torch.Tensor) or token_map.dim() != 1 or token_map.numel() == 0 \
             or token_map.dtype not in (torch.int32, torch.int64):
         what = tuple(token_map.shape) if isinstance(token_map, torch.Tensor) else type(token_map).__name__
         raise ValueError(f"{key}={what} is invalid: a non-empty 1-D int64 tensor (token id -> canonical id)")
     low, high = int(token_map.min()), int(token_map.max())
-    if low < 0 or high >= 2**31 - 1:
-        raise ValueError(f"{key} holds ids in [{low}, {high}]: canonical ids must be in [0, 2**31 - 1)")
+    if low < 0 or high >= token_map.numel() or token_map.numel() >= 2**31:
+        raise ValueError(f"{key} holds ids in [{low}, {high}] for {token_map.numel()} tokens: canonical ids "
+                         "must be in [0, vocab_size), vocab_size < 2**31")
     return token_map.to(torch.int64)

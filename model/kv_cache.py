@@ -5,10 +5,13 @@ writes the new positions and advances `cache.pos` once all layers have run.
 Without a dtype the buffers are allocated at the first write, in the dtype
 the attention computes in: float32 for a plain model, bfloat16 under autocast
 or an FSDP mixed-precision policy (whose sharded parameters stay float32, so
-their dtype says nothing about the keys).
+their dtype says nothing about the keys). `layer_states` holds other layers'
+decoding state (Engram's), written at `pos` like the keys.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -23,7 +26,11 @@ class KVCache:
         max_len: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        layer_states: dict[int, Any] | None = None,
     ):
+        # Other per-layer decoding state, by block index (an Engram layer's tokens and conv inputs,
+        # memlm.memory.engram.EngramState), kept by position like the keys: reset() starts them over too.
+        self.layer_states = layer_states or {}
         self.shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
         self.device = device
         self.k = self.v = None

@@ -19,6 +19,7 @@ from memlm.memory.tables import sparse_tables
 from memlm.model.args import ModelArgs
 from memlm.model.block import Block
 from memlm.model.doc_mask import doc_attention_mask, doc_positions
+from memlm.model.engram_slot import build_engram
 from memlm.model.ffn import FFNContext, build_ffn
 from memlm.model.kv_cache import KVCache
 from memlm.model.norms import RMSNorm
@@ -32,7 +33,9 @@ def layer_ffn_kinds(args: ModelArgs, memory: Any = None) -> list[str]:
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, memory: Any = None):
+    def __init__(self, args: ModelArgs, memory: Any = None, token_map: torch.Tensor | None = None):
+        """`token_map` (vocab_size,): the Engram layers' canonical ids (memory.engram; None: the identity).
+        It is a buffer of their state: a checkpoint's map replaces it when loaded."""
         super().__init__()
         self.args = args
         self.memory_config = memory
@@ -41,7 +44,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList()
         for layer_id, kind in enumerate(layer_ffn_kinds(args, memory)):
             ffn = build_ffn(kind, FFNContext(args, layer_id, memory, shared))
-            self.layers.append(Block(args, layer_id, ffn, kind))
+            engram = build_engram(args, memory, layer_id, token_map)
+            self.layers.append(Block(args, layer_id, ffn, kind, engram))
         # Objects several blocks share (a memory value pool) live here once, so
         # state_dict() and parameters() hold them exactly once.
         self.shared = nn.ModuleDict({k: v for k, v in shared.items() if isinstance(v, nn.Module)})
@@ -72,7 +76,8 @@ class Transformer(nn.Module):
 
     # -------------------------------------------------------------- forward
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *, at: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None,
+                engram_rows: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """tokens: (batch, seq) int64 -> logits (batch, seq, vocab).
 
         With a cache, `tokens` are the next positions after `cache.pos`; the
@@ -82,7 +87,8 @@ class Transformer(nn.Module):
         every position would be most of its work and memory). `doc_ids` (batch, seq),
         non-decreasing along each row, number the documents of packed rows:
         attention then stays inside each document, and with `args.rope_restart`
-        positions restart at each document (memlm.model.doc_mask)."""
+        positions restart at each document (memlm.model.doc_mask). `engram_rows`: the Engram
+        layers' rows, `engram_rows(tokens)` computed ahead (without a cache); by default computed here."""
         start = cache.pos if cache is not None else 0
         seq = tokens.shape[1]
         if start + seq > self.args.max_seq_len:
@@ -99,15 +105,26 @@ class Transformer(nn.Module):
             if self.args.rope_restart:
                 pos = doc_positions(doc_ids)  # (batch, seq)
                 cos, sin = self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1)
+        if cache is None and engram_rows is None:
+            engram_rows = self.engram_rows(tokens)  # once per forward, before the first block
         h = self.tok_embeddings(tokens)
         for block in self.layers:
-            h = block(h, cos, sin, cache, mask)
+            engram_in = None
+            if block.engram is not None:
+                engram_in = {"rows": engram_rows[block.layer_id]} if cache is None else \
+                    {"tokens": tokens, "state": cache.layer_states[block.layer_id], "start": start}
+            h = block(h, cos, sin, cache, mask, engram_in)
         if cache is not None:
             cache.advance(seq)
         h = self.norm(h)  # (batch, seq, dim)
         if at is not None:
             h = h[at]  # (n selected, dim)
         return h @ self.output_weight().t()
+
+    def engram_rows(self, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
+        """tokens (batch, seq) -> {block index: its Engram layer's rows (batch, seq, H)}: a function of the
+        tokens alone, so a caller may compute them ahead of the step and pass them as `engram_rows=`."""
+        return {b.layer_id: b.engram.hash(tokens) for b in self.layers if b.engram is not None}
 
     def output_weight(self) -> torch.Tensor:
         """(vocab, dim): the output head, or the input embedding when tied."""
@@ -125,10 +142,11 @@ class Transformer(nn.Module):
 
     def new_cache(self, batch: int, max_len: int | None = None, device=None, dtype=None) -> KVCache:
         """A cache on the model's device, in `dtype` or else the dtype of the first keys written."""
-        return KVCache(
-            self.args.n_layers, batch, self.args.kv_heads, self.args.head_dim,
-            max_len or self.args.max_seq_len, device or self.tok_embeddings.weight.device, dtype,
-        )
+        max_len = max_len or self.args.max_seq_len
+        device = device or self.tok_embeddings.weight.device
+        states = {b.layer_id: b.engram.new_state(batch, max_len, device) for b in self.layers if b.engram is not None}
+        return KVCache(self.args.n_layers, batch, self.args.kv_heads, self.args.head_dim, max_len, device, dtype,
+                       layer_states=states)
 
     # ----------------------------------------------------------- accounting
     def num_params(self) -> dict[str, int]:
@@ -162,4 +180,6 @@ class Transformer(nn.Module):
         for block in self.layers:
             total += block.attention.flops_per_token(seq_len)
             total += block.feed_forward.flops_per_token()
+            if block.engram is not None:
+                total += block.engram.flops_per_token()
         return total

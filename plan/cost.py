@@ -102,7 +102,9 @@ def _block_bytes_per_token(block: nn.Module, layout: Layout) -> tuple[int, int]:
         else:  # PEER and others: a dense-sized guess
             hidden = 4 * d
         ffn_part = norm + a * (d + 4 * hidden)
-    return attention + ffn_part, attention
+    engram = getattr(block, "engram", None)  # an Engram layer before the attention (model/engram_slot.py)
+    engram_part = engram.saved_bytes_per_token(a) if engram is not None else 0
+    return attention + ffn_part + engram_part, attention
 
 
 def activation_bytes(model: nn.Module, layout: Layout, checkpoint: str) -> dict[str, int]:

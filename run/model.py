@@ -27,18 +27,37 @@ from memlm.model import Transformer
 from memlm.model.lora import reset_lora
 
 
+def engram_token_map(cfg: Config) -> torch.Tensor | None:
+    """The Engram layers' canonical ids (memory.engram.token_map=tokenizer: from the run's tokenizer
+    pieces, memlm.memory.engram_vocab), or None: no Engram layers, the identity map asked for, or a run
+    without a tokenizer (data.kind=random)."""
+    if not cfg.memory.engram.layers or cfg.memory.engram.token_map == "identity":
+        return None
+    from memlm.run.load import run_tokenizer_path  # run.load builds its models with this module
+
+    path = run_tokenizer_path(cfg)
+    if path is None:
+        return None
+    from memlm.data.tokenizer import Tokenizer
+    from memlm.memory.engram_vocab import canonical_map
+
+    sp = Tokenizer(path).sp
+    return canonical_map([sp.id_to_piece(i) for i in range(sp.vocab_size())])
+
+
 def build_run_model(cfg: Config, env: DistEnv | None = None, meshes: Meshes | None = None,
                     wrap: Callable[[Transformer], None] | None = None) -> Transformer:
     """The run's model on `env` (default: this one process on CPU) and `meshes` (default: none)."""
     env = env or DistEnv.one_process("cpu")
     meshes = meshes or Meshes(None, None)
     seed_everything(cfg.seed)
+    token_map = engram_token_map(cfg)
     if cfg.parallel.init == "full":
-        model = Transformer(cfg.model, cfg.memory)  # on CPU, identical on every rank
+        model = Transformer(cfg.model, cfg.memory, token_map)  # on CPU, identical on every rank
         model.init_weights()
     else:
         with torch.device("meta"):
-            model = Transformer(cfg.model, cfg.memory)
+            model = Transformer(cfg.model, cfg.memory, token_map)
     mode = mode_of(cfg)
     mode.adapt(model, cfg)  # lora's adapters
     mode.freeze(model)  # before sharding: frozen parameters get no gradient or state

@@ -73,7 +73,7 @@ def _counts(dump: Path) -> dict:
 
     cfg = from_yaml((dump / "config.yaml").read_text())
     with torch.device("meta"):
-        model = Transformer(cfg.model, cfg.memory if cfg.memory.kind != "none" else None)
+        model = Transformer(cfg.model, cfg.memory)
     fam = memory_family(cfg.memory)
     slots = cfg.memory.n_keys**2 if fam is not None and fam.reads_rows else None
     return {**model.num_params(), "flops": model.flops_per_token(cfg.data.seq_len), "name": cfg.name, "slots": slots}

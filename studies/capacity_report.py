@@ -69,7 +69,7 @@ def load_run(dump: Path) -> dict | None:
         return None
     cfg = from_yaml((dump / "config.yaml").read_text())
     with torch.device("meta"):
-        model = Transformer(cfg.model, cfg.memory if cfg.memory.kind != "none" else None)
+        model = Transformer(cfg.model, cfg.memory)
     counts = model.num_params()
     family = memory_family(cfg.memory) or family_of(cfg.model.ffn)
     if family.label not in ORDER:

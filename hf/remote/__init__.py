@@ -70,6 +70,9 @@ MEMORY_TRAINING_ONLY = (
     "balance_loss_coef", "sparse_updates", "kernel", "triton_algorithm", "triton_forward", "triton_backward",
     "knn_schedule_start", "knn_schedule_steps",
 )
+# Sections the modeling file does not implement yet: the exporter writes no remote code for a
+# model that uses them (memory.engram.layers: run/export.py).
+MEMORY_NOT_REMOTE = ("engram",)
 # FFN kinds the modeling file implements (tests check this against memlm's registry).
 REMOTE_KINDS = ("dense", "memory", "memplus", "moe", "peer", "ultramem")
 

@@ -152,7 +152,7 @@ def test_every_config_field_and_ffn_kind_is_covered():
     model_fields, memory_fields = hf_remote.config_fields()
     model_known = set(hf_remote.MODEL_TO_CONFIG) | set(hf_remote.MODEL_TRAINING_ONLY)
     memory_mapped = set(hf_remote.MEMORY_INFERENCE) | set(hf_remote.MEMORY_LAYER_CHOICE)
-    memory_known = memory_mapped | set(hf_remote.MEMORY_TRAINING_ONLY)
+    memory_known = memory_mapped | set(hf_remote.MEMORY_TRAINING_ONLY) | set(hf_remote.MEMORY_NOT_REMOTE)
     assert model_fields <= model_known, (
         f"ModelArgs fields neither mapped nor training-only in hf/remote: {sorted(model_fields - model_known)}")
     assert memory_fields <= memory_known, (

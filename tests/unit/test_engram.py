@@ -61,24 +61,24 @@ def test_rows_computed_ahead_give_the_same_output():
 
 
 def test_hand_computed_hash():
-    # c = canonical ids of 5 tokens, pad = 10, multipliers m = (3, 5, 7), primes (5, 7) for
-    # bigrams and (11, 13) for trigrams.
-    # bigram mix  c_t*3 ^ c_{t-1}*5:  6^50=52, 21^10=31, 3^35=32, 24^5=29, 9^40=33
-    # trigram mix bigram ^ c_{t-2}*7: 52^70=114, 31^70=89, 32^14=46, 29^49=44, 33^7=38
-    want = [[52 % 5, 52 % 7, 114 % 11, 114 % 13],  # [2, 3, 4, 10]
-            [31 % 5, 31 % 7, 89 % 11, 89 % 13],  # [1, 3, 1, 11]
+    # c = canonical ids of 5 tokens, pad = 12 (the map's length), multipliers m = (3, 5, 7), primes (5, 7)
+    # for bigrams and (11, 13) for trigrams.
+    # bigram mix  c_t*3 ^ c_{t-1}*5:  6^60=58, 21^10=31, 3^35=32, 24^5=29, 9^40=33
+    # trigram mix bigram ^ c_{t-2}*7: 58^84=110, 31^84=75, 32^14=46, 29^49=44, 33^7=38
+    want = [[58 % 5, 58 % 7, 110 % 11, 110 % 13],  # [3, 2, 0, 6]
+            [31 % 5, 31 % 7, 75 % 11, 75 % 13],  # [1, 3, 9, 10]
             [32 % 5, 32 % 7, 46 % 11, 46 % 13],  # [2, 4, 2, 7]
             [29 % 5, 29 % 7, 44 % 11, 44 % 13],  # [4, 1, 0, 5]
             [33 % 5, 33 % 7, 38 % 11, 38 % 13]]  # [3, 5, 5, 12]
-    assert want == [[2, 3, 4, 10], [1, 3, 1, 11], [2, 4, 2, 7], [4, 1, 0, 5], [3, 5, 5, 12]]
+    assert want == [[3, 2, 0, 6], [1, 3, 9, 10], [2, 4, 2, 7], [4, 1, 0, 5], [3, 5, 5, 12]]
     canon = torch.tensor([[2, 7, 1, 8, 3]])
-    rows = ngram_hash(canon, torch.tensor([3, 5, 7]), torch.tensor([[5, 7], [11, 13]]), pad=10)
+    rows = ngram_hash(canon, torch.tensor([3, 5, 7]), torch.tensor([[5, 7], [11, 13]]), pad=12)
     assert rows.tolist() == [want]
     # The module: tokens 10 and 11 map to canonical 2 and 7; its primes for sizes (5, 11) are these;
     # its multipliers patched to (3, 5, 7); the rows carry each head's offset (0, 5, 12, 23).
-    token_map = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 7])  # pad = 9 + 1 = 10
+    token_map = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 7])  # pad = len = 12
     layer = Engram(dim=8, token_map=token_map, layer=0, heads=2, head_dim=2, rows_per_head=[5, 11])
-    assert layer.hash.head_rows == [5, 7, 11, 13] and layer.hash.pad == 10
+    assert layer.hash.head_rows == [5, 7, 11, 13] and layer.hash.pad == 12
     layer.hash.mult.copy_(torch.tensor([3, 5, 7]))
     got = layer.hash(torch.tensor([[10, 11, 1, 8, 3]]))
     assert got.tolist() == [[[r + off for r, off in zip(row, (0, 5, 12, 23), strict=True)] for row in want]]
@@ -143,7 +143,7 @@ def test_normalizing_map_on_hand_picked_pieces(tmp_path):
     (json.dumps({"format": "memlm-engram-canonical-map", "version": 1, "vocab_size": 3, "map": [0, 1]}),
      "not a list of vocab_size integers"),
     (json.dumps({"format": "memlm-engram-canonical-map", "version": 1, "vocab_size": 2, "map": [0, -1]}),
-     "[0, 2**31 - 1)"),
+     "[0, vocab_size)"),
 ])
 def test_a_bad_map_file_is_one_config_error(tmp_path, content, problem):
     path = tmp_path / "map.json"
@@ -171,6 +171,34 @@ def test_causal():
     tokens2[:, 10] = 11 - tokens2[:, 10]
     changed = (layer.hash(tokens2) != rows).any(-1).any(0)
     assert not changed[:10].any() and changed[10] and not changed[10 + 3:].any()  # orders <= 3: t..t+2
+
+
+@pytest.mark.parametrize("max_order, kernel_size, dilation", [(3, 4, None), (4, 3, 2), (2, 1, None)])
+def test_decoding_with_a_state_equals_the_whole_sequence(max_order, kernel_size, dilation):
+    layer = randomized(Engram(dim=16, token_map=TOKEN_MAP, layer=2, max_order=max_order, heads=2, head_dim=4,
+                              rows_per_head=7, kernel_size=kernel_size, dilation=dilation))
+    tokens = torch.randint(0, 12, (3, 20), generator=torch.Generator().manual_seed(1))
+    h = torch.randn(3, 20, 16, generator=torch.Generator().manual_seed(2))
+    whole = layer(h, tokens)
+    state = layer.new_state(batch=3, max_len=24)
+    # A 5-position prompt, a chunk of 3, then one position at a time: each reaches into the state
+    cuts = [0, 5, 8, *range(9, 21)]
+    steps = [layer(h[:, a:b], tokens[:, a:b], state=state, start=a) for a, b in zip(cuts, cuts[1:])]
+    # Every position reads the rows the whole sequence reads (its n-grams reach into the state) ...
+    chunk_rows = [layer._rows_after(tokens[:, a:b], state, a) for a, b in zip(cuts, cuts[1:])]
+    assert torch.equal(torch.cat(chunk_rows, dim=1), layer.hash(tokens))
+    # ... and the output is the whole sequence's up to rounding: a matrix product over 3 rows rounds
+    # otherwise than one over 60 (BLAS picks another kernel), so W_k e and W_v e differ in the last bits.
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=0, atol=2e-6)
+
+
+def test_a_state_rejects_rows_and_positions_past_its_end():
+    layer = Engram(dim=8, token_map=TOKEN_MAP, layer=0, heads=2, head_dim=2, rows_per_head=7)
+    state, h, tokens = layer.new_state(1, 4), torch.randn(1, 3, 8), torch.zeros(1, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="start=2 with 3 new positions and a state of 4 is invalid"):
+        layer(h, tokens, state=state, start=2)
+    with pytest.raises(ValueError, match="tokens= \\(not rows=\\)"):
+        layer(h, rows=layer.hash(tokens), state=state)
 
 
 def test_the_table_is_a_memory_table_and_init_restores_after_to_empty():

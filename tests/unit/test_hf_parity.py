@@ -63,12 +63,13 @@ def test_round_trip_state_dict_is_identity():
 
 
 def test_memory_models_are_refused():
-    args = ModelArgs(**ARGS, ffn="dense")
-
-    class _Mem:
-        kind = "memplus"
-
     from memlm.hf.mapping import _check_dense
+    from memlm.memory.config import MemoryConfig
 
-    with pytest.raises(ValueError, match="only dense models"):
-        _check_dense(args, _Mem())
+    args = ModelArgs(**ARGS, ffn="dense")
+    engram = MemoryConfig()
+    engram.engram.layers = [0]
+    for memory in (MemoryConfig(kind="memplus"), engram):
+        with pytest.raises(ValueError, match="only dense models"):
+            _check_dense(args, memory)
+    _check_dense(args, MemoryConfig())  # memory.kind=none and no Engram: a Llama

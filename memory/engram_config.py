@@ -1,0 +1,65 @@
+"""Typed configuration of the model's Engram layers: `memory.engram`, beside any memory kind.
+
+Engram (memory/engram.py) is not a feed-forward kind: it adds to the residual
+stream before a block's attention, so it combines with every `memory.kind`,
+none included (configs/memory/engram.yaml places it alone):
+
+    python -m memlm.train memory=engram                          # Engram at the preset's blocks
+    python -m memlm.train memory=memplus memory.engram.layers=[0]   # Engram early, Memory+ FFNs as before
+
+Its tables are sparse tables (memlm.memory.tables): they train with the value
+group's settings, memory.value_lr, value_weight_decay and value_grad_clip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memlm.errors import ConfigError
+from memlm.memory.engram import engram_size_problem
+
+# memory.engram.token_map: where the canonical ids come from (memory/engram_vocab.py).
+TOKEN_MAPS = ("tokenizer", "identity")
+
+
+@dataclass
+class EngramConfig:
+    # Blocks that get an Engram layer before their attention; [] -> none.
+    layers: list[int] = field(default_factory=list)
+    max_order: int = 3  # n-gram orders 2..max_order
+    heads: int = 8  # hash heads per order
+    head_dim: int = 64
+    # Rows each head's table asks for (the next unused prime at or above it); 0 -> 5 x model.vocab_size.
+    # The sizes follow from the config alone, so a checkpoint's shapes never depend on a tokenizer file.
+    rows_per_head: int = 0
+    kernel_size: int = 4
+    dilation: int = 0  # 0 -> max_order
+    hash_seed: int = 0  # the multipliers are a function of (hash_seed, layer) alone
+    # tokenizer: canonical ids from the run's tokenizer pieces (NFKC, lowercase, accents stripped,
+    # whitespace collapsed); a run without a tokenizer (data.kind=random) keeps the identity map.
+    # identity: every token id is its own canonical id.
+    token_map: str = "tokenizer"
+
+    def resolved_rows_per_head(self, vocab_size: int) -> int:
+        return self.rows_per_head or 5 * vocab_size
+
+    def resolved_dilation(self) -> int:
+        return self.dilation or self.max_order
+
+    def validate(self, n_layers: int, dim: int, vocab_size: int, prefix: str = "memory.engram") -> None:
+        layers = list(self.layers)
+        if any(type(i) is not int or not 0 <= i < n_layers for i in layers) or len(set(layers)) != len(layers):
+            raise ConfigError(f"{prefix}.layers", layers,
+                              f"distinct block indices in [0, {n_layers - 1}] (model.n_layers={n_layers}); [] for none")
+        if self.token_map not in TOKEN_MAPS:
+            raise ConfigError(f"{prefix}.token_map", self.token_map, f"one of: {', '.join(TOKEN_MAPS)}")
+        for key in ("rows_per_head", "dilation"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{prefix}.{key}", getattr(self, key), "0 (the default) or a positive integer")
+        problem = engram_size_problem(dim, self.max_order, self.heads, self.head_dim,
+                                      self.resolved_rows_per_head(vocab_size), self.kernel_size,
+                                      self.resolved_dilation(), self.hash_seed, 0)
+        if problem is not None:
+            key, value, valid = problem
+            key = {"seed": "hash_seed"}.get(key, key)
+            raise ConfigError(f"{prefix}.{key}", value, valid)

@@ -1,0 +1,132 @@
+"""Engram in the model (memory.engram; model/engram_slot.py): the layers sit before the chosen
+blocks' attention beside any memory kind, get their rows once per forward (or computed ahead),
+decode with the KV cache as without it, map tokens through the run's tokenizer, and train,
+resume bit for bit, fine-tune and export through the same house as the memory families."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from evals_fixtures import make_tokenizer
+from family_paths import check_family_paths
+
+from memlm.config.run import compose
+from memlm.data.tokenizer import Tokenizer
+from memlm.errors import ConfigError
+from memlm.memory.engram import Engram
+from memlm.memory.engram_vocab import canonical_map
+from memlm.memory.tables import sparse_tables
+from memlm.model import build_model
+from memlm.run.model import build_run_model
+
+SMALL = ["memory.engram.heads=2", "memory.engram.head_dim=8"]
+RUN = ["memory=engram", *SMALL, "model.vocab_size=128", "data.seq_len=16", "data.micro_batch=2",
+       "optim.warmup=0", "logging.every=1"]
+
+
+def _model(*overrides: str):
+    cfg = compose(["model.vocab_size=97", "model.dim=32", "model.n_layers=3", "model.max_seq_len=32",
+                   "data.seq_len=16", *SMALL, *overrides])
+    return build_model(cfg.model, cfg.memory, seed=0).eval()
+
+
+def test_engram_sits_in_the_chosen_blocks_beside_any_memory_kind():
+    model = _model("memory=memplus", "memory.layers=[1]", "memory.n_keys=8", "memory.k_dim=16",
+                   "memory.knn=4", "memory.eval_knn=4", "memory.engram.layers=[0,2]")
+    assert [type(b.engram) for b in model.layers] == [Engram, type(None), Engram]
+    assert [b.ffn_kind for b in model.layers] == ["dense", "memplus", "dense"]
+    tables = sparse_tables(model)  # Memory+'s pool and both Engram tables: the value group
+    assert {id(t) for t in tables} >= {id(model.layers[0].engram.tables.weight),
+                                       id(model.layers[2].engram.tables.weight)} and len(tables) == 3
+    engram = model.layers[0].engram
+    assert engram.hash.multipliers != model.layers[2].engram.hash.multipliers  # per-layer hashing
+
+
+def test_the_counts_hold_engram():
+    with_engram, without = _model("memory=engram"), _model()
+    engram = with_engram.layers[1].engram
+    table = engram.tables.weight.numel()
+    assert with_engram.num_params()["memory"] == table
+    assert with_engram.num_params()["active"] - without.num_params()["active"] == \
+        sum(p.numel() for p in engram.parameters()) - table + engram.n_heads * engram.head_dim
+    # the two projections (E -> dim) and the conv taps, per token
+    assert with_engram.flops_per_token(32) - without.flops_per_token(32) == \
+        2 * 2 * engram.mem_dim * 32 + 2 * engram.kernel_size * 32
+
+
+def test_the_planner_counts_engrams_activations():
+    from memlm.plan.cost import Layout, activation_bytes
+
+    layout = Layout(world=1, rank=0, gpus_per_node=1, memory_parallel=1, tokens=64, accum=1, seq_len=32,
+                    flops_per_token=0, compute_bytes=2, fsdp_size=1, fsdp_replicas=1, fsdp_spans_nodes=False)
+    with_engram, without = _model("memory=engram"), _model()
+    engram = with_engram.layers[1].engram
+    per_token = 8 * engram.n_heads + 2 * (engram.mem_dim + 6 * 32)  # rows, e, six dim-wide tensors
+    assert activation_bytes(with_engram, layout, "none")["saved"] - \
+        activation_bytes(without, layout, "none")["saved"] == 64 * per_token
+
+
+def test_rows_computed_ahead_give_the_same_logits():
+    model = _model("memory=engram", "memory.engram.layers=[0,2]")
+    tokens = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(0))
+    rows = model.engram_rows(tokens)
+    assert sorted(rows) == [0, 2] and rows[0].shape == (2, 20, 4)
+    assert torch.equal(model(tokens, engram_rows=rows), model(tokens))
+
+
+def test_decoding_with_the_kv_cache_equals_the_whole_sequence():
+    model = _model("memory=engram", "memory.engram.layers=[0,1]")
+    with torch.no_grad():
+        for block in model.layers:  # the conv starts at zero: give it taps, so its state is used
+            block.engram.conv.normal_(generator=torch.Generator().manual_seed(1)) if block.engram else None
+    tokens = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(2))
+    full = model(tokens)
+    cache = model.new_cache(batch=3, max_len=24)
+    steps = [model(tokens[:, :5], cache), model(tokens[:, 5:8], cache)]
+    steps += [model(tokens[:, t:t + 1], cache) for t in range(8, 20)]
+    # The attention's and the projections' products over fewer rows round otherwise (the same standard
+    # as tests/unit/test_model.py's cache test); the Engram's rows are exact (tests/unit/test_engram.py).
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    cache.reset()
+    again = torch.cat([model(tokens[:, t:t + 1], cache) for t in range(20)], dim=1)
+    torch.testing.assert_close(again, full, rtol=1e-5, atol=1e-5)
+
+
+def test_the_token_map_comes_from_the_runs_tokenizer(tmp_path):
+    make_tokenizer(tmp_path)
+    (tmp_path / "docs.jsonl").write_text('{"text": "x"}\n')  # never read: the model is all this test builds
+    run = ["memory=engram", *SMALL, "model.vocab_size=384", "data.kind=raw", f"data.tokenizer={tmp_path / 'tok.model'}",
+           f"+data.sources=[{{path: '{tmp_path / 'docs.jsonl'}'}}]"]
+    model = build_run_model(compose(run))
+    sp = Tokenizer(str(tmp_path / "tok.model")).sp
+    want = canonical_map([sp.id_to_piece(i) for i in range(sp.vocab_size())])
+    got = model.layers[1].engram.hash.token_map
+    assert torch.equal(got, want) and int(want.max()) + 1 < 384  # a real map: some pieces merge
+    identity = build_run_model(compose([*run, "memory.engram.token_map=identity"]))
+    assert torch.equal(identity.layers[1].engram.hash.token_map, torch.arange(384))
+
+
+@pytest.mark.parametrize("override, key", [
+    ("memory.engram.layers=[2]", "memory.engram.layers"),
+    ("memory.engram.layers=[1,1]", "memory.engram.layers"),
+    ("memory.engram.token_map=nfkc", "memory.engram.token_map"),
+    ("memory.engram.max_order=1", "memory.engram.max_order"),
+    ("memory.engram.rows_per_head=-1", "memory.engram.rows_per_head"),
+    ("memory.engram.hash_seed=-1", "memory.engram.hash_seed"),
+    ("memory.value_lr=-1", "memory.value_lr"),
+])
+def test_bad_settings_name_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        compose(["memory=engram", "model.n_layers=2", override])
+    assert err.value.key == key
+
+
+def test_sparse_fine_tuning_is_refused_until_engram_counts_its_reads():
+    with pytest.raises(ConfigError, match="does not count Engram's reads") as err:
+        compose(["memory=memplus", "memory.layers=[0]", "memory.engram.layers=[1]", "finetune=sparse",
+                 "model.n_layers=2"])
+    assert err.value.key == "finetune.mode"
+
+
+def test_trains_resumes_fine_tunes_and_exports(tmp_path):
+    check_family_paths(RUN, tmp_path)  # finetune=memory: the Engram table alone moves
