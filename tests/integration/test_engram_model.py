@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from equivalence import BASE, assert_same, distributed_run, global_batches, reference_run
 from evals_fixtures import make_tokenizer
 from family_paths import check_family_paths
 
@@ -130,3 +131,32 @@ def test_sparse_fine_tuning_is_refused_until_engram_counts_its_reads():
 
 def test_trains_resumes_fine_tunes_and_exports(tmp_path):
     check_family_paths(RUN, tmp_path)  # finetune=memory: the Engram table alone moves
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,memory_parallel", [(2, 1), (2, 2), (4, 2), (4, 4)])
+def test_ranks_equal_one_process(tmp_path, world, memory_parallel):
+    """Engram beside Memory+ on 2 and 4 gloo ranks trains as one process."""
+    run = [*BASE, "model.n_layers=2", "memory=memplus", "memory.layers=[1]", "memory.n_keys=8", "memory.knn=4",
+           "memory.eval_knn=4", "memory.heads=2", "memory.k_dim=16", "memory.engram.layers=[0,1]", *SMALL,
+           "memory.engram.rows_per_head=50"]
+    batches = global_batches(128)
+    ref = reference_run(run, batches, tmp_path / "ref")
+    got = distributed_run([*run, f"parallel.memory_parallel={memory_parallel}"], batches, tmp_path, world=world)
+    assert_same(ref, got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_on,resumed_on", [(2, 1), (1, 2)])
+def test_resharding_restores_model_and_optimizer(tmp_path, saved_on, resumed_on):
+    """A checkpoint saved on 2 ranks resumes on 1 process, and back: every weight (the token map
+    included) and optimizer state equal."""
+    from train_workers import assert_restored_equal, fit_on
+
+    run = [*BASE, *RUN, "model.n_layers=2", "memory.engram.layers=[0,1]", "memory.engram.rows_per_head=50",
+           "data.micro_batch=2", "steps=3", f"dump_dir={tmp_path}"]
+    saved, resumed = tmp_path / "saved.pt", tmp_path / "resumed.pt"
+    fit_on(saved_on, [*run, "checkpoint.at_end=true"], str(saved))
+    fit_on(resumed_on, [*run, "resume=auto"], str(resumed))  # the final checkpoint restored, no step trained
+    a = assert_restored_equal(str(saved), str(resumed), step=3)
+    assert any("engram.tables" in k for k in a["model"]) and any("token_map" in k for k in a["model"])
