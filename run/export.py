@@ -168,13 +168,9 @@ def write_export(out_dir: Path, cfg, checkpoint: Path, meta: dict, state: dict[s
     tokenizer = run_tokenizer_path(cfg, checkpoint)
     tokenizer = tokenizer if tokenizer and Path(tokenizer).is_file() else None
     kinds = sorted(set(layer_ffn_kinds(cfg.model, memory)))
-    engram = bool(cfg.memory.engram.layers)  # hf/remote has no Engram yet
-    if not dense and not engram and all(family_of(kind).remote_code for kind in kinds):
+    if not dense and all(family_of(kind).remote_code for kind in kinds):
         # config.json + trust_remote_code modeling files for the memlm-named weights above
         write_remote_code(out_dir, cfg.model, memory, extra=hf_token_ids(tokenizer))
-    elif engram:
-        print(f"[export] Engram layers (memory.engram.layers) have no Hugging Face modeling code (hf/remote/) "
-              f"yet: {out_dir} loads with memlm (memlm.hf.from_pretrained), not with transformers", flush=True)
     elif not dense:
         missing = [kind for kind in kinds if not family_of(kind).remote_code]
         print(f"[export] FFN kind(s) {', '.join(missing)} have no Hugging Face modeling code (hf/remote/): "

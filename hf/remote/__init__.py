@@ -1,8 +1,8 @@
 """Hugging Face `trust_remote_code` bundle for memlm models with memory, MoE or PEER layers.
 
 Dense models export as a plain Llama (hf/mapping.py). Every other model gets,
-beside its memlm-named safetensors, the two source files of this folder
-(configuration_memlm.py, modeling_memlm.py: torch + transformers only) and a
+beside its memlm-named safetensors, the three source files of this folder
+(configuration_memlm.py, modeling_memlm.py, engram_memlm.py: torch + transformers only) and a
 `config.json` whose `auto_map` points at them:
 
     write_remote_code(out_dir, cfg.model, memory)   # called by run/export.py
@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from memlm.memory.config import MemoryConfig
+from memlm.memory.engram_hash import head_primes
 from memlm.model.args import ModelArgs
 from memlm.model.moe import default_expert_hidden_dim
 from memlm.model.transformer import layer_ffn_kinds
 
 SOURCE_DIR = Path(__file__).parent
-REMOTE_FILES = ("configuration_memlm.py", "modeling_memlm.py")
+REMOTE_FILES = ("configuration_memlm.py", "modeling_memlm.py", "engram_memlm.py")
 AUTO_MAP = {
     "AutoConfig": "configuration_memlm.MemlmConfig",
     "AutoModelForCausalLM": "modeling_memlm.MemlmForCausalLM",
@@ -70,9 +71,8 @@ MEMORY_TRAINING_ONLY = (
     "balance_loss_coef", "sparse_updates", "kernel", "triton_algorithm", "triton_forward", "triton_backward",
     "knn_schedule_start", "knn_schedule_steps",
 )
-# Sections the modeling file does not implement yet: the exporter writes no remote code for a
-# model that uses them (memory.engram.layers: run/export.py).
-MEMORY_NOT_REMOTE = ("engram",)
+# Sections of MemoryConfig written as their own config.json key (engram_settings).
+MEMORY_SECTIONS = ("engram",)
 # FFN kinds the modeling file implements (tests check this against memlm's registry).
 REMOTE_KINDS = ("dense", "memory", "memplus", "moe", "peer", "ultramem")
 
@@ -97,6 +97,18 @@ def memory_settings(args: ModelArgs, memory: MemoryConfig | None) -> dict[str, A
     return settings
 
 
+def engram_settings(args: ModelArgs, memory: MemoryConfig | None) -> dict[str, Any]:
+    """config.json's `engram` (engram_memlm.py): the layers and their sizes resolved, each head's prime
+    table size by order (memlm.memory.engram_hash.head_primes); {} without Engram layers."""
+    e = memory.engram if memory is not None else None
+    if e is None or not e.layers:
+        return {}
+    rows = e.resolved_rows_per_head(args.vocab_size)
+    return {"layers": sorted(e.layers), "max_order": e.max_order, "heads": e.heads, "head_dim": e.head_dim,
+            "kernel_size": e.kernel_size, "dilation": e.resolved_dilation(), "hash_seed": e.hash_seed,
+            "head_rows": head_primes([rows] * (e.max_order - 1), e.heads)}
+
+
 def remote_config(args: ModelArgs, memory: MemoryConfig | None) -> dict[str, Any]:
     """The config.json of a remote-code bundle (a plain dict, no transformers needed)."""
     kinds = layer_ffn_kinds(args, memory)
@@ -107,6 +119,7 @@ def remote_config(args: ModelArgs, memory: MemoryConfig | None) -> dict[str, Any
     for key in MEMORY_SWITCHES:  # written only when on
         if not settings[key]:
             del settings[key]
+    engram = engram_settings(args, memory)
     return {
         "architectures": ["MemlmForCausalLM"],
         "model_type": "memlm",
@@ -124,6 +137,7 @@ def remote_config(args: ModelArgs, memory: MemoryConfig | None) -> dict[str, Any
         "tie_word_embeddings": args.tie_embeddings,
         "layer_ffn_kinds": kinds,
         "memory": settings,
+        **({"engram": engram} if engram else {}),  # only with Engram layers: other exports' config.json as before
         "torch_dtype": "float32",
         "use_cache": True,
     }
@@ -148,5 +162,5 @@ def config_fields() -> tuple[set[str], set[str]]:
     return ({f.name for f in dataclasses.fields(ModelArgs)}, {f.name for f in dataclasses.fields(MemoryConfig)})
 
 
-__all__ = ["AUTO_MAP", "REMOTE_FILES", "REMOTE_KINDS", "config_fields", "memory_settings", "remote_config",
-           "write_remote_code"]
+__all__ = ["AUTO_MAP", "REMOTE_FILES", "REMOTE_KINDS", "config_fields", "engram_settings", "memory_settings",
+           "remote_config", "write_remote_code"]

@@ -13,6 +13,8 @@ Decoder sizes use the usual Hugging Face names; what is memlm's own:
 - `memory`: the settings those layers need at inference, resolved (v_dim and
   expert_hidden_dim are numbers, never 0). Training-only settings (learning
   rates, kernels, losses) are not part of it.
+- `engram`: the Engram layers' settings, resolved (written only for a model
+  that has them).
 """
 
 from transformers import PretrainedConfig
@@ -46,6 +48,7 @@ class MemlmConfig(PretrainedConfig):
         rope_theta=10000.0,
         layer_ffn_kinds=None,
         memory=None,
+        engram=None,
         tie_word_embeddings=False,
         use_cache=True,
         **kwargs,
@@ -62,6 +65,9 @@ class MemlmConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         self.layer_ffn_kinds = list(layer_ffn_kinds or ["dense"] * num_hidden_layers)
         self.memory = dict(memory or {})
+        # Engram layers (engram_memlm.py): layers, max_order, heads, head_dim, kernel_size, dilation,
+        # hash_seed and head_rows (each head's prime table size, by order); {} for none.
+        self.engram = dict(engram or {})
         self.use_cache = use_cache
         if len(self.layer_ffn_kinds) != num_hidden_layers:
             raise ValueError(

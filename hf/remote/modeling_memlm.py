@@ -7,8 +7,9 @@ configuration_memlm.py and a config.json whose `auto_map` names both), so
     model = AutoModelForCausalLM.from_pretrained(export_dir, trust_remote_code=True)
     out = model.generate(input_ids, max_new_tokens=20)
 
-loads and runs a Memory, Memory+, MoE or PEER model where memlm is not
-installed: it imports torch and transformers only. Module and parameter
+loads and runs a Memory, Memory+, MoE, PEER or UltraMemV2 model, with or without
+Engram layers (engram_memlm.py), where memlm is not installed: it imports torch
+and transformers only. Module and parameter
 names are memlm's own (tok_embeddings, layers.{i}.attention.wq, ...,
 shared.memory_values.weight), so the export's safetensors load unchanged.
 
@@ -23,7 +24,11 @@ kind, so the two cannot drift apart silently.
 KV cache: transformers' Cache (DynamicCache by default in generate), named
 `cache` in transformers >= 5.2x and `past_key_values` before; both are accepted.
 A 2-D attention_mask with padding is honoured (padded keys are masked, positions
-count real tokens only), as generate needs for batches of unequal prompts.
+count real tokens only; Engram hashes padding as the start of a row and zeroes its
+convolution input there), as generate needs for batches of unequal prompts. An
+Engram layer keeps its canonical ids and convolution inputs on the cache object
+(`memlm_engram`): greedy and sampled decoding carry it; beam search's reordering
+of the cache does not reorder it.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_memlm import MEMORY_KEYS, ULTRAMEM_KEYS, MemlmConfig
+from .engram_memlm import Engram
 
 # transformers renamed the cache field of model outputs (past_key_values -> cache).
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -492,8 +498,15 @@ class Block(nn.Module):
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward = feed_forward
+        engram = config.engram
+        self.engram = Engram(config.hidden_size, config.vocab_size, engram, layer_id) \
+            if layer_id in engram.get("layers", ()) else None
 
-    def forward(self, x, cos, sin, cache, mask):
+    def forward(self, x, cos, sin, cache, mask, engram_in=None):
+        if self.engram is not None:  # engram_in: (input_ids, real positions or None, the cache's history)
+            ids, real, histories = engram_in
+            history = None if histories is None else histories.setdefault(self.layer_id, {})
+            x = x + self.engram(x, self.engram.hash.canonical(ids, real), real, history)
         h = x + self.attention(self.attention_norm(x), cos, sin, cache, self.layer_id, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -603,8 +616,16 @@ class MemlmForCausalLM(PreTrainedModel, GenerationMixin):
             # Causal and not padding. Every query also sees itself: a padding row
             # then has one key, whatever an SDPA backend does with empty rows.
             mask = ((k_pos <= q_pos) & attention_mask.bool()[:, None, None, :]) | (k_pos == q_pos)
+        engram_in = None
+        if self.config.engram.get("layers"):
+            if input_ids is None:
+                raise ValueError("a model with Engram layers needs input_ids (its n-grams hash the token ids)")
+            real = attention_mask.bool()[:, -seq:] if padded else None
+            # Each Engram layer's canonical ids and conv inputs so far ride on the cache object.
+            histories = None if cache is None else cache.__dict__.setdefault("memlm_engram", {})
+            engram_in = (input_ids, real, histories)
         for block in self.layers:
-            h = block(h, cos, sin, cache, mask)
+            h = block(h, cos, sin, cache, mask, engram_in)
         h = self.norm(h)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]

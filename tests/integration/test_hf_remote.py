@@ -34,6 +34,7 @@ from safetensors.torch import save_file  # noqa: E402
 from memlm.hf import remote as hf_remote  # noqa: E402
 from memlm.hf.remote.modeling_memlm import MemlmForCausalLM  # noqa: E402
 from memlm.memory.config import MemoryConfig  # noqa: E402
+from memlm.memory.engram_config import EngramConfig  # noqa: E402
 from memlm.model import ModelArgs, build_model, families  # noqa: E402
 
 ARGS = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=101, multiple_of=16, max_seq_len=64,
@@ -54,6 +55,9 @@ CASES = {
     "peer_qknorm": ({}, dict(kind="peer", layers=[1], n_keys=8, knn=4, heads=2, k_dim=16, qk_norm=True)),
     "memplus_and_peer": (dict(ffn="memplus"), dict(kind="peer", layers=[1], **PKM)),
     "ultramem_every_block": ({}, dict(kind="ultramem", layers=[0, 1, 2], n_keys=8, knn=6, heads=1, k_dim=16)),
+    "engram_alone": ({}, dict(kind="none", engram=EngramConfig(layers=[1], heads=2, head_dim=8, rows_per_head=50))),
+    "engram_beside_memplus": ({}, dict(kind="memplus", layers=[1], **PKM, engram=EngramConfig(
+        layers=[0, 2], max_order=4, heads=3, head_dim=4, rows_per_head=40, kernel_size=3, dilation=2, hash_seed=5))),
     "ultramem_expanded_two_heads": ({}, dict(kind="ultramem", layers=[1], n_keys=8, knn=4, heads=2, k_dim=16,
                                              rank=3, expansion=4, candidates=5, v_dim=24, pre_dim=8,
                                              ffn_fraction=0.0)),
@@ -75,6 +79,11 @@ def _memlm_model(args_kw: dict, mem_kw: dict | None, seed: int = 0):
                 p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
             elif name.endswith(".bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif ".engram.norm_" in name or name.endswith(".engram.conv"):  # Engram's norms (ones), conv (zeros)
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 + (1.0 if "norm_" in name else 0.0))
+        for block in model.layers:  # a map that merges tokens, as a tokenizer's does (not the identity)
+            if block.engram is not None:
+                block.engram.hash.token_map.copy_(torch.arange(args.vocab_size) % 37)
     return model, args, memory
 
 
@@ -115,8 +124,9 @@ def test_remote_model_logits_match_memlm(tmp_path, case):
         assert (logits - hf.float()(tokens).logits).abs().max().item() <= (TOL if case in SUMMED_OTHERWISE else 0.0)
 
 
-def test_generate_with_kv_cache_matches_memlm_greedy(tmp_path):
-    ours, args, memory = _memlm_model(*CASES["memplus_shared_swilu"])
+@pytest.mark.parametrize("case", ["memplus_shared_swilu", "engram_beside_memplus"])
+def test_generate_with_kv_cache_matches_memlm_greedy(tmp_path, case):
+    ours, args, memory = _memlm_model(*CASES[case])
     hf = MemlmForCausalLM.from_pretrained(str(_bundle(tmp_path, ours, args, memory))).eval()
     prompt = _tokens(2, 5, seed=3)
     with torch.no_grad():  # the cache generate() carries: filled by the prompt, then one position per step
@@ -134,8 +144,9 @@ def test_generate_with_kv_cache_matches_memlm_greedy(tmp_path):
     assert torch.equal(generated, expected)
 
 
-def test_left_padded_batch_equals_unpadded_rows(tmp_path):
-    ours, args, memory = _memlm_model(*CASES["memplus_shared_swilu"])
+@pytest.mark.parametrize("case", ["memplus_shared_swilu", "engram_beside_memplus"])
+def test_left_padded_batch_equals_unpadded_rows(tmp_path, case):
+    ours, args, memory = _memlm_model(*CASES[case])
     hf = MemlmForCausalLM.from_pretrained(str(_bundle(tmp_path, ours, args, memory))).eval()
     short, long = _tokens(1, 6, seed=4), _tokens(1, 10, seed=5)
     batch = torch.cat([torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1), long])
@@ -152,7 +163,7 @@ def test_every_config_field_and_ffn_kind_is_covered():
     model_fields, memory_fields = hf_remote.config_fields()
     model_known = set(hf_remote.MODEL_TO_CONFIG) | set(hf_remote.MODEL_TRAINING_ONLY)
     memory_mapped = set(hf_remote.MEMORY_INFERENCE) | set(hf_remote.MEMORY_LAYER_CHOICE)
-    memory_known = memory_mapped | set(hf_remote.MEMORY_TRAINING_ONLY) | set(hf_remote.MEMORY_NOT_REMOTE)
+    memory_known = memory_mapped | set(hf_remote.MEMORY_TRAINING_ONLY) | set(hf_remote.MEMORY_SECTIONS)
     assert model_fields <= model_known, (
         f"ModelArgs fields neither mapped nor training-only in hf/remote: {sorted(model_fields - model_known)}")
     assert memory_fields <= memory_known, (
@@ -175,7 +186,7 @@ def test_every_config_field_and_ffn_kind_is_covered():
 
 
 def test_modeling_files_import_only_torch_and_transformers():
-    allowed = {"__future__", "contextlib", "torch", "transformers"}
+    allowed = {"__future__", "contextlib", "math", "torch", "transformers"}
     for name in hf_remote.REMOTE_FILES:
         tree = ast.parse((hf_remote.SOURCE_DIR / name).read_text())
         for node in ast.walk(tree):
@@ -222,7 +233,25 @@ def ultramem_export(tmp_path_factory):
     return export(tmp / "run", tmp / "export"), trainer.model.eval(), tmp
 
 
-@pytest.fixture(scope="module", params=["memplus", "ultramem"])
+@pytest.fixture(scope="module")
+def engram_export(tmp_path_factory):
+    """A trained tiny run with Engram before blocks 0 and 2 and Memory+ in block 1, exported, and the model."""
+    from memlm.config.run import compose
+    from memlm.run.export import export
+    from memlm.train.trainer import Trainer
+
+    tmp = tmp_path_factory.mktemp("remote_engram")
+    overrides = ["model.vocab_size=128", "data.seq_len=16", "data.micro_batch=2", "logging.wandb.mode=disabled",
+                 "steps=3", "optim.lr=3e-3", "model.n_layers=3", "memory=memplus", "memory.layers=[1]",
+                 "memory.n_keys=8", "memory.knn=4", "memory.eval_knn=4", "memory.heads=2", "memory.k_dim=16",
+                 "memory.engram.layers=[0,2]", "memory.engram.heads=2", "memory.engram.head_dim=8",
+                 "memory.value_lr=1e-1", f"dump_dir={tmp / 'run'}"]
+    trainer = Trainer(compose(overrides))
+    trainer.fit()
+    return export(tmp / "run", tmp / "export"), trainer.model.eval(), tmp
+
+
+@pytest.fixture(scope="module", params=["memplus", "ultramem", "engram"])
 def exported(request):
     """Each real export: (its folder, the trained memlm model, the fixture's folder)."""
     return request.getfixturevalue(f"{request.param}_export")
@@ -230,7 +259,7 @@ def exported(request):
 
 def test_export_loads_with_auto_model_where_memlm_cannot_be_imported(exported):
     export_dir, ours, tmp = exported
-    assert {"config.json", "configuration_memlm.py", "modeling_memlm.py"} <= {p.name for p in export_dir.iterdir()}
+    assert {"config.json", *hf_remote.REMOTE_FILES} <= {p.name for p in export_dir.iterdir()}
     run_remote_child(sys.executable, True, export_dir, ours, tmp)
 
 
