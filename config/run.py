@@ -256,6 +256,7 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> Confi
     cfg = compose_dict(overrides, config_name)
     config = OmegaConf.to_object(cfg)
     assert isinstance(config, Config)
+    config.memory.split_sparse_budget(config.model.dim)  # derived sizes first, so validation checks them
     config.validate()
     # A finetune.* setting the mode would ignore: refused in what the user composes, not in a
     # saved config (a finished run's record stays readable).

@@ -127,6 +127,15 @@ class MemoryConfig:
     # Engram layers before chosen blocks' attention, beside any kind (memory/engram_config.py).
     engram: EngramConfig = field(default_factory=EngramConfig)
 
+    def split_sparse_budget(self, dim: int) -> None:
+        """With memory.engram.budget: set engram.rows_per_head to its share and n_keys to the rest (the
+        value table n_keys**2 x v_dim). Called once, by `compose`, before validation checks the split."""
+        if self.engram.budget and self.engram.layers and 0 < self.engram.share <= 1:
+            self.engram.rows_per_head = self.engram.budget_rows_per_head()
+            if self.kind in PRODUCT_KEY_KINDS:
+                rest = (1 - self.engram.share) * self.engram.budget / (self.v_dim or dim)
+                self.n_keys = max(1, round(rest**0.5))
+
     def places_layers(self) -> bool:
         """Whether the section puts anything into the model: a memory kind's layers or Engram's."""
         return self.kind != "none" or bool(self.engram.layers)
@@ -149,6 +158,7 @@ class MemoryConfig:
             raise ConfigError(f"{prefix}.w_bias", self.w_bias,
                               f"false with {prefix}.kind={self.kind!r}: the biases are Memory+'s W1 and W2 "
                               "(memory.kind=memplus)")
+        self._validate_sparse_budget(prefix)
         if self.kind == "none":
             if self.engram.layers:  # Engram's tables alone use the value group's settings
                 self._validate_table_optimizer(prefix)
@@ -184,6 +194,20 @@ class MemoryConfig:
         if self.kind in PRODUCT_KEY_KINDS:
             self._validate_product_key_memory(prefix)
         # The other families' keys are their own to check (memlm.model.family: Family.validate).
+
+    def _validate_sparse_budget(self, prefix: str) -> None:
+        """memory.engram.budget: a kind it can split with, and the sizes `split_sparse_budget` derived."""
+        e = self.engram
+        if not e.budget:
+            return
+        if (e.share < 1) != (self.kind in PRODUCT_KEY_KINDS) or (e.share == 1) != (self.kind == "none"):
+            raise ConfigError(f"{prefix}.engram.share", e.share,
+                              f"1 with {prefix}.kind=none, below 1 with a kind whose value table it splits "
+                              f"({' or '.join(PRODUCT_KEY_KINDS)}); {prefix}.kind is {self.kind!r}")
+        if e.layers and 0 < e.share <= 1 and e.rows_per_head != e.budget_rows_per_head():
+            raise ConfigError(f"{prefix}.engram.rows_per_head", e.rows_per_head,
+                              f"{e.budget_rows_per_head()}, derived from {prefix}.engram.budget={e.budget} and "
+                              f"share={e.share} (leave it to the budget, or set budget=0)")
 
     def _validate_table_optimizer(self, prefix: str) -> None:
         """The sparse tables' own optimizer numbers, for every family and Engram (memlm.optim.build.param_groups)."""

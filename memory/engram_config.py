@@ -39,6 +39,21 @@ class EngramConfig:
     # whitespace collapsed); a run without a tokenizer (data.kind=random) keeps the identity map.
     # identity: every token id is its own canonical id.
     token_map: str = "tokenizer"
+    # One sparse parameter budget split between Engram's tables and the memory kind's value table
+    # (memory.kind memory or memplus: n_keys**2 x v_dim; none: share 1). 0 -> off: each sized by its
+    # own keys. With a budget, `compose` derives rows_per_head and memory.n_keys from it
+    # (MemoryConfig.split_sparse_budget); the run's config.yaml records what they came to.
+    budget: int = 0
+    share: float = 0.0  # Engram's share of the budget, in (0, 1]
+
+    def n_heads(self) -> int:
+        """H: the hash heads of one layer, over every order."""
+        return (self.max_order - 1) * self.heads
+
+    def budget_rows_per_head(self) -> int:
+        """The rows per head that give Engram's tables `share` of `budget` (every Engram layer counted)."""
+        per_row = self.n_heads() * self.head_dim * max(1, len(self.layers))
+        return max(2, round(self.share * self.budget / per_row))
 
     def resolved_rows_per_head(self, vocab_size: int) -> int:
         return self.rows_per_head or 5 * vocab_size
@@ -56,6 +71,11 @@ class EngramConfig:
         for key in ("rows_per_head", "dilation"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{prefix}.{key}", getattr(self, key), "0 (the default) or a positive integer")
+        if self.budget < 0:
+            raise ConfigError(f"{prefix}.budget", self.budget, "0 (off) or the sparse parameters to split")
+        if self.budget and not (0 < self.share <= 1 and layers):
+            raise ConfigError(f"{prefix}.share", self.share, f"a number in (0, 1] with Engram layers "
+                              f"({prefix}.layers) to give a share of {prefix}.budget={self.budget}")
         problem = engram_size_problem(dim, self.max_order, self.heads, self.head_dim,
                                       self.resolved_rows_per_head(vocab_size), self.kernel_size,
                                       self.resolved_dilation(), self.hash_seed, 0)

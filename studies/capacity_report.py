@@ -56,6 +56,17 @@ def _corpus_tokens(cfg) -> int:
     return sum(len(ids) + 1 for ids in tok.encode_batch(texts))
 
 
+def variant_label(memory, family) -> str:
+    """A run's row name: its family's label, with its Engram layers (memory.engram) named in front,
+    and their share of a split sparse budget."""
+    engram = memory.engram
+    if not engram.layers:
+        return family.label
+    if memory.kind == "none":
+        return "Engram"
+    return f"Engram {engram.share:.0%} + {family.label}" if engram.budget else f"Engram + {family.label}"
+
+
 def load_run(dump: Path) -> dict | None:
     """One row of a finished capacity run, or None for a run of another kind."""
     import torch
@@ -72,15 +83,16 @@ def load_run(dump: Path) -> dict | None:
         model = Transformer(cfg.model, cfg.memory)
     counts = model.num_params()
     family = memory_family(cfg.memory) or family_of(cfg.model.ffn)
-    if family.label not in ORDER:
-        raise ReportError(f"{dump / 'config.yaml'}: memory.kind={cfg.memory.kind!r} ({family.label}), the report "
+    variant = variant_label(cfg.memory, family)
+    if variant not in ORDER:
+        raise ReportError(f"{dump / 'config.yaml'}: memory.kind={cfg.memory.kind!r} ({variant}), the report "
                           "knows " + ", ".join(ORDER))
     # Product-key variants: value slots (PEER: single-neuron experts; UltraMemV2: grid addresses) = n_keys**2.
     product_keys = family.product_keys
     slots = cfg.memory.n_keys ** 2 if product_keys else None
     command = dump / "command.txt"
     return {
-        "run": dump.name, "variant": family.label, "slots": slots,
+        "run": dump.name, "variant": variant, "slots": slots,
         "value_lr": cfg.memory.value_lr if product_keys else None,
         # rows a token reads per memory layer (the activation density's numerator); None without one
         "reads": cfg.memory.heads * cfg.memory.knn if product_keys else None,

@@ -29,7 +29,9 @@ RunsAt = Callable[[str, int, float | None], list[dict]]
 # seed's run without it and never averaged in as a seed of a setting.
 LEVER_DEFAULTS = {"value_weight_decay": 0.0, "value_dtype": "fp32", "w_bias": False}
 # The variants of the capacity study, by family label (memlm.model.family), in the report's order.
-ORDER = ["Dense", "MoE", "PEER", "Memory", "Memory+", "UltraMemV2"]
+# Engram's rows (issue #51): alone, and beside Memory+ with 25% and 50% of its sparse budget.
+ORDER = ["Dense", "MoE", "PEER", "Memory", "Memory+", "UltraMemV2", "Engram", "Engram 25% + Memory+",
+         "Engram 50% + Memory+"]
 PAPER_ORDER = "Memory+ > PEER > Memory > MoE > Dense"
 GOAL_VS_DENSE = 5.0  # issues #32, #40: Memory+ at its default levers stores at least 5x Dense's bits (two-seed means)
 

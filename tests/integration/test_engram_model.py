@@ -17,7 +17,7 @@ from memlm.errors import ConfigError
 from memlm.memory.engram import Engram
 from memlm.memory.engram_vocab import canonical_map
 from memlm.memory.tables import sparse_tables
-from memlm.model import build_model
+from memlm.model import Transformer, build_model
 from memlm.run.model import build_run_model
 
 SMALL = ["memory.engram.heads=2", "memory.engram.head_dim=8"]
@@ -105,6 +105,31 @@ def test_the_token_map_comes_from_the_runs_tokenizer(tmp_path):
     assert torch.equal(got, want) and int(want.max()) + 1 < 384  # a real map: some pieces merge
     identity = build_run_model(compose([*run, "memory.engram.token_map=identity"]))
     assert torch.equal(identity.layers[1].engram.hash.token_map, torch.arange(384))
+
+
+@pytest.mark.parametrize("share, n_keys, rows", [(0.25, 111, 4096), (0.5, 91, 8192)])
+def test_one_setting_splits_the_sparse_budget(share, n_keys, rows):
+    cfg = compose(["experiment=capacity_engram_memplus", f"memory.engram.share={share}"])
+    assert (cfg.memory.n_keys, cfg.memory.engram.rows_per_head) == (n_keys, rows)
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cfg.memory)
+    pool, engram = model.shared.memory_values.weight, model.layers[1].engram.tables.weight
+    asked = 16 * rows * 4 + n_keys**2 * 64  # 16 heads of `rows` rows x head_dim 4, n_keys**2 x v_dim 64
+    assert pool.numel() + engram.numel() - asked < 0.01 * 2**20  # the primes add < 1% to the budget of 2**20
+    assert abs(asked - 2**20) <= 0.01 * 2**20
+    alone = compose(["experiment=capacity_engram"])
+    assert (alone.memory.kind, alone.memory.engram.rows_per_head) == ("none", 16384)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["memory.engram.share=1.0"], "memory.engram.share"),  # all to Engram, but Memory+ is there
+    (["memory.engram.share=0"], "memory.engram.share"),
+    (["memory.engram.share=1.5"], "memory.engram.share"),
+])
+def test_a_budget_split_that_cannot_hold_is_refused(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        compose(["experiment=capacity_engram_memplus", *overrides])
+    assert err.value.key == key
 
 
 @pytest.mark.parametrize("override, key", [

@@ -329,3 +329,15 @@ def test_the_goal_is_judged_at_memplus_default_levers_not_at_a_better_setting_of
         "Dense's bits (means over 2 and 1 seeds; goal at least 5x): met.")
     assert goal_line(settings[:2], runs("", 100.0)).endswith("not run yet, so the goal (at least 5x Dense's bits) "
                                                              "is NOT met.")
+
+
+def test_engram_runs_are_named_by_their_share_of_the_budget(tmp_path):
+    _run(tmp_path, "e20", "capacity_engram", 20, 100.0)
+    _run(tmp_path, "c20", "capacity_engram_memplus", 20, 100.0, extra=["memory.engram.share=0.5"])
+    _run(tmp_path, "q20", "capacity_engram_memplus", 20, 100.0)
+    rows = report.load_runs([tmp_path])
+    assert [(r["run"], r["variant"]) for r in rows] == [
+        ("e20", "Engram"), ("q20", "Engram 25% + Memory+"), ("c20", "Engram 50% + Memory+")]
+    _run(tmp_path, "s20", "capacity_engram_memplus", 20, 100.0, extra=["memory.engram.share=0.3"])
+    with pytest.raises(report.ReportError, match=r"s20/config.yaml: .*\(Engram 30% \+ Memory\+\), the report knows"):
+        report.load_runs([tmp_path])
