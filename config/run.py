@@ -181,6 +181,11 @@ class Config:
                 f"a multiple of parallel.memory_parallel={self.parallel.memory_parallel} "
                 "(the value table is split by columns over the memory-parallel ranks)",
             )
+        engram = self.memory.engram
+        if engram.layers and mp != "auto" and engram.head_dim % mp:
+            raise ConfigError("memory.engram.head_dim", engram.head_dim,
+                              f"a multiple of parallel.memory_parallel={mp} (Engram's tables are split by columns "
+                              "over the memory-parallel ranks)")
         self.data.validate()
         if self.model.doc_mask and self.data.kind == "random":
             raise ConfigError("model.doc_mask", True, "false with data.kind=random (random tokens have no "

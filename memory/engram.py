@@ -22,10 +22,11 @@ Per position t (E = H * head_dim; memlm.memory.engram_hash gives the rows):
     returns y (B, T, dim): the caller adds it to the residual stream
 norm_*: RMSNorm with a learned weight (eps: the dtype's). dil defaults to max_order.
 
-The n-gram tables are one (sum of the heads' primes, head_dim) parameter in
-`EngramTables` (`param_category = "memory"`, memlm.memory.tables finds it); the
+The n-gram tables are one (sum of the heads' primes, head_dim) value pool,
+`EngramTables` (memlm.memory.values.ValuePool: memlm.memory.tables finds it); the
 hasher's per-head offsets address it. One tensor, like Memory+'s value pool:
-one gather for all heads, one sparse row update, one column split.
+one read for all heads, one sparse row update, one column split. `sparse`
+(memory.sparse_updates) and `kernel` (memory.kernel) choose how it is read.
 """
 
 from __future__ import annotations
@@ -37,31 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memlm.memory.engram_config import engram_size_problem
 from memlm.memory.engram_hash import NgramHash
 from memlm.memory.engram_vocab import check_canonical_map
+from memlm.memory.values import ValuePool
 
 SSQRT_EPS = 1e-6  # |x| is clamped here inside the gate's signed square root: a finite slope at 0
-MAX_SEED = 2**64
-
-
-def engram_size_problem(dim: int, max_order: int, heads: int, head_dim: int, rows_per_head: int | Sequence[int],
-                        kernel_size: int, dilation: int, seed: int, layer: int) -> tuple[str, object, str] | None:
-    """The first invalid size of an Engram layer as (key, value, what is valid), or None.
-    `rows_per_head`: one size for every order, or one per order 2..max_order."""
-    if type(max_order) is not int or not 2 <= max_order <= 8:
-        return "max_order", max_order, "an integer in [2, 8] (n-gram orders 2..max_order)"
-    for key, value, low in (("dim", dim, 1), ("heads", heads, 1), ("head_dim", head_dim, 1),
-                            ("kernel_size", kernel_size, 1), ("dilation", dilation, 1), ("layer", layer, 0)):
-        if type(value) is not int or value < low:
-            return key, value, f"an integer >= {low}"
-    one_per_order = isinstance(rows_per_head, (list, tuple)) and len(rows_per_head) == max_order - 1
-    sizes = [rows_per_head] if type(rows_per_head) is int else rows_per_head if one_per_order else [None]
-    if any(type(r) is not int or r < 2 for r in sizes):
-        return "rows_per_head", rows_per_head, \
-            f"an integer >= 2 (every order), or one per n-gram order 2..{max_order} ({max_order - 1} of them)"
-    if type(seed) is not int or not 0 <= seed < MAX_SEED:
-        return "seed", seed, "an integer in [0, 2**64)"
-    return None
 
 
 def signed_sqrt(x: torch.Tensor) -> torch.Tensor:
@@ -69,25 +51,23 @@ def signed_sqrt(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * torch.sqrt(x.abs().clamp_min(SSQRT_EPS))
 
 
-class EngramTables(nn.Module):
-    """Every head's n-gram table in one (n_rows, head_dim) parameter; row = head offset + hashed id."""
+class EngramTables(ValuePool):
+    """Every head's n-gram table in one (n_rows, head_dim) value pool; row = head offset + hashed id.
 
-    # memlm.memory.tables: a sparse table (rows get a gradient only when read).
-    param_category = "memory"
+    A pool (memory/values.py) read as a bag of one row per (position, head) at weight 1, so the
+    house treats it as Memory+'s values: memory parallelism shards it by columns, its reads add
+    into the table's gradient buffer, memory.sparse_updates gives it row gradients, and a run draws
+    it from the seed alone. Init: std head_dim**-0.5 (the pool's), rows of unit expected norm."""
 
-    def __init__(self, n_rows: int, head_dim: int):
-        super().__init__()
-        self.n_rows, self.head_dim = n_rows, head_dim
-        self.weight = nn.Parameter(torch.empty(n_rows, head_dim))
-        self.init_weights()
+    def __init__(self, n_rows: int, head_dim: int, reads_per_token: int):
+        super().__init__(n_rows, head_dim)
+        self.add_reader(reads_per_token)  # H rows per token: the active-parameter count
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=self.head_dim**-0.5)  # each row of unit expected norm
-
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, sparse: bool = False, kernel: str = "auto") -> torch.Tensor:
         """rows (B, T, H) int64 -> e (B, T, H * head_dim): the heads' rows concatenated."""
-        return F.embedding(rows, self.weight).flatten(-2)
+        flat = rows.reshape(-1, 1)  # (B T H, 1): one bag per (position, head)
+        ones = torch.ones(flat.shape, dtype=torch.float32, device=rows.device)
+        return self.read(flat, ones, sparse=sparse, kernel=kernel).view(*rows.shape[:-1], -1)
 
 
 class EngramState:
@@ -114,7 +94,7 @@ class Engram(nn.Module):
 
     def __init__(self, dim: int, token_map: torch.Tensor, layer: int, seed: int = 0, max_order: int = 3,
                  heads: int = 8, head_dim: int = 64, rows_per_head: int | Sequence[int] | None = None,
-                 kernel_size: int = 4, dilation: int | None = None):
+                 kernel_size: int = 4, dilation: int | None = None, sparse: bool = False, kernel: str = "auto"):
         super().__init__()
         token_map = check_canonical_map(token_map, "token_map")
         if rows_per_head is None:  # five times the canonical vocabulary per head, as the public demo sizes it
@@ -131,7 +111,8 @@ class Engram(nn.Module):
         self.hash = NgramHash(token_map, max_order, heads, rows_per_head, seed, layer)
         self.n_heads = len(self.hash.head_rows)  # H = (max_order - 1) * heads
         self.mem_dim = self.n_heads * head_dim  # E
-        self.tables = EngramTables(self.hash.n_rows, head_dim)
+        self.tables = EngramTables(self.hash.n_rows, head_dim, self.n_heads)
+        self.sparse, self.kernel = sparse, kernel  # how the tables are read (EngramTables.forward)
         self.w_k = nn.Linear(self.mem_dim, dim, bias=False)
         self.w_v = nn.Linear(self.mem_dim, dim, bias=False)
         self.norm_k = nn.Parameter(torch.empty(dim))  # RMSNorm weights: the key, the hidden state, the conv input
@@ -177,7 +158,7 @@ class Engram(nn.Module):
         if h.dim() != 3 or h.shape[-1] != self.dim or tuple(rows.shape) != (*h.shape[:2], self.n_heads):
             raise ValueError(f"h {tuple(h.shape)} with rows {tuple(rows.shape)} is invalid: "
                              f"h (B, T, dim={self.dim}) and rows (B, T, H={self.n_heads}) of the same B, T")
-        e = self.tables(rows)  # (B, T, E)
+        e = self.tables(rows, self.sparse, self.kernel)  # (B, T, E)
         k, v = self.w_k(e), self.w_v(e)  # (B, T, dim) each
         eps = torch.finfo(h.dtype).eps
         dot = (F.rms_norm(k, (self.dim,), self.norm_k, eps) * F.rms_norm(h, (self.dim,), self.norm_h, eps)).sum(-1)
@@ -221,10 +202,6 @@ class Engram(nn.Module):
         (int64, H), the memory vector (E), and about six dim-wide tensors (k, v, their norms, u, the
         conv input and output)."""
         return 8 * self.n_heads + act_bytes * (self.mem_dim + 6 * self.dim)
-
-    def inactive_params(self) -> int:
-        """Table parameters one token does not read: every row but its H."""
-        return self.tables.weight.numel() - self.n_heads * self.head_dim
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.n_heads}, head_dim={self.head_dim}, " \

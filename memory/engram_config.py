@@ -13,13 +13,34 @@ group's settings, memory.value_lr, value_weight_decay and value_grad_clip.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from memlm.errors import ConfigError
-from memlm.memory.engram import engram_size_problem
 
 # memory.engram.token_map: where the canonical ids come from (memory/engram_vocab.py).
 TOKEN_MAPS = ("tokenizer", "identity")
+MAX_SEED = 2**64
+
+
+def engram_size_problem(dim: int, max_order: int, heads: int, head_dim: int, rows_per_head: int | Sequence[int],
+                        kernel_size: int, dilation: int, seed: int, layer: int) -> tuple[str, object, str] | None:
+    """The first invalid size of an Engram layer as (key, value, what is valid), or None.
+    `rows_per_head`: one size for every order, or one per order 2..max_order."""
+    if type(max_order) is not int or not 2 <= max_order <= 8:
+        return "max_order", max_order, "an integer in [2, 8] (n-gram orders 2..max_order)"
+    for key, value, low in (("dim", dim, 1), ("heads", heads, 1), ("head_dim", head_dim, 1),
+                            ("kernel_size", kernel_size, 1), ("dilation", dilation, 1), ("layer", layer, 0)):
+        if type(value) is not int or value < low:
+            return key, value, f"an integer >= {low}"
+    one_per_order = isinstance(rows_per_head, (list, tuple)) and len(rows_per_head) == max_order - 1
+    sizes = [rows_per_head] if type(rows_per_head) is int else rows_per_head if one_per_order else [None]
+    if any(type(r) is not int or r < 2 for r in sizes):
+        return "rows_per_head", rows_per_head, \
+            f"an integer >= 2 (every order), or one per n-gram order 2..{max_order} ({max_order - 1} of them)"
+    if type(seed) is not int or not 0 <= seed < MAX_SEED:
+        return "seed", seed, "an integer in [0, 2**64)"
+    return None
 
 
 @dataclass

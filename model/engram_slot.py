@@ -43,4 +43,5 @@ def build_engram(args: ModelArgs, memory: Any, layer_id: int, token_map: torch.T
                          f"({args.vocab_size},) for model.vocab_size={args.vocab_size}")
     return Engram(args.dim, token_map, layer=layer_id, seed=cfg.hash_seed, max_order=cfg.max_order,
                   heads=cfg.heads, head_dim=cfg.head_dim, rows_per_head=cfg.resolved_rows_per_head(args.vocab_size),
-                  kernel_size=cfg.kernel_size, dilation=cfg.resolved_dilation())
+                  kernel_size=cfg.kernel_size, dilation=cfg.resolved_dilation(), sparse=memory.sparse_updates,
+                  kernel=memory.kernel)

@@ -61,7 +61,8 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
     o = cfg.optim
     groups = param_groups(model, cfg)
     fam = memory_family(cfg.memory)
-    sparse = (cfg.memory.sparse_updates or mode_of(cfg).row_gradients) and fam is not None
+    has_tables = fam is not None or bool(cfg.memory.engram.layers)
+    sparse = (cfg.memory.sparse_updates or mode_of(cfg).row_gradients) and has_tables
     for group in groups:
         if group["name"] == "memory_values":
             # Dense reads: one gradient buffer per table, accumulated into by

@@ -140,6 +140,7 @@ def test_a_budget_split_that_cannot_hold_is_refused(overrides, key):
     ("memory.engram.rows_per_head=-1", "memory.engram.rows_per_head"),
     ("memory.engram.hash_seed=-1", "memory.engram.hash_seed"),
     ("memory.value_lr=-1", "memory.value_lr"),
+    ("parallel.memory_parallel=3", "memory.engram.head_dim"),  # 64 columns do not split 3 ways
 ])
 def test_bad_settings_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:
@@ -158,13 +159,20 @@ def test_trains_resumes_fine_tunes_and_exports(tmp_path):
     check_family_paths(RUN, tmp_path)  # finetune=memory: the Engram table alone moves
 
 
+BESIDE_MEMPLUS = ["memory=memplus", "memory.layers=[1]", "memory.n_keys=8", "memory.knn=4", "memory.eval_knn=4",
+                  "memory.heads=2", "memory.k_dim=16"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world,memory_parallel", [(2, 1), (2, 2), (4, 2), (4, 4)])
-def test_ranks_equal_one_process(tmp_path, world, memory_parallel):
-    """Engram beside Memory+ on 2 and 4 gloo ranks trains as one process."""
-    run = [*BASE, "model.n_layers=2", "memory=memplus", "memory.layers=[1]", "memory.n_keys=8", "memory.knn=4",
-           "memory.eval_knn=4", "memory.heads=2", "memory.k_dim=16", "memory.engram.layers=[0,1]", *SMALL,
-           "memory.engram.rows_per_head=50"]
+@pytest.mark.parametrize("world,memory_parallel,kind", [(2, 1, "memplus"), (2, 2, "memplus"), (4, 2, "memplus"),
+                                                        (4, 4, "memplus"), (2, 2, "none"), (2, 2, "sparse")])
+def test_ranks_equal_one_process(tmp_path, world, memory_parallel, kind):
+    """Engram (alone, or beside Memory+) on 2 and 4 gloo ranks trains as one process: its tables are value
+    pools, column-sharded over memory_parallel ranks (head_dim 8 over 4: 2 columns each); with
+    memory.sparse_updates they take row gradients."""
+    beside = {"memplus": BESIDE_MEMPLUS, "none": ["memory=engram"],
+              "sparse": [*BESIDE_MEMPLUS, "memory.sparse_updates=true"]}[kind]
+    run = [*BASE, "model.n_layers=2", *beside, "memory.engram.layers=[0,1]", *SMALL, "memory.engram.rows_per_head=50"]
     batches = global_batches(128)
     ref = reference_run(run, batches, tmp_path / "ref")
     got = distributed_run([*run, f"parallel.memory_parallel={memory_parallel}"], batches, tmp_path, world=world)
