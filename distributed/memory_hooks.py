@@ -47,21 +47,30 @@ class RunSections(Protocol):
     def tokens_per_step(self, world: int) -> int: ...
 
 
-def value_tables(cfg: RunSections) -> ValueTables | None:
+def value_tables(cfg: RunSections) -> list[ValueTables]:
     """The run's value tables and how a step reads them, from the config
-    alone (the meshes are built before the model); None without tables."""
+    alone (the meshes are built before the model): the memory family's pools,
+    then each Engram layer's table (memory.engram); [] without tables."""
     mem = cfg.memory
     fam = memory_family(mem)
     pools = fam.value_pools(mem, cfg.model) if fam is not None else None
-    if pools is None:
-        return None
-    return ValueTables(
-        tables=pools.tables, rows=pools.rows, v_dim=pools.v_dim,
-        value_bytes=VALUE_DTYPES[mem.value_dtype].itemsize,
-        grad_bytes=REDUCE_DTYPES[mem.value_grad_reduce_dtype].itemsize,
-        reads=len(mem.resolved_layers(cfg.model.n_layers)), reads_per_token=pools.reads_per_token,
-        sparse_updates=mem.sparse_updates,
-    )
+    grad_bytes = REDUCE_DTYPES[mem.value_grad_reduce_dtype].itemsize
+    out = []
+    if pools is not None:
+        out.append(ValueTables(
+            tables=pools.tables, rows=pools.rows, v_dim=pools.v_dim,
+            value_bytes=VALUE_DTYPES[mem.value_dtype].itemsize, grad_bytes=grad_bytes,
+            reads=len(mem.resolved_layers(cfg.model.n_layers)), reads_per_token=pools.reads_per_token,
+            sparse_updates=mem.sparse_updates,
+        ))
+    engram = mem.engram
+    if engram.layers:  # float32 tables; each head a bag of one row (memlm.memory.engram.EngramTables)
+        out.append(ValueTables(
+            tables=len(engram.layers), rows=engram.table_rows(cfg.model.vocab_size), v_dim=engram.head_dim,
+            value_bytes=4, grad_bytes=grad_bytes, reads=len(engram.layers) * engram.n_heads(),
+            reads_per_token=1, sparse_updates=mem.sparse_updates,
+        ))
+    return sorted(out)  # the order the planner's model_value_tables gives
 
 
 def tokens_per_rank(cfg: RunSections, world: int) -> int:
@@ -75,7 +84,7 @@ def value_layouts_of(cfg: RunSections, world: int, gpus_per_node: int) -> list[d
     value-table traffic and seconds (memlm.distributed.value_layout.value_layouts);
     [] without value tables."""
     values = value_tables(cfg)
-    if values is None:
+    if not values:
         return []
     return value_layouts(values, world, gpus_per_node, tokens_per_rank(cfg, world))
 
@@ -112,7 +121,7 @@ def value_grad_warning(cfg: RunSections, world: int, gpus_per_node: int) -> str 
         return None
     values = value_tables(cfg)
     best = least_traffic(layouts)
-    tables = f"{values.tables} table{'s' if values.tables > 1 else ''} of {values.rows:,} x {values.v_dim}"
+    tables = " and ".join(f"{v.tables} table{'s' if v.tables > 1 else ''} of {v.rows:,} x {v.v_dim}" for v in values)
     line = (f"parallel.memory_parallel=1 on {world} ranks all-reduces the whole value-table gradient ({tables}) "
             f"every step: {_gib(whole['value_grad'])} sent per rank")
     if best["memory_parallel"] != 1:

@@ -6,8 +6,12 @@ NVLink or the network, and the layout `parallel.memory_parallel=auto` takes
 (memlm.distributed.memory_hooks.resolve_memory_parallel). The scale planner
 (memlm.plan) shows the same rows beside the rest of its estimates:
 
-    rows = value_layouts(values, world=64, gpus_per_node=8, tokens=8192)
+    rows = value_layouts(values, world=64, gpus_per_node=8, tokens=8192)   # values: [ValueTables]
     best = least_traffic(rows)                   # the row with the fewest seconds
+
+A run's tables come as a list of groups of one shape each (a memory kind's
+pool or pools, each Engram layer's table): the traffic is their sum, and a
+memory_parallel must split every group's width.
 
 Every constant is stated here and in docs/scaling-plan.md; these are
 estimates for choosing a layout, not measurements.
@@ -43,10 +47,12 @@ LINK_EFFICIENCY = 0.8
 WEIGHT_BYTES = 4
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class ValueTables:
-    """The value tables of a run and how one step reads them: all the
-    value-table traffic of a memory_parallel layout depends on.
+    """One group of a run's value tables (equal shapes) and how one step reads them: all the
+    value-table traffic of a memory_parallel layout depends on. A read is a bag of
+    `reads_per_token` rows per token (Engram's heads are bags of one row each: reads_per_token 1,
+    a read per head).
     memlm.distributed.memory_hooks.value_tables reads them from the config, the
     planner from the built model (tests/integration/test_value_layout.py: the same)."""
 
@@ -60,12 +66,13 @@ class ValueTables:
     sparse_updates: bool  # replicas exchange touched rows (memory.sparse_updates), not the whole table
 
 
-def memory_parallel_candidates(world: int, v_dim: int) -> list[int]:
+def memory_parallel_candidates(world: int, *v_dims: int) -> list[int]:
     """The memory_parallel sizes a layout can take: powers of two dividing
-    the world and the value width (only 1 without value tables, v_dim 0)."""
-    if not v_dim:
+    the world and every value width (only 1 without value tables: no widths, or 0)."""
+    if not v_dims or not all(v_dims):
         return [1]
-    return [p for p in (2**i for i in range(world.bit_length())) if world % p == 0 and v_dim % p == 0]
+    return [p for p in (2**i for i in range(world.bit_length()))
+            if world % p == 0 and all(v % p == 0 for v in v_dims)]
 
 
 def touched_rows(rows: int, lookups: float) -> float:
@@ -76,7 +83,7 @@ def touched_rows(rows: int, lookups: float) -> float:
     return -rows * math.expm1(lookups * math.log1p(-1 / rows)) if rows > 1 else 1.0
 
 
-def value_traffic(values: ValueTables, p: int, world: int, tokens: int,
+def value_traffic(values: list[ValueTables], p: int, world: int, tokens: int,
                   rows_touched: float | None = None) -> dict[str, int]:
     """Bytes one rank sends per optimizer step for the value tables at
     memory_parallel `p` on `world` ranks, `tokens` per rank per step (ring
@@ -95,7 +102,17 @@ def value_traffic(values: ValueTables, p: int, world: int, tokens: int,
                         replica, or the uniform-read expectation (`touched_rows`)
                         of the group's p * tokens tokens
     value_grad          the one of the two the config uses
+    Summed over the groups of `values` (`rows_touched`, when given, for each).
     """
+    out = dict.fromkeys(("memory_all_to_all", "value_grad_all_reduce", "value_grad_rows", "value_grad"), 0)
+    for group in values:
+        for key, n in _group_traffic(group, p, world, tokens, rows_touched).items():
+            out[key] += n
+    return out
+
+
+def _group_traffic(values: ValueTables, p: int, world: int, tokens: int, rows_touched: float | None) -> dict[str, int]:
+    """value_traffic of one group of tables."""
     b, k, vb, gb = tokens, values.reads_per_token, values.value_bytes, values.grad_bytes
     cols = values.v_dim // p
     replicas = world // p
@@ -126,7 +143,7 @@ def link_bandwidth(gpu: GPU, spans_nodes: bool) -> float:
     return (gpu.network_bw if spans_nodes else gpu.nvlink_bw) * LINK_EFFICIENCY
 
 
-def value_layouts(values: ValueTables, world: int, gpus_per_node: int, tokens: int) -> list[dict]:
+def value_layouts(values: list[ValueTables], world: int, gpus_per_node: int, tokens: int) -> list[dict]:
     """Each memory_parallel candidate with its value-table traffic
     (`value_traffic`) and the seconds it adds to a step: the memory
     all-to-alls on NVLink inside a node or over the network when the group
@@ -136,7 +153,7 @@ def value_layouts(values: ValueTables, world: int, gpus_per_node: int, tokens: i
     an H100 and an H200 are the same: no GPU to name."""
     spec = GPUS["H200"]
     out = []
-    for p in memory_parallel_candidates(world, values.v_dim):
+    for p in memory_parallel_candidates(world, *(group.v_dim for group in values)):
         traffic = value_traffic(values, p, world, tokens)
         seconds = (traffic["memory_all_to_all"] / link_bandwidth(spec, spans_nodes(range(p), gpus_per_node))
                    + traffic["value_grad"] / link_bandwidth(spec, spans_nodes(range(0, world, p), gpus_per_node)))

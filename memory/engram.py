@@ -59,9 +59,10 @@ class EngramTables(ValuePool):
     into the table's gradient buffer, memory.sparse_updates gives it row gradients, and a run draws
     it from the seed alone. Init: std head_dim**-0.5 (the pool's), rows of unit expected norm."""
 
-    def __init__(self, n_rows: int, head_dim: int, reads_per_token: int):
+    def __init__(self, n_rows: int, head_dim: int, heads: int):
         super().__init__(n_rows, head_dim)
-        self.add_reader(reads_per_token)  # H rows per token: the active-parameter count
+        for _ in range(heads):  # each head a reader of one row per token: H rows in all (active parameters)
+            self.add_reader(1)
 
     def forward(self, rows: torch.Tensor, sparse: bool = False, kernel: str = "auto") -> torch.Tensor:
         """rows (B, T, H) int64 -> e (B, T, H * head_dim): the heads' rows concatenated."""

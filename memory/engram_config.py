@@ -79,6 +79,13 @@ class EngramConfig:
     def resolved_rows_per_head(self, vocab_size: int) -> int:
         return self.rows_per_head or 5 * vocab_size
 
+    def table_rows(self, vocab_size: int) -> int:
+        """Rows of one layer's table: every head's prime, by order (memlm.memory.engram_hash.head_primes)."""
+        from memlm.memory.engram_hash import head_primes
+
+        primes = head_primes([self.resolved_rows_per_head(vocab_size)] * (self.max_order - 1), self.heads)
+        return sum(p for order in primes for p in order)
+
     def resolved_dilation(self) -> int:
         return self.dilation or self.max_order
 

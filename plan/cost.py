@@ -59,7 +59,7 @@ class Layout:
     # reduce dtype, resharded after forward and so gathered again in backward)
     fsdp_units: list[tuple[int, int, bool]] = field(default_factory=list)
     fsdp_local_bytes: int = 0  # this rank's FSDP shards (fp32), for the hybrid all-reduce
-    values: ValueTables | None = None  # None: no value tables
+    values: list[ValueTables] = field(default_factory=list)  # the groups of value tables ([]: none)
     value_local_bytes: int = 0  # this rank's value-table slices (all tables)
     value_replicas: int = 1  # ranks holding the same column slice
     memory_spans_nodes: bool = False
@@ -163,7 +163,7 @@ def comm_volume(layout: Layout) -> dict[str, int]:
         "memory_all_to_all": 0,
         "value_grad_reduce": 0,
     }
-    if layout.values is not None:
+    if layout.values:
         traffic = value_traffic(layout.values, layout.memory_parallel, layout.world, layout.tokens * layout.accum)
         out["memory_all_to_all"] = traffic["memory_all_to_all"]
         out["value_grad_reduce"] = traffic["value_grad"]
@@ -189,10 +189,10 @@ def step_time(layout: Layout, comm: dict[str, int], gpu: GPU, checkpoint: str) -
     recompute = {"none": 0.0, "selective": 0.5, "full": 1.0}[checkpoint]
     compute = model_flops * (1 + recompute / 3) / (gpu.peak_bf16_flops * MATMUL_EFFICIENCY)
     hbm = gpu.hbm_bw * HBM_EFFICIENCY
-    v = layout.values
-    read_bytes = 3 * tokens * v.reads * v.reads_per_token * v.v_dim * v.value_bytes if v else 0
+    read_bytes = sum(3 * tokens * v.reads * v.reads_per_token * v.v_dim * v.value_bytes for v in layout.values)
     memory = read_bytes / hbm
-    table = 0 if v is None or v.sparse_updates else layout.value_local_bytes
+    sparse = any(v.sparse_updates for v in layout.values)  # memory.sparse_updates: one setting for every table
+    table = 0 if sparse else layout.value_local_bytes
     optimizer = (28 + 4) * (table + layout.dense_local_bytes) / 4 / hbm
     fsdp = (comm["fsdp_all_gather"] + comm["fsdp_reduce_scatter"]) / link_bandwidth(gpu, layout.fsdp_spans_nodes)
     fsdp += comm["fsdp_replica_all_reduce"] / link_bandwidth(gpu, layout.world > layout.gpus_per_node)

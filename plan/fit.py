@@ -21,10 +21,11 @@ from memlm.plan.report import gib, short_bytes
 
 def fit_candidates(cfg: Config, world: int) -> list[int]:
     """memory_parallel values to try: powers of two dividing the world and the
-    value width (only 1 without memory layers: nothing to shard)."""
-    if cfg.memory.kind == "none":
-        return [1]
-    return memory_parallel_candidates(world, cfg.memory.v_dim or cfg.model.dim)
+    value widths (only 1 without memory layers: nothing to shard)."""
+    widths = [cfg.memory.v_dim or cfg.model.dim] if cfg.memory.kind != "none" else []
+    if cfg.memory.engram.layers:  # Engram's tables split by columns too
+        widths.append(cfg.memory.engram.head_dim)
+    return memory_parallel_candidates(world, *widths)
 
 
 CHECKPOINTS = ("none", "selective", "full")  # least recompute (fastest) first

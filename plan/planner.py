@@ -243,6 +243,7 @@ def plan(cfg: Config, world: int, rank: int = 0, gpu: str = "H200", gpus_per_nod
         }
         tables = [pool.weight for pool in value_pools(model)]
         table_ids = {id(t) for t in tables}
+        engram_tables = {id(b.engram.tables.weight) for b in model.layers if b.engram is not None}
         layout = _layout(cfg, model, meshes, env, accum, memory_parallel, tables, table_ids, target)
     act = activation_bytes(model, layout, cfg.parallel.activation_checkpoint)
     comm = comm_volume(layout)
@@ -256,9 +257,10 @@ def plan(cfg: Config, world: int, rank: int = 0, gpu: str = "H200", gpus_per_nod
         "activation_checkpoint": cfg.parallel.activation_checkpoint,
         "shape": shape or {"seq_len": cfg.data.seq_len, "micro_batch": cfg.data.micro_batch,
                            "from": {"seq_len": "the config", "micro_batch": "the config"}, "train_with": []},
-        "model": cfg.model.name, "memory_kind": cfg.memory.kind,
+        "model": cfg.model.name, "memory_kind": cfg.memory.kind, "engram_layers": sorted(cfg.memory.engram.layers),
         "memory_sparse_updates": cfg.memory.sparse_updates,
-        "slots": sum(t.shape[0] for t in tables),  # value-table rows (0 without memory layers)
+        # the memory kind's value-table rows (0 without memory layers), not Engram's n-gram rows
+        "slots": sum(t.shape[0] for t in tables if id(t) not in engram_tables),
         "params_total": counts["total"], "params_active": counts["active"],
         "params_memory": counts["memory"],  # every sparse table (memlm.memory.tables), pools or not
         "bytes": {**bytes_, "value_tables": sum(local_bytes(t) for t in tables),
@@ -276,15 +278,18 @@ def plan(cfg: Config, world: int, rank: int = 0, gpu: str = "H200", gpus_per_nod
 def _table_step_bytes(layout: Layout) -> dict[str, int]:
     """This rank's value-table traffic per optimizer step (plan/table_traffic.py),
     for its columns of the tables, reads spread evenly over the rows."""
-    v = layout.values
-    if v is None or v.sparse_updates:
-        return {}
-    cols = v.v_dim // layout.memory_parallel
-    # Each micro-batch's reads of a layer: the memory-parallel group's tokens (memory/... reads them all).
-    reads = layout.tokens * layout.memory_parallel * v.reads_per_token
-    per_table = step_table_bytes(v.rows, cols, v.value_bytes, v.reads * layout.accum // v.tables,
-                                 expected_rows(reads, v.rows))
-    return {k: n * v.tables for k, n in per_table.items()}
+    out: dict[str, int] = {}
+    for v in layout.values:
+        if v.sparse_updates:
+            return {}
+        cols = v.v_dim // layout.memory_parallel
+        # Each micro-batch's reads of a layer: the memory-parallel group's tokens (memory/... reads them all).
+        reads = layout.tokens * layout.memory_parallel * v.reads_per_token
+        per_table = step_table_bytes(v.rows, cols, v.value_bytes, v.reads * layout.accum // v.tables,
+                                     expected_rows(reads, v.rows))
+        for k, n in per_table.items():
+            out[k] = out.get(k, 0) + n * v.tables
+    return out
 
 
 def _layout(cfg: Config, model, meshes, env: DistEnv, accum: int, memory_parallel: int, tables, table_ids,
@@ -318,19 +323,18 @@ def _layout(cfg: Config, model, meshes, env: DistEnv, accum: int, memory_paralle
     return layout
 
 
-def model_value_tables(model: torch.nn.Module, cfg: Config) -> ValueTables | None:
+def model_value_tables(model: torch.nn.Module, cfg: Config) -> list[ValueTables]:
     """The value tables of a built model and how a step reads them, read from
-    its modules (what `memory_hooks.value_tables` derives from the config): every
-    pool's reading layers and the rows each reads per token (ValuePool.add_reader)."""
-    pools = value_pools(model)
-    tables = [pool.weight for pool in pools]
-    if not tables:
-        return None
-    layers = sum(pool.layers for pool in pools)
-    return ValueTables(
-        tables=len(tables), rows=tables[0].shape[0], v_dim=tables[0].shape[1],
-        value_bytes=tables[0].element_size(),
-        grad_bytes=REDUCE_DTYPES[cfg.memory.value_grad_reduce_dtype].itemsize,
-        reads=layers, reads_per_token=sum(pool.reads_per_token for pool in pools) // layers,
-        sparse_updates=cfg.memory.sparse_updates,
-    )
+    its modules (what `memory_hooks.value_tables` derives from the config): the pools
+    grouped by shape, each with its reading layers and the rows a read takes per token
+    (ValuePool.add_reader); [] without pools."""
+    groups: dict[tuple, list] = {}
+    for pool in value_pools(model):
+        w = pool.weight
+        groups.setdefault((w.shape[0], w.shape[1], w.element_size(), pool.reads_per_token // pool.layers),
+                          []).append(pool)
+    grad_bytes = REDUCE_DTYPES[cfg.memory.value_grad_reduce_dtype].itemsize
+    return sorted(ValueTables(tables=len(pools), rows=rows, v_dim=v_dim, value_bytes=value_bytes, grad_bytes=grad_bytes,
+                        reads=sum(pool.layers for pool in pools), reads_per_token=per_read,
+                        sparse_updates=cfg.memory.sparse_updates)
+            for (rows, v_dim, value_bytes, per_read), pools in groups.items())

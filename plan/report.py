@@ -44,7 +44,9 @@ def format_plan(p: dict[str, Any]) -> str:
     b, t, c = p["bytes"], p["time"], p["comm_bytes"]
     act = b["activations"]
     lines = [
-        f"plan: {p['model']} + {p['memory_kind']} ({p['slots']:,} slots), {p['params_total']:,} params "
+        f"plan: {p['model']} + {p['memory_kind']} ({p['slots']:,} slots)"
+        f"{' + Engram before blocks ' + str(p['engram_layers']) if p.get('engram_layers') else ''}, "
+        f"{p['params_total']:,} params "
         f"({p['params_active']:,} active), {p['world']} x {p['gpu']}, memory_parallel {p['memory_parallel']}"
         f"{' (auto)' if p['memory_parallel_setting'] == 'auto' else ''}, "
         f"fsdp {p['fsdp']}, activation_checkpoint {p['activation_checkpoint']}, "

@@ -1,6 +1,6 @@
 """One process vs several on the same global batches: the runs and the
 comparison that tests/integration/test_train_equivalence.py,
-test_memory_parallel_scale.py and test_value_layout.py share."""
+test_memory_parallel_scale.py, test_value_layout.py and the memory families' tests share."""
 
 from __future__ import annotations
 
@@ -44,6 +44,14 @@ def distributed_run(overrides: list[str], batches_, tmp_path, world: int = 2) ->
     ranks_overrides = [*overrides, f"data.micro_batch={GLOBAL_BATCH // world}", f"dump_dir={tmp_path / 'dist'}"]
     run_ranks(train_on_slices, world, ranks_overrides, str(path), STEPS, str(out), world)
     return torch.load(out, weights_only=True)
+
+
+def assert_ranks_equal_one_process(run: list[str], tmp_path, world: int, memory_parallel: int) -> None:
+    """`run` on `world` gloo ranks at `memory_parallel` trains as one process on the same global batches."""
+    batches = global_batches(128)
+    ref = reference_run(run, batches, tmp_path / "ref")
+    got = distributed_run([*run, f"parallel.memory_parallel={memory_parallel}"], batches, tmp_path, world=world)
+    assert_same(ref, got)
 
 
 def assert_same(ref: dict, got: dict) -> None:

@@ -200,55 +200,44 @@ def test_modeling_files_import_only_torch_and_transformers():
 
 
 # ------------------------------------------------ a real export, memlm absent
-@pytest.fixture(scope="module")
-def memplus_export(tmp_path_factory):
-    """A trained tiny Memory+ run exported by run/export.py, and the trained model."""
+TRAINED = ["model.vocab_size=128", "data.seq_len=16", "data.micro_batch=2", "logging.wandb.mode=disabled", "steps=3",
+           "optim.lr=3e-3"]
+PKM_SMALL = ["memory.n_keys=8", "memory.knn=4", "memory.eval_knn=4", "memory.heads=2", "memory.k_dim=16"]
+
+
+def _trained_export(tmp: Path, overrides: list[str]):
+    """A tiny run trained for 3 steps and exported by run/export.py: (the export, the trained model, tmp)."""
     from memlm.config.run import compose
     from memlm.run.export import export
     from memlm.train.trainer import Trainer
 
-    tmp = tmp_path_factory.mktemp("remote_export")
-    overrides = ["model.vocab_size=128", "data.seq_len=16", "data.micro_batch=2", "logging.wandb.mode=disabled",
-                 "steps=3", "optim.lr=3e-3", "model.n_layers=3", "memory=memplus", "memory.layers=[1]",
-                 "memory.n_keys=8", "memory.knn=4", "memory.eval_knn=4", "memory.heads=2", "memory.k_dim=16",
-                 f"dump_dir={tmp / 'run'}"]
-    trainer = Trainer(compose(overrides))
+    trainer = Trainer(compose([*TRAINED, *overrides, f"dump_dir={tmp / 'run'}"]))
     trainer.fit()
     return export(tmp / "run", tmp / "export"), trainer.model.eval(), tmp
+
+
+@pytest.fixture(scope="module")
+def memplus_export(tmp_path_factory):
+    """A trained tiny Memory+ run exported, and the trained model."""
+    return _trained_export(tmp_path_factory.mktemp("remote_export"),
+                           ["model.n_layers=3", "memory=memplus", "memory.layers=[1]", *PKM_SMALL])
 
 
 @pytest.fixture(scope="module")
 def ultramem_export(tmp_path_factory):
     """A trained tiny UltraMemV2 run (every block, implicit value expansion) exported, and the model."""
-    from memlm.config.run import compose
-    from memlm.run.export import export
-    from memlm.train.trainer import Trainer
-
-    tmp = tmp_path_factory.mktemp("remote_ultramem")
-    overrides = ["model.vocab_size=128", "data.seq_len=16", "data.micro_batch=2", "logging.wandb.mode=disabled",
-                 "steps=3", "optim.lr=3e-3", "model.n_layers=2", "memory=ultramem", "memory.n_keys=8",
-                 "memory.knn=6", "memory.k_dim=16", "memory.expansion=2", f"dump_dir={tmp / 'run'}"]
-    trainer = Trainer(compose(overrides))
-    trainer.fit()
-    return export(tmp / "run", tmp / "export"), trainer.model.eval(), tmp
+    return _trained_export(tmp_path_factory.mktemp("remote_ultramem"),
+                           ["model.n_layers=2", "memory=ultramem", "memory.n_keys=8", "memory.knn=6",
+                            "memory.k_dim=16", "memory.expansion=2"])
 
 
 @pytest.fixture(scope="module")
 def engram_export(tmp_path_factory):
     """A trained tiny run with Engram before blocks 0 and 2 and Memory+ in block 1, exported, and the model."""
-    from memlm.config.run import compose
-    from memlm.run.export import export
-    from memlm.train.trainer import Trainer
-
-    tmp = tmp_path_factory.mktemp("remote_engram")
-    overrides = ["model.vocab_size=128", "data.seq_len=16", "data.micro_batch=2", "logging.wandb.mode=disabled",
-                 "steps=3", "optim.lr=3e-3", "model.n_layers=3", "memory=memplus", "memory.layers=[1]",
-                 "memory.n_keys=8", "memory.knn=4", "memory.eval_knn=4", "memory.heads=2", "memory.k_dim=16",
-                 "memory.engram.layers=[0,2]", "memory.engram.heads=2", "memory.engram.head_dim=8",
-                 "memory.value_lr=1e-1", f"dump_dir={tmp / 'run'}"]
-    trainer = Trainer(compose(overrides))
-    trainer.fit()
-    return export(tmp / "run", tmp / "export"), trainer.model.eval(), tmp
+    return _trained_export(tmp_path_factory.mktemp("remote_engram"),
+                           ["model.n_layers=3", "memory=memplus", "memory.layers=[1]", *PKM_SMALL,
+                            "memory.engram.layers=[0,2]", "memory.engram.heads=2", "memory.engram.head_dim=8",
+                            "memory.value_lr=1e-1"])
 
 
 @pytest.fixture(scope="module", params=["memplus", "ultramem", "engram"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from equivalence import BASE, assert_same, distributed_run, global_batches, reference_run
+from equivalence import BASE, assert_ranks_equal_one_process
 from family_paths import check_family_paths
 
 from memlm.config.run import compose
@@ -57,10 +57,7 @@ def test_trains_resumes_fine_tunes_and_exports(tmp_path):
 def test_ranks_equal_one_process(tmp_path, world, memory_parallel):
     """V and P column-sharded over memory_parallel ranks (replicated over the rest) train as one process."""
     run = [*BASE, *SMALL, "model.n_layers=2"]
-    batches = global_batches(128)
-    ref = reference_run(run, batches, tmp_path / "ref")
-    got = distributed_run([*run, f"parallel.memory_parallel={memory_parallel}"], batches, tmp_path, world=world)
-    assert_same(ref, got)
+    assert_ranks_equal_one_process(run, tmp_path, world, memory_parallel)
 
 
 @pytest.mark.slow
@@ -164,7 +161,4 @@ def test_sparse_selection_is_the_same_on_two_ranks(tmp_path, memory_parallel):
     assert slot_usage.main([str(ckpt), "--batches", "2"]) == 0
     overrides = [*run, "finetune=sparse", "finetune.top_t=6", "finetune.optimizer=sgd", "memory.value_lr=10",
                  f"init_from={ckpt}"]
-    batches = global_batches(128)
-    ref = reference_run(overrides, batches, tmp_path / "ref")
-    got = distributed_run([*overrides, f"parallel.memory_parallel={memory_parallel}"], batches, tmp_path)
-    assert_same(ref, got)
+    assert_ranks_equal_one_process(overrides, tmp_path, 2, memory_parallel)

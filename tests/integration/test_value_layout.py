@@ -45,6 +45,8 @@ EIGHT_B = ["model=8b", "memory=memplus", "memory.n_keys=1024", "data.seq_len=819
     ["memory=ultramem"],
     ["memory=ultramem", "memory.expansion=4", "memory.v_dim=40", "memory.heads=2"],
     ["memory=none"],
+    ["memory=engram", "memory.engram.layers=[1,3]"],
+    ["memory=memplus", "memory.engram.layers=[0]", "memory.engram.head_dim=32", "memory.sparse_updates=true"],
 ], ids=lambda m: " ".join(m))
 def test_value_tables_from_the_config_equal_the_built_model(memory):
     """The trainer picks the layout before the model exists, from the config;
@@ -53,7 +55,9 @@ def test_value_tables_from_the_config_equal_the_built_model(memory):
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.memory)
     assert value_tables(cfg) == model_value_tables(model, cfg)
-    assert (value_tables(cfg) is None) == (cfg.memory.kind not in ("memory", "memplus", "ultramem"))
+    # one group for a kind with pools, one for the Engram layers' tables
+    assert len(value_tables(cfg)) == (cfg.memory.kind in ("memory", "memplus", "ultramem")) + \
+        bool(cfg.memory.engram.layers)
 
 
 def test_auto_takes_the_layout_of_least_traffic():
@@ -135,7 +139,7 @@ def test_value_grad_bytes_equal_the_plan_and_losses_one_process(tmp_path, world,
                 want = value_traffic(value_tables(cfg), memory_parallel, world, tokens,
                                      rows_touched=step["rows_touched"])["value_grad"]
                 # Reads cover part of the table: fewer bytes than the whole-table all-reduce.
-                assert step["rows_touched"] < value_tables(cfg).rows
+                assert step["rows_touched"] < value_tables(cfg)[0].rows
                 assert want < planned["value_layouts"][0]["value_grad_all_reduce"]
             else:
                 want = planned["comm_bytes"]["value_grad_reduce"]
