@@ -191,3 +191,15 @@ def test_resharding_restores_model_and_optimizer(tmp_path, saved_on, resumed_on)
     fit_on(resumed_on, [*run, "resume=auto"], str(resumed))  # the final checkpoint restored, no step trained
     a = assert_restored_equal(str(saved), str(resumed), step=3)
     assert any("engram.tables" in k for k in a["model"]) and any("token_map" in k for k in a["model"])
+
+
+def test_greedy_decoding_with_the_cache_equals_a_full_recompute():
+    from memlm.generation.decoding import decode
+
+    model = _model("memory=engram", "memory.engram.layers=[0,2]")
+    with torch.no_grad():
+        for block in model.layers:  # taps in the conv, so its decoding state matters
+            block.engram.conv.normal_(generator=torch.Generator().manual_seed(3)) if block.engram else None
+    prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 7, 7)]
+    cached = decode(model, prompts, 12, -1, use_cache=True)
+    assert cached.tokens == decode(model, prompts, 12, -1, use_cache=False).tokens
