@@ -23,16 +23,16 @@ from safetensors.torch import load_file, save_file
 
 from memlm.errors import ConfigError
 from memlm.files import follow_umask
-from memlm.memory.usage import SlotUsage, reset_usage
+from memlm.memory.usage import SlotUsage, reset_usage, usage_name
 
 FILE = "slot_usage.safetensors"
 
 
 def memory_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The memory layers that count their reads per table row, by usage name ("layer4"): each has
-    `usage` (memlm.memory.usage.SlotUsage), `values` (its value pool) and `row_tables()` (the
-    tables those rows address: product-key memory's values; UltraMemV2's V and P)."""
-    return {f"layer{m.layer_id}": m for m in model.modules() if callable(getattr(m, "row_tables", None))}
+    """The memory layers that count their reads per table row, by usage name ("layer4", "engram1"):
+    each has `usage` (memlm.memory.usage.SlotUsage), `values` (its value pool) and `row_tables()` (the
+    tables those rows address: product-key memory's values; UltraMemV2's V and P; Engram's n-gram table)."""
+    return {usage_name(m): m for m in model.modules() if callable(getattr(m, "row_tables", None))}
 
 
 def layer_counts(model: torch.nn.Module) -> dict[str, torch.Tensor]:

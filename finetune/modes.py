@@ -169,20 +169,24 @@ class Sparse(Memory):
     kinds_note = "selects the rows of memory layers that count their reads per row"
 
     def validate(self, cfg: Config) -> None:
-        if cfg.memory.engram.layers:
-            raise ConfigError("finetune.mode", self.name, f"full, lora or memory with memory.engram.layers="
-                              f"{list(cfg.memory.engram.layers)}: mode={self.name} does not count Engram's reads "
-                              "per row yet")
-        fam = memory_family(cfg.memory)
-        if fam is None or not fam.sparse_rows:
+        fam, engram = memory_family(cfg.memory), cfg.memory.engram
+        # Every table it trains must count its reads per row: a family's (sparse_rows) or Engram's.
+        counted = fam is not None and fam.sparse_rows
+        uncounted = fam is not None and fam.holds_tables and not fam.sparse_rows
+        if uncounted or not (counted or engram.layers):
             rows = [f.kind for f in families() if f.sparse_rows]
             raise ConfigError("finetune.mode", self.name, f"full, lora or memory with memory.kind="
                               f"{cfg.memory.kind}: mode={self.name} {self.kinds_note} (memory.kind="
-                              f"{' or '.join(rows)})")
-        slots = fam.value_pools(cfg.memory, cfg.model).rows
+                              f"{' or '.join(rows)}, or Engram layers with no other tables)")
+        sizes = {}
+        if counted:
+            sizes[f"memory.kind={cfg.memory.kind}, memory.n_keys={cfg.memory.n_keys}"] = \
+                fam.value_pools(cfg.memory, cfg.model).rows
+        if engram.layers:
+            sizes["Engram's, memory.engram.rows_per_head"] = engram.table_rows(cfg.model.vocab_size)
+        where, slots = min(sizes.items(), key=lambda item: item[1])
         if cfg.finetune.top_t > slots:
-            raise ConfigError("finetune.top_t", cfg.finetune.top_t, f"at most the table's {slots:,} rows "
-                              f"(memory.kind={cfg.memory.kind}, memory.n_keys={cfg.memory.n_keys})")
+            raise ConfigError("finetune.top_t", cfg.finetune.top_t, f"at most the table's {slots:,} rows ({where})")
 
     def background_path(self, cfg: Config, init: Any) -> Path:
         """finetune.background, else slot_usage.safetensors in the init_from checkpoint folder."""

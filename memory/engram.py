@@ -41,6 +41,7 @@ from torch import nn
 from memlm.memory.engram_config import engram_size_problem
 from memlm.memory.engram_hash import NgramHash
 from memlm.memory.engram_vocab import check_canonical_map
+from memlm.memory.usage import SlotUsage
 from memlm.memory.values import ValuePool
 
 SSQRT_EPS = 1e-6  # |x| is clamped here inside the gate's signed square root: a finite slope at 0
@@ -114,6 +115,10 @@ class Engram(nn.Module):
         self.mem_dim = self.n_heads * head_dim  # E
         self.tables = EngramTables(self.hash.n_rows, head_dim, self.n_heads)
         self.sparse, self.kernel = sparse, kernel  # how the tables are read (EngramTables.forward)
+        # Reads per table row in training (memlm.memory.usage: health metrics, finetune=sparse's counts),
+        # named apart from a memory FFN in the same block.
+        self.usage = SlotUsage(self.hash.n_rows)
+        self.usage_name = f"engram{layer}"
         self.w_k = nn.Linear(self.mem_dim, dim, bias=False)
         self.w_v = nn.Linear(self.mem_dim, dim, bias=False)
         self.norm_k = nn.Parameter(torch.empty(dim))  # RMSNorm weights: the key, the hidden state, the conv input
@@ -127,6 +132,7 @@ class Engram(nn.Module):
         """(Re-)initialize everything, e.g. after `to_empty()` (like torch.nn layers, also at construction)."""
         self.hash.init_buffers()
         self.tables.init_weights()
+        self.usage.reset()
         self._init_dense()
 
     @torch.no_grad()
@@ -136,6 +142,15 @@ class Engram(nn.Module):
         for norm in (self.norm_k, self.norm_h, self.norm_c):
             nn.init.ones_(norm)
         nn.init.zeros_(self.conv)  # y = u at step 0: the convolution starts as no change
+
+    @property
+    def values(self) -> EngramTables:
+        """The value pool its rows address (what finetune=sparse groups layers by)."""
+        return self.tables
+
+    def row_tables(self) -> list[nn.Parameter]:
+        """The tables whose rows `usage` counts (finetune=sparse selects among them)."""
+        return [self.tables.weight]
 
     def new_state(self, batch: int, max_len: int, device: torch.device | str | None = None) -> EngramState:
         """An empty decoding state for `batch` rows of up to `max_len` positions (on the table's device)."""
@@ -159,6 +174,8 @@ class Engram(nn.Module):
         if h.dim() != 3 or h.shape[-1] != self.dim or tuple(rows.shape) != (*h.shape[:2], self.n_heads):
             raise ValueError(f"h {tuple(h.shape)} with rows {tuple(rows.shape)} is invalid: "
                              f"h (B, T, dim={self.dim}) and rows (B, T, H={self.n_heads}) of the same B, T")
+        if self.training:
+            self.usage.record(rows)
         e = self.tables(rows, self.sparse, self.kernel)  # (B, T, E)
         k, v = self.w_k(e), self.w_v(e)  # (B, T, dim) each
         eps = torch.finfo(h.dtype).eps

@@ -67,6 +67,16 @@ class SlotUsage(nn.Module):
         }
 
 
+def usage_name(module: nn.Module, path: str = "") -> str:
+    """What a memory layer's counters are called (metrics, background files): its `usage_name`
+    (an Engram layer: "engram1"), else `layer{layer_id}` (memlm's Transformer sets it), else `path`."""
+    name = getattr(module, "usage_name", None)
+    if name:
+        return name
+    layer_id = getattr(module, "layer_id", None)
+    return f"layer{layer_id}" if layer_id is not None else (path or "root")
+
+
 def usage_metrics(
     model: nn.Module,
     reset: bool = True,
@@ -76,8 +86,7 @@ def usage_metrics(
     """Flat metrics of every memory layer in `model`, e.g.
     {"memory/layer4/usage": 0.81, "memory/layer4/kl_uniform": 0.3, ...}.
 
-    A layer is named `layer{layer_id}` when it has a layer_id (memlm's
-    Transformer sets it), else by its module path. `reset` starts a new window.
+    A layer is named by `usage_name` (its layer_id, or its module path). `reset` starts a new window.
     `reduce`, if given, is applied to a copy of each counter first, e.g.
     `lambda t: dist.all_reduce(t)` to merge the data-parallel ranks' windows
     (it may work in place and return None, or return the reduced tensor)."""
@@ -86,8 +95,7 @@ def usage_metrics(
         usage = getattr(module, "usage", None)
         if not isinstance(usage, SlotUsage):
             continue
-        layer_id = getattr(module, "layer_id", None)
-        name = f"layer{layer_id}" if layer_id is not None else (path or "root")
+        name = usage_name(module, path)
         counts = usage.counts
         if reduce is not None:
             counts = counts.clone()

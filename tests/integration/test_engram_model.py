@@ -23,6 +23,8 @@ from memlm.run.model import build_run_model
 SMALL = ["memory.engram.heads=2", "memory.engram.head_dim=8"]
 RUN = ["memory=engram", *SMALL, "model.vocab_size=128", "data.seq_len=16", "data.micro_batch=2",
        "optim.warmup=0", "logging.every=1"]
+BESIDE_MEMPLUS = ["memory=memplus", "memory.layers=[1]", "memory.n_keys=8", "memory.knn=4", "memory.eval_knn=4",
+                  "memory.heads=2", "memory.k_dim=16"]
 
 
 def _model(*overrides: str):
@@ -148,19 +150,57 @@ def test_bad_settings_name_the_key(override, key):
     assert err.value.key == key
 
 
-def test_sparse_fine_tuning_is_refused_until_engram_counts_its_reads():
-    with pytest.raises(ConfigError, match="does not count Engram's reads") as err:
-        compose(["memory=memplus", "memory.layers=[0]", "memory.engram.layers=[1]", "finetune=sparse",
-                 "model.n_layers=2"])
-    assert err.value.key == "finetune.mode"
+def _base_with_background(run: list[str], dump) -> str:
+    """A base run of `run` (2 steps, a final checkpoint) and its background slot usage; the checkpoint."""
+    from memlm.train import slot_usage
+    from memlm.train.trainer import Trainer
+
+    Trainer(compose([*run, "data.micro_batch=4", "steps=2", "checkpoint.at_end=true", f"dump_dir={dump}"])).fit()
+    (ckpt,) = (dump / "checkpoints").glob("step_*")
+    assert slot_usage.main([str(ckpt), "--batches", "2"]) == 0
+    return str(ckpt)
+
+
+def test_sparse_fine_tuning_moves_only_the_selected_rows_of_each_table(tmp_path):
+    """finetune=sparse beside Memory+: Engram's table and Memory+'s values each keep the gradient of their
+    own top_t rows (Engram counts its reads per row under its own name); nothing else moves."""
+    from memlm.train.trainer import Trainer
+
+    run = [*RUN, "model.n_layers=2", *BESIDE_MEMPLUS, "memory.engram.layers=[1]"]
+    ckpt = _base_with_background(run, tmp_path / "base")
+    top_t = 5
+    trainer = Trainer(compose([*run, "finetune=sparse", f"finetune.top_t={top_t}", "finetune.optimizer=sgd",
+                               "memory.value_lr=10", f"init_from={ckpt}", "steps=2", f"dump_dir={tmp_path / 'ft'}"]))
+    try:
+        for _ in range(2):
+            before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+            trainer.train_step()
+            after = trainer.model.state_dict()
+            moved = {k for k in after if not torch.equal(after[k], before[k])}
+            tables = {"shared.memory_values.weight", "layers.1.engram.tables.weight"}
+            assert moved == tables, moved ^ tables
+            for key in tables:
+                rows = (after[key] != before[key]).any(-1).nonzero().flatten().tolist()
+                assert 1 <= len(rows) <= top_t, (key, rows)
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("memory_parallel", [1, 2])
+def test_sparse_selection_is_the_same_on_two_ranks(tmp_path, memory_parallel):
+    """Engram's table replicated (memory_parallel 1) or column-sharded (2): the run equals one process
+    (SGD with a large lr: a row kept on one side and not the other would differ by ~lr x its gradient)."""
+    run = [*BASE, "model.n_layers=2", "memory=engram", "memory.engram.layers=[0,1]", *SMALL,
+           "memory.engram.rows_per_head=50"]
+    ckpt = _base_with_background(run, tmp_path / "base")
+    overrides = [*run, "finetune=sparse", "finetune.top_t=6", "finetune.optimizer=sgd", "memory.value_lr=10",
+                 f"init_from={ckpt}"]
+    assert_ranks_equal_one_process(overrides, tmp_path, 2, memory_parallel)
 
 
 def test_trains_resumes_fine_tunes_and_exports(tmp_path):
     check_family_paths(RUN, tmp_path)  # finetune=memory: the Engram table alone moves
-
-
-BESIDE_MEMPLUS = ["memory=memplus", "memory.layers=[1]", "memory.n_keys=8", "memory.knn=4", "memory.eval_knn=4",
-                  "memory.heads=2", "memory.k_dim=16"]
 
 
 @pytest.mark.slow
