@@ -121,6 +121,9 @@ def test_one_setting_splits_the_sparse_budget(share, n_keys, rows):
     assert abs(asked - 2**20) <= 0.01 * 2**20
     alone = compose(["experiment=capacity_engram"])
     assert (alone.memory.kind, alone.memory.engram.rows_per_head) == ("none", 16384)
+    biographies = compose(["experiment=ablation_engram_memplus", f"memory.engram.share={share}"])  # the QA rows
+    assert (biographies.memory.n_keys, biographies.memory.engram.rows_per_head) == (n_keys, rows)
+    assert compose(["experiment=ablation_engram"]).memory.engram.rows_per_head == 16384
 
 
 @pytest.mark.parametrize("overrides, key", [
