@@ -1,7 +1,7 @@
 """Engram: hashed n-gram memory with a context-aware gate, a module that stands alone in any model.
 
 From "Conditional Memory via Scalable Lookup" (DeepSeek-AI and Peking University, 2026),
-written from its equations (docs/memory.md, "Engram (standalone module)"):
+written from its equations (docs/memory.md, "Engram"):
 
     from memlm.memory.engram import Engram
     from memlm.memory.engram_vocab import canonical_map

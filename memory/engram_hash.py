@@ -6,7 +6,7 @@
     hasher.head_rows             # [p_{2,1}, ..., p_{N,K}]: each head's prime table size
     hasher.n_rows                # their sum: the rows of the one table (memory/engram.py)
 
-The hash (docs/memory.md, "Engram (standalone module)"), for position t, order
+The hash (docs/memory.md, "Engram"), for position t, order
 n in 2..N and head k in 1..K, with canonical ids c = token_map[tokens]:
 
     c_s = pad = len(token_map) for s < 0           (left padding: above every canonical id)

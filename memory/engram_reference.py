@@ -3,7 +3,7 @@
     y = engram_reference(layer, h, tokens)   # an Engram layer, h (B, T, dim), tokens (B, T) -> y (B, T, dim)
     rows = reference_rows(layer, tokens)     # (B, T, H) int64: the table row of each position and head
 
-From the paper's equations, step by step (docs/memory.md, "Engram (standalone module)"):
+From the paper's equations, step by step (docs/memory.md, "Engram"):
 
     c_t = token_map[x_t]; c_t = pad for t < 0              canonical ids, left padding
     z_{t,n,k} = (XOR_{i<n} c_{t-i} * m_i) mod p_{n,k}       Python integers, position by position

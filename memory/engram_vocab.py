@@ -9,7 +9,7 @@ all of them. The map is a function of the vocabulary's pieces alone:
     save_canonical_map("tok.engram_map.json", token_map)   # beside the tokenizer
     token_map = load_canonical_map("tok.engram_map.json")
 
-Normalization of one piece (`normalize_piece`; docs/memory.md, "Engram (standalone module)"):
+Normalization of one piece (`normalize_piece`; docs/memory.md, "Engram"):
     sentencepiece's word marker U+2581 -> " "; NFKC; NFD and every combining mark
     (category Mn) dropped; lowercase; each run of whitespace -> one " "; stripped,
     unless nothing but whitespace was there (then " ").
