@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import re
 import statistics
 import time
 from pathlib import Path
+
+from memlm.machine import cpu_model
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
@@ -27,17 +28,6 @@ def median_ms(fns: dict, repeats: int = 9) -> dict[str, float]:
             f()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def machine_line() -> str:

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memlm.errors import ConfigError, MemlmError, entry_point
+from memlm.machine import same_environment
 from memlm.studies.continual_plan import finetune_config, plan
 
 DATA = Path("data_cache/continual")
@@ -215,18 +216,45 @@ def ensure_start(run: Run) -> None:
 
 
 def retrain(run: Run) -> None:
-    """Train a recorded run again for its checkpoint; its evaluations must equal the record's (the
-    runs are deterministic on CPU), else the runs started from it would not continue the record."""
+    """Train a recorded run again for its checkpoint and check it against the record: equal evaluations
+    where the record's commit, torch and CPU are this run's (the runs are deterministic on CPU), else
+    each figure within the plan's `reproduce_within`; it says which check it made."""
     ensure_start(run)
     print(f"[study] {run.name}: recorded, but its checkpoint {final_checkpoint(run)} is not on this machine: "
           "training it again", flush=True)
     train(run)
-    recorded = json.loads((run.record / "summary.json").read_text())["evals"]
-    again = json.loads((run.dump / "summary.json").read_text())["evals"]
-    if again != recorded:
-        raise StudyError(f"{run.name} trained again does not reproduce its record {run.record}: "
-                         f"evals {again} against {recorded}; its checkpoint is left in {run.dump}")
-    print(f"[study] {run.name}: trained again, its evaluations equal the record's", flush=True)
+    recorded = json.loads((run.record / "summary.json").read_text())
+    again = json.loads((run.dump / "summary.json").read_text())
+    problem, check = reproduction_problem(recorded, again, plan().reproduce_within)
+    if problem:
+        raise StudyError(f"{run.name} trained again does not reproduce its record {run.record} ({check}): "
+                         f"{problem}; its checkpoint is left in {run.dump}")
+    print(f"[study] {run.name}: trained again, {check}: its evaluations reproduce the record's", flush=True)
+
+
+def reproduction_problem(recorded: dict, again: dict, within: float) -> tuple[str | None, str]:
+    """(what differs, or None; which check was made) between a record's summary.json and a rerun's."""
+    if same_environment(recorded.get("environment"), again.get("environment")):
+        check = "the record's commit, torch and CPU: equal evaluations asked"
+        differs = None if again["evals"] == recorded["evals"] else f"evals {again['evals']} against {recorded['evals']}"
+        return differs, check
+    then, now = recorded.get("environment") or {}, again.get("environment") or {}
+    check = (f"recorded at commit {str(then.get('commit'))[:12]}, torch {then.get('torch')}, CPU {then.get('cpu')}; "
+             f"rerun at {str(now.get('commit'))[:12]}, torch {now.get('torch')}, CPU {now.get('cpu')}: "
+             f"every figure within {within:.0%} asked")
+    far = [f"{key} {b} against {a}" for key, a, b in _figures(recorded["evals"], again["evals"])
+           if abs(b - a) > within * abs(a)]
+    return ("; ".join(far) or None), check
+
+
+def _figures(a: dict, b: dict, prefix: str = ""):
+    """(key, a's number, b's number) for every number both nested dicts hold at the same key."""
+    for key, value in a.items():
+        other = b.get(key) if isinstance(b, dict) else None
+        if isinstance(value, dict):
+            yield from _figures(value, other or {}, f"{prefix}{key}.")
+        elif isinstance(value, (int, float)) and isinstance(other, (int, float)) and not isinstance(value, bool):
+            yield f"{prefix}{key}", float(value), float(other)
 
 
 def train(run: Run) -> None:

@@ -35,6 +35,7 @@ class Plan:
     rounds_kept: float  # goal (c): the share of its bits each earlier round keeps after every later one
     lost_at_most: dict[int, float]  # goal (d): slots -> the share of facts A the best of the other modes may lose
     heldout_within: float  # goal (e): that setting's held-out perplexity and QA within this share of its base's
+    reproduce_within: float  # a run retrained elsewhere (another commit, torch or CPU): its evals within this share
     sweep: tuple[tuple[str, tuple[str, ...]], ...]  # (mode, the entry's other overrides)
     sweep_at: dict[int, tuple[tuple[str, tuple[str, ...]], ...]]  # n_keys -> entries run at that size only
 
@@ -69,7 +70,8 @@ def load_plan(path: Path = PLAN_FILE) -> Plan:
                 less=(mode(goals["less"][0], "goals.less"), mode(goals["less"][1], "goals.less")),
                 rounds_kept=float(goals["rounds_kept"]),
                 lost_at_most={int(k): float(v) for k, v in (goals.get("lost_at_most") or {}).items()},
-                heldout_within=float(goals["heldout_within"]), sweep=entries(raw["sweep"], "sweep"),
+                heldout_within=float(goals["heldout_within"]),
+                reproduce_within=float(raw.get("reproduce_within", 0.0)), sweep=entries(raw["sweep"], "sweep"),
                 sweep_at={int(n): entries(e, f"sweep_at.{n}") for n, e in (raw.get("sweep_at") or {}).items()})
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from memlm.errors import ConfigError, entry_point
 from memlm.files import atomic_write_text
+from memlm.machine import cpu_model
 from memlm.studies.ablation_report import ReportError, write_doc
 
 COMMANDS = {  # stage -> the command the doc shows (after `python -m`)
@@ -54,13 +55,7 @@ def machine() -> dict:
     """Where the seconds were measured (the load average: other jobs on the machine at the start)."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    info = Path("/proc/cpuinfo")
-    if info.is_file():  # Linux names the model there (platform.processor() is often empty)
-        names = [line.split(":", 1)[1].strip() for line in info.read_text().splitlines()
-                 if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    return {"cpu": cpu, "cores": os.cpu_count(), "load_average": round(os.getloadavg()[0], 1),
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "load_average": round(os.getloadavg()[0], 1),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS", ""), "torch": torch.__version__,
             "python": platform.python_version()}
 

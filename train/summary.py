@@ -18,15 +18,18 @@ from pathlib import Path
 from typing import Any
 
 from memlm.files import atomic_write_json
+from memlm.machine import run_environment
 
 
 def run_summary(*, name: str, steps: int, tokens: int, metrics: dict, val_loss: float | None,
                 evals: dict[str, Any], nonfinite_skipped: int, preempted: bool, seconds: float,
                 dump_dir: Path) -> dict[str, Any]:
-    """The summary of a run; `metrics` are the last logged step's (its loss is the final loss)."""
+    """The summary of a run; `metrics` are the last logged step's (its loss is the final loss).
+    `environment`: the commit, torch and CPU it ran on (memlm.machine), which its record names."""
     return {"name": name, "steps": steps, "tokens": tokens, "final_loss": metrics.get("loss"),
             "val_loss": val_loss, "evals": evals, "nonfinite_skipped": nonfinite_skipped,
-            "preempted": preempted, "seconds": round(seconds, 2), "dump_dir": str(dump_dir)}
+            "preempted": preempted, "seconds": round(seconds, 2), "dump_dir": str(dump_dir),
+            "environment": run_environment()}
 
 
 def write_summary(dump_dir: Path, summary: dict[str, Any], trained: bool) -> dict[str, Any]:

@@ -13,8 +13,9 @@ from memlm.launch import continual_study as study
 from memlm.studies import continual_plan
 
 
-def _fake_train(calls, fail=(), evals=None):
-    """A subprocess.run stand-in: writes what a finished run leaves in its dump_dir (`evals`: a base's)."""
+def _fake_train(calls, fail=(), evals=None, environment=None):
+    """A subprocess.run stand-in: writes what a finished run leaves in its dump_dir (`evals`: a base's;
+    `environment`: what its summary says it ran on)."""
     def run(cmd, **kw):
         overrides = dict(o.split("=", 1) for o in cmd[3:])
         calls.append(overrides)
@@ -29,7 +30,7 @@ def _fake_train(calls, fail=(), evals=None):
         scores = {"bits:facts_a": {"stored_bits": 1000.0 - lr}, "bits:facts_b": {"exact_match": em}}
         if evals is not None and "finetune" not in overrides:
             scores = evals
-        (dump / "summary.json").write_text(json.dumps({"steps": steps, "evals": scores}))
+        (dump / "summary.json").write_text(json.dumps({"steps": steps, "evals": scores, "environment": environment}))
         (dump / "checkpoints" / f"step_{steps:08d}").mkdir(parents=True)
         for f in ("config.yaml", "metrics.jsonl"):
             (dump / f).write_text("")
@@ -116,6 +117,38 @@ def test_a_recorded_base_without_its_checkpoint_is_trained_again_and_must_equal_
     capsys.readouterr()
     assert study.main(["--stage", "sweep", "--modes", "lora"]) == 1
     assert _error_line(capsys, r"base_s0 trained again does not reproduce its record .*8\.0.*7\.0")
+
+
+HERE = {"commit": "a" * 40, "dirty": False, "torch": "2.13.0", "cpu": "AMD EPYC"}
+
+
+@pytest.mark.parametrize("rerun_env, rerun_bits, message", [
+    (HERE, 7.0, "the record's commit, torch and CPU: equal evaluations asked"),  # equal where all three match
+    ({**HERE, "cpu": "other"}, 7.1, "every figure within 2% asked"),  # elsewhere: 1.4% off passes
+    ({**HERE, "commit": "b" * 40}, 7.1, "every figure within 2% asked"),
+    ({**HERE, "dirty": True}, 7.1, "every figure within 2% asked"),  # a changed tree promises nothing
+])
+def test_a_retrained_run_is_checked_bitwise_only_where_commit_torch_and_cpu_match(
+        tmp_path, monkeypatch, capsys, rerun_env, rerun_bits, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / study.DATA).mkdir(parents=True)
+    (tmp_path / study.DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    calls = []
+    monkeypatch.setattr(study.subprocess, "run",
+                        _fake_train(calls, evals={"bits:facts_a": {"stored_bits": 7.0}}, environment=HERE))
+    assert study.main(["--stage", "base"]) == 0
+    study.shutil.rmtree(study.RUNS / "base_s0")
+    monkeypatch.setattr(study.subprocess, "run", _fake_train(
+        calls, evals={"bits:facts_a": {"stored_bits": rerun_bits}}, environment=rerun_env))
+    capsys.readouterr()
+    assert study.main(["--stage", "sweep", "--modes", "full"]) == 0
+    assert message in capsys.readouterr().out
+    # the same rerun 3% off: refused in both cases, the check it made named
+    study.shutil.rmtree(study.RUNS / "base_s0")
+    monkeypatch.setattr(study.subprocess, "run", _fake_train(
+        calls, evals={"bits:facts_a": {"stored_bits": 7.21}}, environment=rerun_env))
+    assert study.main(["--stage", "sweep", "--modes", "lora"]) == 1
+    assert _error_line(capsys, r"base_s0 trained again does not reproduce its record .*" + message.split(":")[0][:20])
 
 
 def test_a_failed_run_stops_the_study_naming_its_log(tmp_path, monkeypatch, capsys):

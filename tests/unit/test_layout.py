@@ -29,7 +29,7 @@ END = "<!-- /layout -->"
 # could be merged into the one below is a test failure, so len(LAYERS) is the depth
 # of the import graph, not a choice.
 LAYERS = [
-    ["errors", "files", "ranks", "configs"],  # configs: the YAML presets (a package only to ship them)
+    ["errors", "files", "ranks", "machine", "configs"],  # configs: the YAML presets (a package only to ship them)
     ["memory", "data", "generation", "checkpoint"],
     ["model"],
     ["finetune", "distributed", "hf"],  # hf: the Hugging Face format only (names, export folders, remote code)
