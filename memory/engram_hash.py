@@ -140,11 +140,23 @@ class NgramHash(nn.Module):
         if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"tokens of shape {tuple(tokens.shape)} and dtype {tokens.dtype} are invalid: "
                              "(batch, seq) integer token ids")
-        if tokens.numel() and not (0 <= int(tokens.min()) and int(tokens.max()) < self.vocab_size):
-            raise ValueError(f"token ids in [{int(tokens.min())}, {int(tokens.max())}] are invalid: "
-                             f"ids in [0, {self.vocab_size}) (the token map's vocab_size)")
+        self._check_tokens(tokens)
         canon = self.token_map[tokens.long()]  # (B, T)
         return ngram_hash(canon, self.mult, self.prime, self.pad) + self.offset
+
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
+        """Every id in [0, vocab_size). CPU: on the host, a ValueError naming the range. Elsewhere a
+        device-side assertion (torch._assert_async): no sync in the step, as memlm.memory.fast.ops
+        checks the reads' indices."""
+        if tokens.numel() == 0:
+            return
+        lo, hi = torch.aminmax(tokens)
+        if tokens.device.type != "cpu":
+            torch._assert_async((lo >= 0) & (hi < self.vocab_size))
+            return
+        if not (0 <= int(lo) and int(hi) < self.vocab_size):
+            raise ValueError(f"token ids in [{int(lo)}, {int(hi)}] are invalid: "
+                             f"ids in [0, {self.vocab_size}) (the token map's vocab_size)")
 
     def extra_repr(self) -> str:
         return f"max_order={self.max_order}, heads={self.heads}, seed={self.seed}, layer={self.layer}, " \
