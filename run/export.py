@@ -135,7 +135,7 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9, ove
         if cfg.model.tie_embeddings:
             state.pop("lm_head.weight")  # safetensors stores a tensor once; HF re-ties it
     with atomic_output_dir(out_dir) as new_dir:  # swapped in at the end: a killed export leaves the old one whole
-        write_export(new_dir, cfg, checkpoint, meta, state, max_shard_size, dense, memory, run)
+        write_export(new_dir, cfg, checkpoint, meta, state, max_shard_size, dense, memory, run, out_dir)
         write_manifest(new_dir)  # last: what this export wrote, and nothing else
         carry_over(out_dir, new_dir, keep)
     if keep:
@@ -144,8 +144,8 @@ def export(checkpoint: Path, out_dir: Path, max_shard_size: int = 5 * 10**9, ove
 
 
 def write_export(out_dir: Path, cfg, checkpoint: Path, meta: dict, state: dict[str, torch.Tensor],
-                 max_shard_size: int, dense: bool, memory, run: str) -> None:
-    """Every file of the export, into the empty folder out_dir."""
+                 max_shard_size: int, dense: bool, memory, run: str, named: Path) -> None:
+    """Every file of the export, into the empty folder out_dir (`named`: where it will be, for messages)."""
     shards = shard_state(state, max_shard_size)
     if len(shards) == 1:
         save_weights(shards[0], out_dir / WEIGHTS_NAME)
@@ -174,7 +174,7 @@ def write_export(out_dir: Path, cfg, checkpoint: Path, meta: dict, state: dict[s
     elif not dense:
         missing = [kind for kind in kinds if not family_of(kind).remote_code]
         print(f"[export] FFN kind(s) {', '.join(missing)} have no Hugging Face modeling code (hf/remote/): "
-              f"{out_dir} loads with memlm (memlm.hf.from_pretrained), not with transformers", flush=True)
+              f"{named} loads with memlm (memlm.hf.from_pretrained), not with transformers", flush=True)
     if dense:
         to_hf_config(cfg.model, torch_dtype="float32", architectures=["LlamaForCausalLM"],
                      **hf_token_ids(tokenizer)).save_pretrained(str(out_dir))

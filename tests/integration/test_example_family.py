@@ -73,4 +73,6 @@ def test_trains_resumes_fine_tunes_and_exports(registered, tmp_path, capsys):
         assert {g["name"] for g in trainer.optimizer.param_groups} >= {"memory_values"}  # its table's own group
 
     check_family_paths(RUN, tmp_path, inspect)
-    assert "no Hugging Face modeling code" in capsys.readouterr().out
+    # the folder the export ends up in, not the temporary one it was written into
+    assert f"no Hugging Face modeling code (hf/remote/): {tmp_path / 'export'} loads with memlm" \
+        in capsys.readouterr().out
