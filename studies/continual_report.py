@@ -48,7 +48,9 @@ def load_record(record: Path) -> dict:
     res = _last_eval(record)
     mode = cfg.finetune.mode
     setting = mode_of(cfg).describe(cfg) + _batch(cfg)
-    command = (record / "command.txt").read_text().strip() if (record / "command.txt").exists() else ""
+    # the command main accepts: command_main.txt where main refuses what ran (tests/unit/test_record_commands.py)
+    ran = next((record / n for n in ("command_main.txt", "command.txt") if (record / n).exists()), None)
+    command = ran.read_text().strip() if ran else ""
     rounds = {int(k.removeprefix("bits:facts_b")): v for k, v in res.items()
               if k.startswith("bits:facts_b") and k != "bits:facts_b"}
     b = res.get("bits:facts_b", {})  # the base and the rounds have none
