@@ -88,7 +88,8 @@ class Transformer(nn.Module):
         non-decreasing along each row, number the documents of packed rows:
         attention then stays inside each document, and with `args.rope_restart`
         positions restart at each document (memlm.model.doc_mask). `engram_rows`: the Engram
-        layers' rows, `engram_rows(tokens)` computed ahead (without a cache); by default computed here."""
+        layers' rows, `engram_rows(tokens)` computed ahead (no cache: with one, the rows of new
+        positions reach back into the cache's history); by default computed here."""
         start = cache.pos if cache is not None else 0
         seq = tokens.shape[1]
         if start + seq > self.args.max_seq_len:
@@ -105,6 +106,9 @@ class Transformer(nn.Module):
             if self.args.rope_restart:
                 pos = doc_positions(doc_ids)  # (batch, seq)
                 cos, sin = self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1)
+        if cache is not None and engram_rows is not None:
+            raise ValueError("engram_rows= with a KV cache is invalid: with a cache each Engram layer "
+                             "hashes the new tokens against its history; pass engram_rows= only without one")
         if cache is None and engram_rows is None:
             engram_rows = self.engram_rows(tokens)  # once per forward, before the first block
         h = self.tok_embeddings(tokens)

@@ -1,5 +1,5 @@
 """A memory family's whole path through the house, for one family's tests
-(tests/integration/test_example_family.py, test_ultramem_family.py):
+(tests/integration/test_example_family.py, test_ultramem_family.py, test_engram_model.py):
 
     export_dir = check_family_paths(run, tmp_path, inspect=lambda trainer: ...)
 
@@ -58,3 +58,29 @@ def check_family_paths(run: list[str], tmp_path: Path, inspect: Callable = lambd
     with torch.no_grad():
         assert torch.equal(from_pretrained(out)(tokens), load_model(ckpt).model(tokens))
     return out
+
+
+def sparse_finetune_steps(run: list[str], ckpt: Path, top_t: int, dump: Path, steps: int = 2) -> list[dict]:
+    """Fine-tune `ckpt` with finetune=sparse (top_t rows, SGD at value lr 10, so every kept row moves)
+    for `steps` steps, one at a time: for each step, {state-dict name: the rows that changed} of every
+    tensor the step moved (a row: an index along dim 0; a 0-d tensor has the one row 0)."""
+    from memlm.train.trainer import Trainer
+
+    trainer = Trainer(compose([*run, "finetune=sparse", f"finetune.top_t={top_t}", "finetune.optimizer=sgd",
+                               "memory.value_lr=10", f"init_from={ckpt}", f"steps={steps}", f"dump_dir={dump}"]))
+    changes = []
+    try:
+        for _ in range(steps):
+            before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+            trainer.train_step()
+            after = trainer.model.state_dict()
+            changes.append({k: _changed_rows(before[k], after[k]) for k in after
+                            if not torch.equal(after[k], before[k])})
+    finally:
+        trainer.close()
+    return changes
+
+
+def _changed_rows(before: torch.Tensor, after: torch.Tensor) -> set[int]:
+    differs = (after != before).reshape(after.shape[0] if after.dim() else 1, -1)  # (rows, rest)
+    return set(differs.any(1).nonzero().flatten().tolist())

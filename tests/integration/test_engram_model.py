@@ -9,7 +9,7 @@ import pytest
 import torch
 from equivalence import BASE, assert_ranks_equal_one_process
 from evals_fixtures import make_tokenizer
-from family_paths import check_family_paths
+from family_paths import check_family_paths, sparse_finetune_steps
 
 from memlm.config.run import compose
 from memlm.data.tokenizer import Tokenizer
@@ -75,6 +75,8 @@ def test_rows_computed_ahead_give_the_same_logits():
     rows = model.engram_rows(tokens)
     assert sorted(rows) == [0, 2] and rows[0].shape == (2, 20, 4)
     assert torch.equal(model(tokens, engram_rows=rows), model(tokens))
+    with pytest.raises(ValueError, match="engram_rows= with a KV cache is invalid"):
+        model(tokens, model.new_cache(batch=2, max_len=24), engram_rows=rows)
 
 
 def test_decoding_with_the_kv_cache_equals_the_whole_sequence():
@@ -167,26 +169,14 @@ def _base_with_background(run: list[str], dump) -> str:
 def test_sparse_fine_tuning_moves_only_the_selected_rows_of_each_table(tmp_path):
     """finetune=sparse beside Memory+: Engram's table and Memory+'s values each keep the gradient of their
     own top_t rows (Engram counts its reads per row under its own name); nothing else moves."""
-    from memlm.train.trainer import Trainer
-
     run = [*RUN, "model.n_layers=2", *BESIDE_MEMPLUS, "memory.engram.layers=[1]"]
     ckpt = _base_with_background(run, tmp_path / "base")
     top_t = 5
-    trainer = Trainer(compose([*run, "finetune=sparse", f"finetune.top_t={top_t}", "finetune.optimizer=sgd",
-                               "memory.value_lr=10", f"init_from={ckpt}", "steps=2", f"dump_dir={tmp_path / 'ft'}"]))
-    try:
-        for _ in range(2):
-            before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-            trainer.train_step()
-            after = trainer.model.state_dict()
-            moved = {k for k in after if not torch.equal(after[k], before[k])}
-            tables = {"shared.memory_values.weight", "layers.1.engram.tables.weight"}
-            assert moved == tables, moved ^ tables
-            for key in tables:
-                rows = (after[key] != before[key]).any(-1).nonzero().flatten().tolist()
-                assert 1 <= len(rows) <= top_t, (key, rows)
-    finally:
-        trainer.close()
+    tables = {"shared.memory_values.weight", "layers.1.engram.tables.weight"}
+    for moved in sparse_finetune_steps(run, ckpt, top_t, tmp_path / "ft"):
+        assert set(moved) == tables, set(moved) ^ tables
+        for key in tables:
+            assert 1 <= len(moved[key]) <= top_t, (key, moved[key])
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from equivalence import BASE, assert_ranks_equal_one_process
-from family_paths import check_family_paths
+from family_paths import check_family_paths, sparse_finetune_steps
 
 from memlm.config.run import compose
 from memlm.errors import ConfigError
@@ -111,10 +111,6 @@ def test_built_on_meta_it_reads_the_same_rows():
         assert int(a.feed_forward.memory.address_rows.max()) < a.feed_forward.memory.n_rows
 
 
-def _changed_rows(before: dict, after: dict, name: str) -> set[int]:
-    return set((after[name] != before[name]).any(1).nonzero().flatten().tolist())
-
-
 def test_sparse_finetune_moves_only_the_selected_rows_of_v_and_p(tmp_path):
     """finetune=sparse: each step keeps the gradient of the same top_t rows of V and of P (read at the
     same rows); every other tensor stays as the base checkpoint has it."""
@@ -126,23 +122,13 @@ def test_sparse_finetune_moves_only_the_selected_rows_of_v_and_p(tmp_path):
     (ckpt,) = (tmp_path / "base" / "checkpoints").glob("step_*")
     assert slot_usage.main([str(ckpt), "--batches", "2"]) == 0
     top_t = 5
-    trainer = Trainer(compose([*run, "finetune=sparse", f"finetune.top_t={top_t}", "finetune.optimizer=sgd",
-                               "memory.value_lr=10", f"init_from={ckpt}", "steps=2", f"dump_dir={tmp_path / 'ft'}"]))
-    try:
-        for _ in range(2):
-            before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-            trainer.train_step()
-            after = trainer.model.state_dict()
-            moved = {k for k in after if not torch.equal(after[k], before[k])}
-            tables = {f"layers.{i}.feed_forward.memory.{t}.weight" for i in range(2) for t in ("values", "pre_values")}
-            assert moved == tables, moved ^ tables
-            for i in range(2):
-                prefix = f"layers.{i}.feed_forward.memory"
-                rows_v = _changed_rows(before, after, f"{prefix}.values.weight")
-                rows_p = _changed_rows(before, after, f"{prefix}.pre_values.weight")
-                assert 1 <= len(rows_v | rows_p) <= top_t, (rows_v, rows_p)  # the same rows of both tables
-    finally:
-        trainer.close()
+    tables = {f"layers.{i}.feed_forward.memory.{t}.weight" for i in range(2) for t in ("values", "pre_values")}
+    for moved in sparse_finetune_steps(run, ckpt, top_t, tmp_path / "ft"):
+        assert set(moved) == tables, set(moved) ^ tables
+        for i in range(2):
+            prefix = f"layers.{i}.feed_forward.memory"
+            rows_v, rows_p = moved[f"{prefix}.values.weight"], moved[f"{prefix}.pre_values.weight"]
+            assert 1 <= len(rows_v | rows_p) <= top_t, (rows_v, rows_p)  # the same rows of both tables
 
 
 @pytest.mark.slow
