@@ -27,8 +27,7 @@ A 2-D attention_mask with padding is honoured (padded keys are masked, positions
 count real tokens only; Engram hashes padding as the start of a row and zeroes its
 convolution input there), as generate needs for batches of unequal prompts. An
 Engram layer keeps its canonical ids and convolution inputs on the cache object
-(`memlm_engram`): greedy and sampled decoding carry it; beam search's reordering
-of the cache does not reorder it.
+(`memlm_engram`), which beam search reorders with the cache's rows (`_reorder_cache`).
 """
 
 from __future__ import annotations
@@ -46,6 +45,8 @@ from .configuration_memlm import MEMORY_KEYS, ULTRAMEM_KEYS, MemlmConfig
 from .engram_memlm import Engram
 
 # transformers renamed the cache field of model outputs (past_key_values -> cache).
+# Where an Engram layer's decoding history rides on transformers' cache object: {layer: {"canon", "conv_in"}}.
+ENGRAM_HISTORY = "memlm_engram"
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 VALUE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
@@ -574,6 +575,15 @@ class MemlmForCausalLM(PreTrainedModel, GenerationMixin):
     def output_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
+    def _reorder_cache(self, cache, beam_idx: torch.LongTensor):
+        """Beam search's reordering (generate calls it when the model has it): the attention cache's rows
+        and every Engram layer's history (canonical ids, conv inputs) follow the surviving beams."""
+        cache.reorder_cache(beam_idx)
+        for history in cache.__dict__.get(ENGRAM_HISTORY, {}).values():
+            for key, past in history.items():  # (batch * beams, positions, ...)
+                history[key] = past.index_select(0, beam_idx.to(past.device))
+        return cache
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -622,7 +632,7 @@ class MemlmForCausalLM(PreTrainedModel, GenerationMixin):
                 raise ValueError("a model with Engram layers needs input_ids (its n-grams hash the token ids)")
             real = attention_mask.bool()[:, -seq:] if padded else None
             # Each Engram layer's canonical ids and conv inputs so far ride on the cache object.
-            histories = None if cache is None else cache.__dict__.setdefault("memlm_engram", {})
+            histories = None if cache is None else cache.__dict__.setdefault(ENGRAM_HISTORY, {})
             engram_in = (input_ids, real, histories)
         for block in self.layers:
             h = block(h, cos, sin, cache, mask, engram_in)

@@ -1,7 +1,8 @@
 """A memlm export loaded by plain transformers (AutoModelForCausalLM, trust_remote_code)
 in a child process where `import memlm` is blocked, checked against memlm's own model:
-logits equal (or within `tol`, for MoE's other summation order) and greedy generation
-equal (tests/integration/test_hf_remote.py, test_hf_import.py's retrofit)."""
+logits equal (or within `tol`, for MoE's other summation order), greedy generation
+equal, and beam search with the KV cache equal to beam search without it
+(tests/integration/test_hf_remote.py, test_hf_import.py's retrofit)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,11 @@ with torch.no_grad():
     logits = model(tokens).logits
 generated = model.generate(tokens[:, :4], attention_mask=torch.ones_like(tokens[:, :4]), max_new_tokens=6,
                            do_sample=False, pad_token_id=0)
+beams = {f"beams_{use}": model.generate(tokens[:, :4], attention_mask=torch.ones_like(tokens[:, :4]),
+                                        max_new_tokens=6, do_sample=False, num_beams=3, pad_token_id=0,
+                                        use_cache=use == "cached").contiguous() for use in ("cached", "whole")}
 assert not [m for m in sys.modules if m.split(".")[0] == "memlm"], "memlm was imported"
-save_file({"logits": logits.contiguous(), "generated": generated}, io + "/out.safetensors")
+save_file({"logits": logits.contiguous(), "generated": generated, **beams}, io + "/out.safetensors")
 print("memlm installed:", memlm_installed, "| transformers", transformers.__version__, "| torch", torch.__version__)
 """
 
@@ -60,4 +64,5 @@ def run_remote_child(python: str, isolated: bool, export_dir: Path, ours, tmp: P
         for _ in range(6):
             expected = torch.cat([expected, ours(expected)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out["generated"], expected)
+    assert torch.equal(out["beams_cached"], out["beams_whole"])  # beam search reorders the whole cache
     return proc.stdout

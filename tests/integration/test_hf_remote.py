@@ -144,6 +144,19 @@ def test_generate_with_kv_cache_matches_memlm_greedy(tmp_path, case):
     assert torch.equal(generated, expected)
 
 
+def test_beam_search_with_the_kv_cache_equals_beam_search_without(tmp_path):
+    """Beam search reorders the cache's rows each step; an Engram layer's history (its n-grams' ids and
+    conv inputs) must follow them, or a beam hashes another beam's tokens: the cached search then picks
+    other tokens than the search that recomputes every sequence whole (use_cache=False)."""
+    ours, args, memory = _memlm_model(*CASES["engram_beside_memplus"])
+    hf = MemlmForCausalLM.from_pretrained(str(_bundle(tmp_path, ours, args, memory))).eval()
+    prompt = _tokens(2, 5, seed=6)
+    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False, num_beams=4,
+              num_return_sequences=4, pad_token_id=0)
+    cached, whole = hf.generate(prompt, use_cache=True, **kw), hf.generate(prompt, use_cache=False, **kw)
+    assert cached.shape == (8, 15) and torch.equal(cached, whole)
+
+
 @pytest.mark.parametrize("case", ["memplus_shared_swilu", "engram_beside_memplus"])
 def test_left_padded_batch_equals_unpadded_rows(tmp_path, case):
     ours, args, memory = _memlm_model(*CASES[case])
