@@ -4,7 +4,7 @@ Layout of `dump_dir/checkpoints/`:
 
     step_00000600/            one complete checkpoint
         .metadata, __*.distcp   DCP shards: model weights and optimizer tensors
-        rank{r}.json          per-rank state: data loader, RNG states
+        rank{r}.json          per-rank state: the training and validation streams' positions, RNG states
         meta.json             step, tokens, scheduler, optimizer hyper-parameters,
                               world size, config, the manifest (every file's
                               size and crc32) and its own crc32; written last:
@@ -155,6 +155,11 @@ class TrainingState:
     loader: Any = None  # its state_dict per rank, when it has one
     counters: dict[str, Any] = field(default_factory=dict)  # into meta.json: tokens, nonfinite_total
     config_yaml: str = ""
+    val_loader: Any = None  # the validation stream, saved like the training one
+
+    def loaders(self) -> dict[str, Any]:
+        """{key in rank{r}.json: stream}: the streams a checkpoint records the position of."""
+        return {"loader": self.loader, "val_loader": self.val_loader}
 
 
 class Checkpointer:
@@ -211,8 +216,9 @@ class Checkpointer:
         group_barrier()
         osd = get_optimizer_state_dict(model, optimizer)
         tensors = {"model": get_model_state_dict(model), "optim": {"state": osd["state"]}}
-        loader_state = state.loader.state_dict() if hasattr(state.loader, "state_dict") else None
-        atomic_write_text(tmp / f"rank{group_rank()}.json", json.dumps({"loader": loader_state, "rng": rng_state()}))
+        positions = {key: loader.state_dict() if hasattr(loader, "state_dict") else None
+                     for key, loader in state.loaders().items()}
+        atomic_write_text(tmp / f"rank{group_rank()}.json", json.dumps({**positions, "rng": rng_state()}))
         meta = {"step": step, "world_size": group_size(), **state.counters, "scheduler": state.scheduler.state_dict(),
                 "param_groups": osd["param_groups"], "config": state.config_yaml}
         if self.cfg.async_save:
@@ -339,7 +345,7 @@ class Checkpointer:
 
     def load(self, path: Path, state: TrainingState) -> dict[str, Any]:
         """Restore everything saved into `state`, in place; returns meta (step, tokens, ...)."""
-        model, optimizer, scheduler, loader = state.model, state.optimizer, state.scheduler, state.loader
+        model, optimizer, scheduler, loaders = state.model, state.optimizer, state.scheduler, state.loaders()
         meta = read_meta(path)
         model_state = get_model_state_dict(model)
         check_shapes(path, model_state)
@@ -353,12 +359,17 @@ class Checkpointer:
         rank_file = path / f"rank{group_rank()}.json"
         if meta["world_size"] == group_size() and rank_file.is_file():
             per_rank = json.loads(rank_file.read_text())
-            if loader is not None and per_rank["loader"] is not None and hasattr(loader, "load_state_dict"):
-                loader.load_state_dict(per_rank["loader"])
+            for key, loader in loaders.items():
+                # A checkpoint from before the validation stream was saved has no "val_loader": it restarts.
+                if loader is not None and per_rank.get(key) is not None and hasattr(loader, "load_state_dict"):
+                    loader.load_state_dict(per_rank[key])
             set_rng_state(per_rank["rng"])
-        elif loader is not None and hasattr(loader, "reshard_state_dict"):
-            states = [json.loads((path / f"rank{r}.json").read_text())["loader"] for r in range(meta["world_size"])]
-            loader.reshard_state_dict(states)
+        elif any(hasattr(loader, "reshard_state_dict") for loader in loaders.values()):
+            per_rank = [json.loads((path / f"rank{r}.json").read_text()) for r in range(meta["world_size"])]
+            for key, loader in loaders.items():
+                states = [old.get(key) for old in per_rank]
+                if hasattr(loader, "reshard_state_dict") and None not in states:
+                    loader.reshard_state_dict(states)
         elif group_rank() == 0:
             print(f"[checkpoint] world size changed ({meta['world_size']} -> {group_size()}): model and optimizer "
                   "were resharded; the data stream restarts from its beginning", flush=True)

@@ -122,7 +122,8 @@ class Trainer:
     def _training_state(self) -> TrainingState:
         self.guard.read(report=False)  # skip count and stop rule up to date before anything is written
         return TrainingState(self.model, self.optimizer, self.scheduler, self.train_loader,
-                             {"tokens": self.tokens, "nonfinite_total": self.nonfinite_total}, to_yaml(self.cfg))
+                             {"tokens": self.tokens, "nonfinite_total": self.nonfinite_total}, to_yaml(self.cfg),
+                             self.val_loader)
 
     def _default_loader(self, split: str):
         return build_train_loader(self.cfg, self.env, split)

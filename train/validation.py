@@ -2,11 +2,13 @@
 
     validation = Validation(cfg, env, model, loader, autocast, logger)   # on the loop (memlm.train.extensions)
     validation.step_end(step, run)   # every val_every steps, before the last: run.val_loss
-    validation.end(step, run)        # once more when the run reaches its last step
+    validation.end(step, run)        # once more when the run ends or stops, unless this step was measured
     loss = validation.loss()         # now: the mean loss of val_batches batches, over every rank
 
 Each measurement reads the next `val_batches` batches of the validation
-stream, in the run's precision, on the live (sharded) model.
+stream, in the run's precision, on the live (sharded) model. A checkpoint
+records the stream's position (memlm.checkpoint), so a resumed run measures
+what the unbroken run measures.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Validation:
                  autocast: Callable[[], AbstractContextManager], logger: MetricsLogger):
         self.cfg, self.env, self.model, self.loader = cfg, env, model, loader
         self.autocast, self.logger = autocast, logger
+        self.logged_step: int | None = None  # the step of the last measurement
 
     def due(self, step: int) -> bool:
         """Every `val_every` steps, before the last (the end's validation covers it)."""
@@ -41,10 +44,14 @@ class Validation:
             run.val_loss = self.log(step)
 
     def end(self, step: int, run) -> None:
-        if self.loader is not None:
+        """At the end of the run, or of a stop before it (stop_after, preemption): once more, unless this
+        step was just measured (a second measurement would log the step twice and move the stream past
+        what its checkpoint recorded)."""
+        if self.loader is not None and step != self.logged_step:
             run.val_loss = self.log(step)
 
     def log(self, step: int) -> float | None:
+        self.logged_step = step
         val = self.loss()
         if val is not None:
             self.logger.log({"step": step, "val_loss": val}, f"[train] step {step}  val_loss {val:.4f}")

@@ -26,12 +26,12 @@ BASE = ["model.vocab_size=128", "data.seq_len=16", "data.micro_batch=2", "optim.
         "optim.lr=3e-3", "logging.every=1", "logging.wandb.mode=disabled"]
 
 
-def _losses(dump_dir: Path) -> dict[int, float]:
+def _losses(dump_dir: Path, key: str = "loss") -> dict[int, float]:
     out = {}
     for line in (dump_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        if "loss" in rec:
-            out[rec["step"]] = rec["loss"]
+        if key in rec:
+            out[rec["step"]] = rec[key]
     return out
 
 
@@ -53,12 +53,16 @@ def _run(world: int, overrides: list[str], stop_after: int | None = None) -> Non
 @pytest.mark.parametrize("world", [1, 2])
 def test_exact_resume(tmp_path, world):
     full, part = tmp_path / "full", tmp_path / "part"
-    _run(world, [*BASE, "steps=12", "checkpoint.every=6", f"dump_dir={full}"])
+    run = [*BASE, "steps=12", "checkpoint.every=6", "val_every=3"]
+    _run(world, [*run, f"dump_dir={full}"])
     # The interrupted run: stops after step 6, then a second process resumes.
-    _run(world, [*BASE, "steps=12", "checkpoint.every=6", "checkpoint.at_end=false", f"dump_dir={part}"], 6)
-    _run(world, [*BASE, "steps=12", "checkpoint.every=6", f"dump_dir={part}", "resume=auto"])
+    _run(world, [*run, "checkpoint.at_end=false", f"dump_dir={part}"], 6)
+    _run(world, [*run, f"dump_dir={part}", "resume=auto"])
     a, b = _losses(full), _losses(part)
     assert [a[s] for s in range(7, 13)] == [b[s] for s in range(7, 13)]  # bitwise
+    # The validation stream goes on where it stopped: steps 9 and 12 read the batches they read unbroken.
+    val_a, val_b = _losses(full, "val_loss"), _losses(part, "val_loss")
+    assert sorted(val_a) == [3, 6, 9, 12] and val_a == val_b
     wa = _final_weights(full, BASE)
     wb = _final_weights(part, BASE)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -3,6 +3,9 @@ Memory+ run, its resume and a fine-tune from it give, bit for bit, the losses,
 gradient norms, validation loss, evaluation figures and generated answers
 recorded before issue #53's change (tests/records/paths.json, recorded at
 cd0b2ea by `python tests/helpers/recorded_paths.py tests/records/paths.json`).
+The resume path's validation loss was recorded again when checkpoints began to
+keep the validation stream's position: it had restarted the stream, and now
+equals the uninterrupted run's, as every other figure of the resume does.
 
 Float arithmetic is only reproducible on the torch build and CPU vector unit
 it was recorded on: on another machine the figures are not comparable and the
@@ -42,4 +45,5 @@ def test_resume_continues_the_run_it_stopped():
     """The record itself: the resumed run's steps are the uninterrupted run's."""
     recorded = json.loads(RECORD.read_text())["paths"]
     assert recorded["resume"]["rows"] == recorded["pretrain"]["rows"]
+    assert recorded["resume"]["val_loss"] == recorded["pretrain"]["val_loss"]
     assert recorded["resume"]["answers"] == recorded["pretrain"]["answers"]
