@@ -273,15 +273,19 @@ def _equal_flops_lines(rows: list[dict], entities: int) -> list[str]:
     out = [f"- UltraMemV2 at N = {entities:,} stores {said(ours)} bits ({seeds}) at {ours[0]['flops']:,} active "
            f"FLOPs/token: " + "; ".join(parts)
            + f" (equal active FLOPs, within {EQUAL_FLOPS:.0%}: {'met' if equal else 'NOT met'})."]
-    study = ours[0]["reads"]
-    for reads in sorted({r["reads"] for r in rows if r["variant"] == "UltraMemV2" and r["entities"] == entities
-                         and r["total"] == ours[0]["total"]} - {study}):
-        denser = _runs(rows, "UltraMemV2", entities, reads=reads)
-        if denser:
+    study, total = ours[0]["reads"], ours[0]["total"]
+    denser_points = {(r["value_lr"], r["reads"]) for r in rows if r["variant"] == "UltraMemV2"
+                     and r["entities"] == entities and r["total"] == total and r["reads"] != study}
+    for lr, reads in sorted(denser_points):
+        # Equal learning: the denser point against the study's reads at its own value lr.
+        denser = _runs(rows, "UltraMemV2", entities, value_lr=lr, reads=reads)
+        base = _runs(rows, "UltraMemV2", entities, value_lr=lr, reads=study)
+        if denser and base:
             out.append(f"  At {reads / study:g}x the reads per token ({reads} against {study}) over the same "
-                       f"{ours[0]['total']:,} parameters (activation density), it stores {said(denser)} bits: "
-                       f"{mean_bits(denser) / max(mean_bits(ours), 1e-9):.2f}x, at "
-                       f"{denser[0]['flops'] / ours[0]['flops']:.3f}x the active FLOPs/token.")
+                       f"{total:,} parameters (activation density), at value lr {lr:g}, it stores {said(denser)} "
+                       f"bits: {mean_bits(denser) / max(mean_bits(base), 1e-9):.2f}x the study's reads at that "
+                       f"value lr ({said(base)}), at {denser[0]['flops'] / base[0]['flops']:.3f}x the active "
+                       f"FLOPs/token.")
     return out
 
 

@@ -140,7 +140,16 @@ def test_ultramem_is_set_against_memplus_and_moe_at_their_active_flops(tmp_path)
     text = report.findings(rows)
     assert next(x for x in text if x.startswith("- UltraMemV2")) == line
     assert "  At 2x the reads per token (64 against 32) over the same 1,274,440 parameters (activation density), " \
-           "it stores 360 bits: 1.20x, at 1.022x the active FLOPs/token." in text
+           "at value lr 0.01, it stores 360 bits: 1.20x the study's reads at that value lr (300), at 1.022x the " \
+           "active FLOPs/token." in text
+    # At another value lr it is set against the study's reads at that lr (equal learning), never the study lr's.
+    for name, seed, stored in (("u40_vlr1e-1", 0, 500.0), ("u40_vlr1e-1_s1", 1, 700.0)):
+        _run(tmp_path, name, "capacity_ultramem", 40, stored, extra=["memory.value_lr=1e-1", f"seed={seed}"])
+    _run(tmp_path, "u40_dense_vlr1e-1", "capacity_ultramem_dense", 40, 450.0, extra=["memory.value_lr=1e-1"])
+    text = report.findings(report.load_runs([tmp_path]))
+    assert "  At 2x the reads per token (64 against 32) over the same 1,274,440 parameters (activation density), " \
+           "at value lr 0.1, it stores 450 bits: 0.75x the study's reads at that value lr (600 (mean of 2 seeds: " \
+           "500, 700)), at 1.022x the active FLOPs/token." in text
 
 
 def test_seeds_are_averaged_and_a_longer_run_is_not_a_seed(tmp_path):
