@@ -45,9 +45,9 @@ from .configuration_memlm import MEMORY_KEYS, ULTRAMEM_KEYS, MemlmConfig
 from .engram_memlm import Engram
 
 # transformers renamed the cache field of model outputs (past_key_values -> cache).
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 # Where an Engram layer's decoding history rides on transformers' cache object: {layer: {"canon", "conv_in"}}.
 ENGRAM_HISTORY = "memlm_engram"
-_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 VALUE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
 # The FFN kinds that read value tables (memlm.memory.config.PRODUCT_KEY_KINDS): a
