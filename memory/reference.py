@@ -29,7 +29,7 @@ product-key shortcut, no custom op, no kernel, no precision handling (call it
 in float64 for a strict oracle; it is O(N) per token, for small tables). The
 fast paths (memory/fast/: the exact sqrt(N) search, its sparse backward, the
 embedding-bag kernels) and the Hugging Face remote layer
-(hf/remote/modeling_memlm.py) are tested against it
+(hf/remote/modeling_memlm.py, experts_memlm.py) are tested against it
 (tests/unit/test_memory_reference.py, tests/unit/test_memory_layers.py), and
 so are memlm's PEER and the remote one (tests/unit/test_memory_reference.py).
 

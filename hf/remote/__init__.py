@@ -1,8 +1,9 @@
 """Hugging Face `trust_remote_code` bundle for memlm models with memory, MoE or PEER layers.
 
 Dense models export as a plain Llama (hf/mapping.py). Every other model gets,
-beside its memlm-named safetensors, the three source files of this folder
-(configuration_memlm.py, modeling_memlm.py, engram_memlm.py: torch + transformers only) and a
+beside its memlm-named safetensors, the source files of this folder (REMOTE_FILES:
+the config, the decoder in modeling_memlm.py, and one file per family of layers beside it;
+torch + transformers only) and a
 `config.json` whose `auto_map` points at them:
 
     write_remote_code(out_dir, cfg.model, memory)   # called by run/export.py
@@ -33,7 +34,8 @@ from memlm.model.moe import default_expert_hidden_dim
 from memlm.model.transformer import layer_ffn_kinds
 
 SOURCE_DIR = Path(__file__).parent
-REMOTE_FILES = ("configuration_memlm.py", "modeling_memlm.py", "engram_memlm.py")
+REMOTE_FILES = ("configuration_memlm.py", "modeling_memlm.py", "layers_memlm.py", "experts_memlm.py",
+                "ultramem_memlm.py", "engram_memlm.py")
 AUTO_MAP = {
     "AutoConfig": "configuration_memlm.MemlmConfig",
     "AutoModelForCausalLM": "modeling_memlm.MemlmForCausalLM",

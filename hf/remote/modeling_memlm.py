@@ -8,8 +8,10 @@ configuration_memlm.py and a config.json whose `auto_map` names both), so
     out = model.generate(input_ids, max_new_tokens=20)
 
 loads and runs a Memory, Memory+, MoE, PEER or UltraMemV2 model, with or without
-Engram layers (engram_memlm.py), where memlm is not installed: it imports torch
-and transformers only. Module and parameter
+Engram layers, where memlm is not installed: it imports torch and transformers only.
+This file holds the decoder and the product-key memories; the other families are
+files beside it (experts_memlm.py: MoE and PEER; ultramem_memlm.py; engram_memlm.py),
+and the table reads they share are layers_memlm.py. Module and parameter
 names are memlm's own (tok_embeddings, layers.{i}.attention.wq, ...,
 shared.memory_values.weight), so the export's safetensors load unchanged.
 
@@ -32,8 +34,6 @@ Engram layer keeps its canonical ids and convolution inputs on the cache object
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,27 +43,17 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_memlm import MEMORY_KEYS, ULTRAMEM_KEYS, MemlmConfig
 from .engram_memlm import Engram
+from .experts_memlm import PEER, MoE
+from .layers_memlm import VALUE_DTYPES, SwiGLU, ValuePool, full_precision, product_key_topk
+from .ultramem_memlm import UltraMemFFN
 
 # transformers renamed the cache field of model outputs (past_key_values -> cache).
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 # Where an Engram layer's decoding history rides on transformers' cache object: {layer: {"canon", "conv_in"}}.
 ENGRAM_HISTORY = "memlm_engram"
-VALUE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
 # The FFN kinds that read value tables (memlm.memory.config.PRODUCT_KEY_KINDS): a
 # copy, because this file must run where memlm is not installed.
 PRODUCT_KEY_KINDS = ("memory", "memplus")
-
-
-# Read once: torch.compile 2.11 cannot trace torch.amp.is_autocast_available (a graph break per call).
-_AUTOCAST_TYPES = frozenset(t for t in ("cpu", "cuda", "xpu", "mps", "hpu") if torch.amp.is_autocast_available(t))
-
-
-def _full_precision(device: torch.device):
-    """Autocast off: product-key scores, top-k and softmax run in float32 (as in memlm)."""
-    if device.type not in _AUTOCAST_TYPES:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, enabled=False)
 
 
 # ------------------------------------------------------------ decoder parts
@@ -126,52 +116,7 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 # ---------------------------------------------------- product-key memories
-def product_key_topk(sub_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """sub_scores (T, H, 2, n_keys) -> the exact top-knn of s1[i] + s2[j] over
-    all n_keys**2 pairs: scores (T, H, knn), slots i * n_keys + j (T, H, knn).
-    A pair in the overall top-knn has each half in its half's top-knn, so
-    the knn x knn candidate sums suffice."""
-    n_keys = sub_scores.shape[-1]
-    half_scores, half_idx = sub_scores.topk(knn, dim=-1)  # (T, H, 2, knn)
-    cand = half_scores[:, :, 0, :, None] + half_scores[:, :, 1, None, :]  # (T, H, knn, knn)
-    scores, best = cand.flatten(-2).topk(knn, dim=-1)  # (T, H, knn)
-    i = half_idx[:, :, 0].gather(-1, torch.div(best, knn, rounding_mode="floor"))
-    j = half_idx[:, :, 1].gather(-1, best % knn)
-    return scores, i * n_keys + j
-
-
-class ValuePool(nn.Module):
-    """The (n_slots, v_dim) value table, owned by a layer or shared by all of them."""
-
-    def __init__(self, n_slots: int, v_dim: int, dtype: torch.dtype):
-        super().__init__()
-        self.dtype = dtype
-        self.weight = nn.Parameter(torch.zeros(n_slots, v_dim, dtype=dtype))
-
-    def read(self, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """slots, weights (T, K) -> (T, v_dim): sum_k weights * table[slots], in the table's dtype."""
-        if self.weight.dtype != self.dtype:
-            # model.float() / .to(dtype) cast every tensor; the table's storage
-            # dtype (memory.value_dtype) is part of the math, so it is restored once.
-            with torch.no_grad():
-                self.weight.data = self.weight.data.to(self.dtype)
-        _aligned(self.weight)
-        with _full_precision(slots.device):
-            return F.embedding_bag(slots, self.weight, per_sample_weights=weights.to(self.weight.dtype), mode="sum")
-
-
 class ProductKeys(nn.Module):
     def __init__(self, dim: int, m: dict):
         super().__init__()
@@ -187,7 +132,7 @@ class ProductKeys(nn.Module):
         autocast off, so the selection is the float32 model's."""
         weight, bias = self.query.weight, self.query.bias  # (H * k_dim, dim), (H * k_dim,)
         compute = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
-        with _full_precision(x.device):
+        with full_precision(x.device):
             q = F.linear(x.to(compute), weight.to(compute), bias.to(compute))  # (T, H * k_dim)
             q = q.view(-1, self.heads, 2, self.half)
             keys = self.keys.to(compute)
@@ -247,247 +192,6 @@ class MemoryFFN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.memory(x)
         return out + self.dense(x) if self.dense is not None else out
-
-
-# ------------------------------------------------------------- MoE and PEER
-class MoE(nn.Module):
-    """Top-k routed SwiGLU experts, gates renormalized over the top_k (memlm model/moe.py)."""
-
-    def __init__(self, dim: int, m: dict):
-        super().__init__()
-        n, hidden = m["n_experts"], m["expert_hidden_dim"]
-        self.dim, self.n_experts, self.top_k = dim, n, m["top_k"]
-        self.router = nn.Linear(dim, n, bias=False)
-        self.w1 = nn.Parameter(torch.zeros(n, dim, hidden))
-        self.w3 = nn.Parameter(torch.zeros(n, dim, hidden))
-        self.w2 = nn.Parameter(torch.zeros(n, hidden, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, self.dim)  # (T, dim)
-        compute = torch.promote_types(x.dtype, torch.float32)
-        with _full_precision(x.device):
-            probs = F.linear(x.to(compute), self.router.weight.to(compute)).softmax(dim=-1)  # (T, E)
-            top_p, experts = probs.topk(self.top_k, dim=-1)  # (T, k)
-        gates = top_p / top_p.sum(dim=-1, keepdim=True)
-        out = torch.zeros_like(x)
-        for e in range(self.n_experts):  # experts in order: each token's outputs are summed as memlm sums them
-            tok, k = (experts == e).nonzero(as_tuple=True)
-            if tok.numel() == 0:
-                continue
-            h = F.silu(x[tok] @ self.w1[e]) * (x[tok] @ self.w3[e])  # (n_e, hidden)
-            out.index_add_(0, tok, (h @ self.w2[e]) * gates[tok, k].unsqueeze(-1).to(x.dtype))
-        return out.reshape(shape)
-
-
-class ExpertTable(nn.Module):
-    def __init__(self, n_experts: int, dim: int):
-        super().__init__()
-        self.down = nn.Parameter(torch.zeros(n_experts, dim))  # u: (N, dim)
-        self.up = nn.Parameter(torch.zeros(n_experts, dim))  # v: (N, dim)
-
-
-def _dots(table: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """table (N, dim), idx (T, K), x (T, dim) of table's dtype -> (T, K): table[idx[t, k]] . x[t],
-    each dot by the kernel memlm's row_dots takes, so the sums are memlm's bit for bit."""
-    tokens, k = idx.shape
-    if table.device.type == "cpu":
-        # memlm (memory/fast/bag_grad.py weight_gradients): the per-sample-weights backward of
-        # embedding_bag, a BLAS dot per read, without gathering (T, K, dim).
-        flat = idx.reshape(-1)
-        offsets = torch.arange(0, tokens * k, k, dtype=flat.dtype)
-        bag = torch.arange(tokens).repeat_interleave(k).to(flat.dtype)
-        try:
-            return torch.ops.aten._embedding_bag_per_sample_weights_backward(
-                x, table, flat, offsets, bag, 0, -1).view(tokens, k)
-        except (AttributeError, RuntimeError, TypeError):
-            pass
-    compute = torch.promote_types(table.dtype, torch.float32)  # memlm's gathered_dots: a batched matmul
-    return torch.bmm(table[idx].to(compute), x.to(compute).unsqueeze(-1)).squeeze(-1)
-
-
-class _RowDots(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, table, idx, x):
-        ctx.save_for_backward(table, idx, x)
-        return _dots(table.detach(), idx, x.detach().to(table.dtype).contiguous())
-
-    @staticmethod
-    def backward(ctx, grad):
-        table, idx, x = ctx.saved_tensors
-        grad_table = grad_x = None
-        if ctx.needs_input_grad[2]:
-            grad_x = F.embedding_bag(idx, table, per_sample_weights=grad.to(table.dtype), mode="sum").to(x.dtype)
-        if ctx.needs_input_grad[0]:
-            reads = (grad.unsqueeze(-1) * x.unsqueeze(1).to(grad.dtype)).flatten(0, 1)  # (T*K, dim)
-            grad_table = torch.zeros_like(table).index_add_(0, idx.reshape(-1), reads.to(table.dtype))
-        return grad_table, None, grad_x
-
-
-def _aligned(table: torch.Tensor) -> torch.Tensor:
-    """The table, moved once to memory aligned as torch allocates it (64 bytes on CPU). A
-    safetensors file maps tensors at any offset, and the CPU's BLAS dots split their sums by
-    the data's alignment: a table read where it was mapped gives other last bits than memlm's."""
-    if table.device.type == "cpu" and table.data_ptr() % 64:
-        with torch.no_grad():
-            table.data = table.data.clone()
-    return table
-
-
-def row_dots(table: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """table (N, dim), idx (T, K), x (T, dim) -> (T, K): table[idx[t, k]] . x[t] (memlm memory/fast/row_dots.py)."""
-    return _RowDots.apply(_aligned(table), idx, x).to(torch.promote_types(table.dtype, x.dtype))
-
-
-class PEER(nn.Module):
-    """Product-key retrieval of single-neuron experts (memlm model/peer.py)."""
-
-    def __init__(self, dim: int, m: dict):
-        super().__init__()
-        self.dim, self.n_keys, self.heads, self.knn, self.k_dim = dim, m["n_keys"], m["heads"], m["knn"], m["k_dim"]
-        self.query_norm, self.activation = m["qk_norm"], m["peer_activation"]
-        self.query = nn.Linear(dim, self.heads * self.k_dim, bias=False)
-        self.keys = nn.Parameter(torch.zeros(2, self.n_keys, self.k_dim // 2))  # shared by the heads
-        self.experts = ExpertTable(self.n_keys**2, dim)
-
-    def retrieve(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (T, dim) -> weights (T, H, knn) float32+, expert indices (T, H, knn).
-
-        As memlm's PEER: the query projection too in float32 (or wider) with
-        autocast off, so the selection is the float32 model's."""
-        weight = self.query.weight  # (H * k_dim, dim)
-        compute = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
-        with _full_precision(x.device):
-            q = F.linear(x.to(compute), weight.to(compute)).view(-1, self.heads, 2, self.k_dim // 2)
-            if self.query_norm:
-                q = F.rms_norm(q, (self.k_dim // 2,))
-            sub = torch.einsum("thcd,cnd->thcn", q, self.keys.to(compute))  # (T, H, 2, n_keys)
-            scores, idx = product_key_topk(sub, self.knn)
-            return scores.softmax(dim=-1), idx
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, self.dim)  # (T, dim)
-        weights, idx = self.retrieve(x)  # (T, H, knn) each
-        idx = idx.flatten(1)  # (T, H*knn)
-        # u_i . x of each retrieved expert; the (T, H*knn, dim) gather is fine at inference.
-        hidden = ACTIVATIONS[self.activation](row_dots(self.experts.down, idx, x))  # (T, H*knn)
-        coef = weights.flatten(1).to(x.dtype) * hidden  # (T, H*knn)
-        out = F.embedding_bag(idx, self.experts.up, per_sample_weights=coef, mode="sum")
-        return out.reshape(shape)
-
-
-# ------------------------------------------------------------------ UltraMemV2
-def _rank_sum(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """scores (T, H, r, A), weights (H, r) -> (T, H, A): sum_rho weights[rho] * scores[rho], in rho order."""
-    out = scores[:, :, 0] * weights[None, :, 0, None]
-    for rho in range(1, scores.shape[2]):
-        out = out + scores[:, :, rho] * weights[None, :, rho, None]
-    return out
-
-
-def _bilinear(rows: torch.Tensor, core: torch.Tensor, cols: torch.Tensor, grid: bool) -> torch.Tensor:
-    """sum_sig (sum_rho rows[rho] C[rho, sig]) cols[sig]: rows (T, H, r, A), cols (T, H, r, B) ->
-    (T, H, A, B) for the grid of every pair, or (T, H, A) for the pairs (rows[a], cols[a]) (A == B)."""
-    out = None
-    for sig in range(cols.shape[2]):
-        left = _rank_sum(rows, core[:, :, sig])
-        term = left.unsqueeze(-1) * cols[:, :, sig].unsqueeze(-2) if grid else left * cols[:, :, sig]
-        out = term if out is None else out + term
-    return out
-
-
-def tucker_topk(row_scores, col_scores, core, candidates: int, knn: int):
-    """UltraMem's TDQKR (memlm memory/ultramem_search.py): the top-`candidates` rows and columns by
-    the core's dominant singular pair, then the exact bilinear scores of those pairs and their top-knn.
-    row_scores, col_scores (T, H, r, n), core (H, r, r) -> scores, rows, cols (T, H, knn)."""
-    U, _, Vh = torch.linalg.svd(core)
-    u, t = U[..., :, 0], Vh[..., 0, :]  # (H, r) each
-    lead = u.abs().argmax(dim=-1, keepdim=True)
-    sign = torch.where(u.gather(-1, lead) < 0, -1.0, 1.0).to(u.dtype)  # u's largest entry positive
-    u, t = u * sign, t * sign
-    cand_rows = _rank_sum(row_scores, u).topk(candidates, dim=-1)[1]  # (T, H, m)
-    cand_cols = _rank_sum(col_scores, t).topk(candidates, dim=-1)[1]
-
-    def keys(scores, idx):  # (T, H, r, n), (T, H, K) -> (T, H, r, K)
-        return scores.gather(-1, idx.unsqueeze(2).expand(-1, -1, scores.shape[2], -1))
-
-    grid = _bilinear(keys(row_scores, cand_rows), core, keys(col_scores, cand_cols), grid=True)  # (T, H, m, m)
-    best = grid.flatten(-2).topk(knn, dim=-1)[1]  # (T, H, knn)
-    rows = cand_rows.gather(-1, torch.div(best, candidates, rounding_mode="floor"))
-    cols = cand_cols.gather(-1, best % candidates)
-    scores = _bilinear(keys(row_scores, rows), core, keys(col_scores, cols), grid=False)  # (T, H, knn)
-    return scores, rows, cols
-
-
-class TuckerKeys(nn.Module):
-    def __init__(self, dim: int, m: dict):
-        super().__init__()
-        self.heads, self.rank, self.k_dim, self.n_keys = m["heads"], m["rank"], m["k_dim"], m["n_keys"]
-        self.knn, self.candidates = m["knn"], m["candidates"]
-        self.query = nn.Linear(dim, self.heads * 2 * self.rank * self.k_dim, bias=False)
-        self.keys = nn.Parameter(torch.zeros(self.heads, 2, self.rank, self.n_keys, self.k_dim))
-        self.query_scale = nn.Parameter(torch.ones(self.heads, 2, self.rank, self.k_dim))
-        self.key_scale = nn.Parameter(torch.ones(self.heads, 2, self.rank, self.k_dim))
-        self.core = nn.Parameter(torch.zeros(self.heads, self.rank, self.rank))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (T, dim) -> scores (T, H, knn) float32+, grid addresses i * n + j (T, H, knn)."""
-        weight = self.query.weight
-        compute = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
-        with _full_precision(x.device):
-            q = F.linear(x.to(compute), weight.to(compute)).view(-1, self.heads, 2, self.rank, self.k_dim)
-            q = F.rms_norm(q, (self.k_dim,)) * self.query_scale.to(compute)
-            keys = F.rms_norm(self.keys.to(compute), (self.k_dim,)) * self.key_scale.to(compute)[:, :, :, None]
-            s = torch.einsum("thcd,hcnd->thcn", q.flatten(2, 3), keys.flatten(1, 2))
-            s = s.view(-1, self.heads, 2, self.rank, self.n_keys)
-            scores, rows, cols = tucker_topk(s[:, :, 0], s[:, :, 1], self.core.to(compute), self.candidates, self.knn)
-        return scores, rows * self.n_keys + cols
-
-
-class PreValueTable(nn.Module):
-    def __init__(self, n_rows: int, pre_dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(n_rows, pre_dim))
-
-
-class UltraMem(nn.Module):
-    """UltraMemV2's layer (memlm memory/ultramem.py): W_v sum_s score_s (P[s] . W_pre x) V[s]."""
-
-    def __init__(self, dim: int, m: dict):
-        super().__init__()
-        self.dim, self.expansion = dim, m["expansion"]
-        n_rows = m["n_keys"] ** 2 // self.expansion
-        self.lookup = TuckerKeys(dim, m)
-        self.pre_proj = nn.Linear(dim, m["pre_dim"], bias=False)
-        self.pre_values = PreValueTable(n_rows, m["pre_dim"])
-        self.value_proj = nn.Linear(m["v_dim"], dim, bias=False)
-        self.values = ValuePool(n_rows, m["v_dim"], VALUE_DTYPES[m["value_dtype"]])
-        if self.expansion > 1:  # the export holds the grid-address -> row map memlm trained with
-            self.register_buffer("address_rows", torch.zeros(m["n_keys"] ** 2, dtype=torch.long))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, self.dim)  # (T, dim)
-        scores, addresses = self.lookup(x)  # (T, H, knn) each
-        rows = (addresses if self.expansion == 1 else self.address_rows[addresses]).flatten(1)  # (T, H*knn)
-        h = row_dots(self.pre_values.weight, rows, self.pre_proj(x))  # (T, H*knn)
-        y = self.values.read(rows, scores.flatten(1).to(h.dtype) * h).to(x.dtype)  # (T, v_dim)
-        return self.value_proj(y).reshape(shape)
-
-
-class UltraMemFFN(nn.Module):
-    """The layer beside a SwiGLU of the dense width times memory.ffn_fraction (memlm model/ultramem_ffn.py)."""
-
-    def __init__(self, dim: int, intermediate_size: int, m: dict):
-        super().__init__()
-        self.memory = UltraMem(dim, m)
-        hidden = int(round(intermediate_size * m["ffn_fraction"]))
-        self.ffn = SwiGLU(dim, hidden) if hidden else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.memory(x)
-        return out if self.ffn is None else out + self.ffn(x)
 
 
 # ------------------------------------------------------------------ model

@@ -291,7 +291,7 @@ def test_export_loads_in_a_fresh_venv_without_memlm(exported):
 def test_remote_row_dots_gradients_are_the_einsums():
     """The modeling file's row_dots takes memlm's forward (an aten dot per read); its own
     backward must be the gradient of table[idx] . x (fine-tuning an export in transformers)."""
-    from memlm.hf.remote.modeling_memlm import row_dots
+    from memlm.hf.remote.layers_memlm import row_dots
 
     gen = torch.Generator().manual_seed(0)
     table = torch.randn(10, 5, dtype=torch.double, generator=gen, requires_grad=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memlm.hf.remote.modeling_memlm import PEER as RemotePEER
+from memlm.hf.remote.experts_memlm import PEER as RemotePEER
 from memlm.hf.remote.modeling_memlm import ProductKeyMemory as RemoteMemory
 from memlm.memory import Memory, MemoryPlus, product_key_topk, subkey_scores
 from memlm.memory import reference as ref

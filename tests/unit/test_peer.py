@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from memlm.config.run import compose
 from memlm.errors import ConfigError
-from memlm.hf.remote import modeling_memlm
-from memlm.hf.remote.modeling_memlm import PEER as RemotePEER
+from memlm.hf.remote import experts_memlm
+from memlm.hf.remote.experts_memlm import PEER as RemotePEER
 from memlm.memory import reference as ref
 from memlm.memory.fast.row_dots import row_dots
 from memlm.model import Transformer
@@ -38,7 +38,7 @@ def test_knn_equal_to_n_keys_reads_the_global_top_k():
 
 # ------------------------------------------- memlm's PEER vs the exported one
 def _float32_twins(query_norm: bool, activation: str) -> tuple[PEER, RemotePEER]:
-    """memlm's PEER and the remote one (hf/remote/modeling_memlm.py) with its weights, float32."""
+    """memlm's PEER and the remote one (hf/remote/experts_memlm.py) with its weights, float32."""
     torch.manual_seed(0)
     peer = PEER(32, 16, 2, 8, 16, query_norm=query_norm, activation=activation)
     peer.init_weights(0.5, 0.3)
@@ -71,7 +71,7 @@ def test_the_remote_peer_equals_memlm_but_for_the_order_of_its_dots(monkeypatch,
         out = peer(x)
         # Measured: at most 2.7e-7 over 20 seeds at these sizes (outputs ~0.5: a few float32 ulp).
         assert (out - remote(x)).abs().max().item() <= 3e-7
-        monkeypatch.setattr(modeling_memlm, "row_dots", row_dots)
+        monkeypatch.setattr(experts_memlm, "row_dots", row_dots)
         assert torch.equal(out, remote(x))
 
 
@@ -80,7 +80,7 @@ def test_the_remote_peer_selects_in_float32_under_autocast(monkeypatch):
     memlm's does: with memlm's dots (see above), the two are equal bit for bit.
     (The remote before, with its query and dots in bf16, was 5e-2 off here.)"""
     peer, remote = _float32_twins(True, "gelu")
-    monkeypatch.setattr(modeling_memlm, "row_dots", row_dots)
+    monkeypatch.setattr(experts_memlm, "row_dots", row_dots)
     x = torch.randn(3, 40, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         plain, plain_retrieved = remote(x), remote.retrieve(x.view(-1, 32))
