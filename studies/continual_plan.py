@@ -26,6 +26,7 @@ class Plan:
     """configs/studies/continual.yaml: the study's sweep, rounds and goals."""
 
     learned: float  # facts-B exact match a setting must reach to count as having learned them
+    levels: tuple[float, ...]  # shares of facts B's bits learned at which the report reads each mode's front
     round_steps: int
     round_modes: tuple[str, ...]
     report_order: tuple[str, ...]
@@ -61,8 +62,11 @@ def load_plan(path: Path = PLAN_FILE) -> Plan:
             out.append((mode(named[0], f"{key}[{i}]"), tuple(o for o in entry if not o.startswith("finetune="))))
         return tuple(out)
 
+    levels = tuple(float(x) for x in raw.get("levels") or ())
+    if not levels or not all(0 < x <= 1 for x in levels):
+        raise ConfigError(f"{path}: levels", raw.get("levels"), "a list of shares of facts B's bits in (0, 1]")
     goals = raw["goals"]
-    return Plan(learned=float(raw["learned"]), round_steps=int(raw["round_steps"]),
+    return Plan(learned=float(raw["learned"]), levels=levels, round_steps=int(raw["round_steps"]),
                 round_modes=tuple(mode(m, "round_modes") for m in raw["round_modes"]),
                 report_order=tuple(mode(m, "report_order") for m in raw["report_order"]),
                 reference=mode(goals["reference"], "goals.reference"),

@@ -2,47 +2,21 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from continual_records import MEMORY, SPARSE, record
 
-from memlm.config.run import compose, to_yaml
 from memlm.studies import continual_report as report
 from memlm.studies.ablation_report import ReportError
 
 
-def _bits(stored, corpus, em):
-    return {"stored_bits": stored, "corpus_bits": corpus, "exact_match": em}
-
-
-def _record(root, name, overrides, a_bits, b=None, rounds=None, seed=0, ppl=9.0, qa=0.1):
-    cfg = compose(["experiment=continual_finetune" if b or rounds else "experiment=continual_base",
-                   f"seed={seed}", *overrides])
-    record = root / name
-    record.mkdir(parents=True)
-    (record / "config.yaml").write_text(to_yaml(cfg))
-    evals = {"bits:facts_a": _bits(a_bits, 1000.0, a_bits / 1000), "ppl:bio_heldout": {"token_ppl": ppl},
-             "qa:bio_qa": {"exact_match": qa}}
-    if b:
-        evals["bits:facts_b"] = _bits(b[0] * 200, 200.0, b[0])
-    for r, (stored, em) in (rounds or {}).items():
-        evals[f"bits:facts_b{r}"] = _bits(stored, 100.0, em)
-    (record / "summary.json").write_text(json.dumps({"steps": 300, "evals": evals}))
-    (record / "command.txt").write_text(f"OMP_NUM_THREADS=1 python -m memlm.train {' '.join(overrides)}\n")
-
-
-SPARSE = ["finetune=sparse", "finetune.optimizer=sgd"]
-MEMORY = ["finetune=memory", "finetune.optimizer=sgd"]
-
-
 def _study(root):
-    _record(root, "base_s0", [], 800.0)
-    _record(root, "s0_full_lr1e-3", ["finetune=full", "optim.lr=1e-3"], 40.0, b=(0.99,))  # lost 95%
-    _record(root, "s0_full_lr3e-4", ["finetune=full", "optim.lr=3e-4"], 700.0, b=(0.2,))
-    _record(root, "s0_memory_lr100", [*MEMORY, "memory.value_lr=100"], 760.0, b=(0.98,))  # lost 5%
-    _record(root, "s0_sparse_a", [*SPARSE, "finetune.top_t=2000", "memory.value_lr=300"], 792.0, b=(0.96,))  # 1%
-    _record(root, "s0_sparse_b", [*SPARSE, "finetune.top_t=500", "memory.value_lr=1000"], 780.0, b=(0.9,))  # dominated
-    _record(root, "s0_sparse_c", [*SPARSE, "finetune.top_t=8000", "memory.value_lr=1000"], 600.0, b=(1.0,))
+    record(root, "base_s0", [], 800.0)
+    record(root, "s0_full_lr1e-3", ["finetune=full", "optim.lr=1e-3"], 40.0, b=(0.99,))  # lost 95%
+    record(root, "s0_full_lr3e-4", ["finetune=full", "optim.lr=3e-4"], 700.0, b=(0.2,))
+    record(root, "s0_memory_lr100", [*MEMORY, "memory.value_lr=100"], 760.0, b=(0.98,))  # lost 5%
+    record(root, "s0_sparse_a", [*SPARSE, "finetune.top_t=2000", "memory.value_lr=300"], 792.0, b=(0.96,))  # 1%
+    record(root, "s0_sparse_b", [*SPARSE, "finetune.top_t=500", "memory.value_lr=1000"], 780.0, b=(0.9,))  # dominated
+    record(root, "s0_sparse_c", [*SPARSE, "finetune.top_t=8000", "memory.value_lr=1000"], 600.0, b=(1.0,))
 
 
 def test_rows_take_mode_and_setting_from_the_saved_config_and_forgetting_from_the_base(tmp_path):
@@ -73,11 +47,11 @@ def test_the_front_and_goals_follow_from_the_rows(tmp_path):
 def test_each_table_size_gets_its_own_base_goals_and_row_of_the_size_table(tmp_path):
     _study(tmp_path)
     big = ["memory.n_keys=256"]
-    _record(tmp_path, "k256_base_s0", big, 1000.0)
-    _record(tmp_path, "k256_s0_full_lr1e-3", [*big, "finetune=full", "optim.lr=1e-3"], 600.0, b=(0.99,))  # 40%
-    _record(tmp_path, "k256_s0_memory_lr100", [*big, *MEMORY, "memory.value_lr=100"], 990.0, b=(0.97,))  # 1%
-    _record(tmp_path, "k256_s1_memory_lr100", [*big, *MEMORY, "memory.value_lr=100"], 970.0, b=(0.97,), seed=1)
-    _record(tmp_path, "k256_base_s1", big, 1000.0, seed=1)
+    record(tmp_path, "k256_base_s0", big, 1000.0)
+    record(tmp_path, "k256_s0_full_lr1e-3", [*big, "finetune=full", "optim.lr=1e-3"], 600.0, b=(0.99,))  # 40%
+    record(tmp_path, "k256_s0_memory_lr100", [*big, *MEMORY, "memory.value_lr=100"], 990.0, b=(0.97,))  # 1%
+    record(tmp_path, "k256_s1_memory_lr100", [*big, *MEMORY, "memory.value_lr=100"], 970.0, b=(0.97,), seed=1)
+    record(tmp_path, "k256_base_s1", big, 1000.0, seed=1)
     bases, sweep, _ = report.load_study(tmp_path)
     assert sorted(bases) == [(16384, 0), (65536, 0), (65536, 1)]
     assert {r["name"]: r["forgetting"] for r in sweep}["k256_s0_memory_lr100"] == pytest.approx(0.01)
@@ -97,11 +71,11 @@ def test_size_goals_judge_the_best_of_the_rest_over_its_seeds(tmp_path):
     held-out perplexity and QA within 2% of each seed's own base."""
     def study(root, s1_bits, s1_ppl):
         big = ["memory.n_keys=512"]
-        _record(root, "k512_base_s0", big, 1000.0)
-        _record(root, "k512_base_s1", big, 1000.0, seed=1, ppl=10.0)
-        _record(root, "k512_s0_full_lr1e-3", [*big, "finetune=full", "optim.lr=1e-3"], 600.0, b=(0.99,))
-        _record(root, "k512_s0_memory_lr100", [*big, *MEMORY, "memory.value_lr=100"], 996.0, b=(0.97,), ppl=9.09)
-        _record(root, "k512_s1_memory_lr100", [*big, *MEMORY, "memory.value_lr=100"], s1_bits, b=(0.97,), seed=1,
+        record(root, "k512_base_s0", big, 1000.0)
+        record(root, "k512_base_s1", big, 1000.0, seed=1, ppl=10.0)
+        record(root, "k512_s0_full_lr1e-3", [*big, "finetune=full", "optim.lr=1e-3"], 600.0, b=(0.99,))
+        record(root, "k512_s0_memory_lr100", [*big, *MEMORY, "memory.value_lr=100"], 996.0, b=(0.97,), ppl=9.09)
+        record(root, "k512_s1_memory_lr100", [*big, *MEMORY, "memory.value_lr=100"], s1_bits, b=(0.97,), seed=1,
                 ppl=s1_ppl, qa=0.099)
         bases, sweep, _ = report.load_study(root)
         return report.size_goals(bases, sweep)[1:]
@@ -120,12 +94,12 @@ def test_goal_b_is_also_judged_within_each_batch_shape(tmp_path):
     """Values-only at the study's batch loses least overall; at 8 rows x 1,200 steps, the batch that reads
     less of the table, the selection loses less than every row: a line of its own."""
     small = ["data.micro_batch=8", "steps=1200"]
-    _record(tmp_path, "base_s0", [], 1000.0)
-    _record(tmp_path, "s0_memory", [*MEMORY, "memory.value_lr=300"], 990.0, b=(0.96,))  # lost 1%
-    _record(tmp_path, "s0_memory_mb8", [*MEMORY, "memory.value_lr=1000", *small], 970.0, b=(1.0,))  # 3%
-    _record(tmp_path, "s0_sparse_mb8", [*SPARSE, "finetune.top_t=8000", "memory.value_lr=1000", *small], 980.0,
+    record(tmp_path, "base_s0", [], 1000.0)
+    record(tmp_path, "s0_memory", [*MEMORY, "memory.value_lr=300"], 990.0, b=(0.96,))  # lost 1%
+    record(tmp_path, "s0_memory_mb8", [*MEMORY, "memory.value_lr=1000", *small], 970.0, b=(1.0,))  # 3%
+    record(tmp_path, "s0_sparse_mb8", [*SPARSE, "finetune.top_t=8000", "memory.value_lr=1000", *small], 980.0,
             b=(0.99,))  # 2%
-    _record(tmp_path, "s0_sparse", [*SPARSE, "finetune.top_t=8000", "memory.value_lr=300"], 999.0, b=(0.5,))
+    record(tmp_path, "s0_sparse", [*SPARSE, "finetune.top_t=8000", "memory.value_lr=300"], 999.0, b=(0.5,))
     _, sweep, _ = report.load_study(tmp_path)
     text = "\n".join(report.findings(sweep))
     assert "Goal (b) at 16,384 slots: sparse forgets not less than memory (values only, every row): 2.0% against " \
@@ -137,10 +111,10 @@ def test_goal_b_is_also_judged_within_each_batch_shape(tmp_path):
 
 
 def test_rounds_report_each_earlier_round_kept_relative_to_when_it_was_taught(tmp_path):
-    _record(tmp_path, "base_s0", [], 800.0)
+    record(tmp_path, "base_s0", [], 800.0)
     mem = [*MEMORY, "memory.value_lr=100"]
-    _record(tmp_path, "s0_rounds_memory_r1", mem, 790.0, rounds={1: (80.0, 0.99), 2: (0.0, 0.0)})
-    _record(tmp_path, "s0_rounds_memory_r2", mem, 780.0, rounds={1: (72.0, 0.9), 2: (90.0, 1.0)})
+    record(tmp_path, "s0_rounds_memory_r1", mem, 790.0, rounds={1: (80.0, 0.99), 2: (0.0, 0.0)})
+    record(tmp_path, "s0_rounds_memory_r2", mem, 780.0, rounds={1: (72.0, 0.9), 2: (90.0, 1.0)})
     bases, sweep, rounds = report.load_study(tmp_path)
     text = "\n".join(report.rounds_table(rounds))
     assert "| memory | sgd lr 100 | 1 | taught: EM 99.0% | - | 98.8% |" in text
@@ -150,6 +124,6 @@ def test_rounds_report_each_earlier_round_kept_relative_to_when_it_was_taught(tm
 
 
 def test_a_fine_tune_without_its_base_is_refused(tmp_path):
-    _record(tmp_path, "s1_memory_lr100", [*MEMORY, "memory.value_lr=100"], 760.0, b=(0.98,), seed=1)
+    record(tmp_path, "s1_memory_lr100", [*MEMORY, "memory.value_lr=100"], 760.0, b=(0.98,), seed=1)
     with pytest.raises(ReportError, match="no base_s1 record"):
         report.load_study(tmp_path)

@@ -1,0 +1,126 @@
+"""Equal learning read off each mode's front: the continual study's comparison in bits on both axes.
+
+    from memlm.studies.continual_fronts import front, at_level, level_lines
+    points = front(rows)              # one mode's runs at one table size and seed -> its front, by learning
+    lost = at_level(points, 0.95)     # (facts-A bits lost, EM beside) at 95% of facts B's bits, or the reason not
+    lines = level_lines(bases, sweep) # the report's lines: per size and level, each mode per seed and the mean
+
+A run's learning is the share of facts B's corpus bits it stored (b_bits / b_corpus); its forgetting
+is the facts-A bits it lost against its base (base a_bits - a_bits). Bits on both axes, so learning
+and forgetting are measured in one unit; exact match on facts B is shown beside.
+
+A mode's front (at one table size and seed) is its runs that no other run of the mode beats on both
+(learns as much or more and loses as little or less); sorted by learning, its losses rise too. At a
+level L the loss is interpolated linearly between the two front runs whose learning brackets L, and
+never beyond them: a front whose runs all learn less than L does not reach it, one whose runs all
+learn more is not bracketed below it. Such a seed is reported with its reason, not averaged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memlm.studies.continual_plan import plan
+
+
+@dataclass(frozen=True)
+class Point:
+    """One run on the learning/forgetting plane."""
+
+    setting: str
+    learned: float  # facts B's bits stored, as a share of its corpus bits
+    lost: float  # facts-A bits lost against the base
+    b_em: float  # facts-B exact match, shown beside
+
+
+@dataclass(frozen=True)
+class Reading:
+    """A front read at a level: the loss (and EM) interpolated there, or why it cannot be."""
+
+    lost: float | None
+    b_em: float | None
+    why_not: str = ""
+
+
+def point(row: dict, base: dict) -> Point:
+    """A sweep row of the continual report (load_study) against its base's row."""
+    return Point(row["setting"], row["b_bits"] / row["b_corpus"], base["a_bits"] - row["a_bits"], row["b_em"])
+
+
+def front(points: list[Point]) -> list[Point]:
+    """The points no other point beats on both learning (higher) and loss (lower), by learning."""
+    def beaten(p: Point) -> bool:
+        return any(o.learned >= p.learned and o.lost <= p.lost and (o.learned, o.lost) != (p.learned, p.lost)
+                   for o in points)
+
+    kept: dict[tuple[float, float], Point] = {}
+    for p in points:
+        if not beaten(p):
+            kept.setdefault((p.learned, p.lost), p)  # equal points: the first
+    return sorted(kept.values(), key=lambda p: p.learned)
+
+
+def at_level(points: list[Point], level: float) -> Reading:
+    """The front's loss at `level` of facts B's bits learned, interpolated between the two runs that
+    bracket it (a run exactly at the level: its own loss)."""
+    if not points:
+        return Reading(None, None, "no runs")
+    if level > points[-1].learned:
+        return Reading(None, None, f"does not reach it (at most {points[-1].learned:.1%})")
+    if level < points[0].learned:
+        return Reading(None, None, f"not bracketed (its least-learning run learns {points[0].learned:.1%})")
+    for lo, hi in zip(points, points[1:] + points[-1:]):
+        if lo.learned <= level <= hi.learned:
+            t = 0.0 if hi.learned == lo.learned else (level - lo.learned) / (hi.learned - lo.learned)
+            return Reading(lo.lost + t * (hi.lost - lo.lost), lo.b_em + t * (hi.b_em - lo.b_em))
+    raise AssertionError("unreachable: the level lies within the front's learning")
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def level_lines(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[str]:
+    """Per table size and level (plan().levels): each mode's facts-A bits lost at that learning, per
+    seed and as the mean of the seeds that reach it, and the plan's reference mode over the best of
+    the rest (the ratio of their means, and per seed where both read)."""
+    out = []
+    hi = plan().reference
+    for slots in sorted({r["slots"] for r in sweep}):
+        seeds = sorted({r["seed"] for r in sweep if r["slots"] == slots})
+        for level in plan().levels:
+            read: dict[str, dict[int, Reading]] = {}
+            for mode in plan().report_order:
+                for seed in seeds:
+                    rows = [r for r in sweep if (r["slots"], r["seed"], r["mode"]) == (slots, seed, mode)]
+                    if rows:
+                        points = front([point(r, bases[slots, seed]) for r in rows])
+                        read.setdefault(mode, {})[seed] = at_level(points, level)
+            if not read:
+                continue
+            out.append(f"- At {level:.0%} of facts B's bits learned ({slots:,} slots), facts-A bits lost "
+                       "(interpolated on each mode's front; facts-B EM there in brackets):")
+            means = {}
+            for mode, by_seed in read.items():
+                reached = [r.lost for r in by_seed.values() if r.lost is not None]
+                if reached:
+                    means[mode] = _mean(reached)
+                each = "; ".join(f"seed {s}: " + (f"{r.lost:,.0f} (EM {r.b_em:.1%})" if r.lost is not None
+                                                   else r.why_not) for s, r in by_seed.items())
+                mean = f"mean {means[mode]:,.0f} over {len(reached)} seed(s)" if reached else "no seed reaches it"
+                out.append(f"  - `{mode}`: {mean} ({each})")
+            rest = {m: v for m, v in means.items() if m != hi}
+            if hi in means and rest:
+                best = min(rest, key=rest.get)
+                if means[best] <= 0:
+                    out.append(f"  - `{best}` (the best of the rest) loses no facts-A bits on average: "
+                               f"`{hi}` / `{best}` has no finite ratio.")
+                    continue
+                per_seed = [f"seed {s}: {read[hi][s].lost / max(read[best][s].lost, 1e-9):.1f}x" for s in seeds
+                            if s in read[hi] and s in read[best]
+                            and read[hi][s].lost is not None and (read[best][s].lost or 0) > 0]
+                out.append(f"  - `{hi}` / `{best}` (the best of the rest): "
+                           f"{means[hi] / max(means[best], 1e-9):.1f}x"
+                           + (f" ({'; '.join(per_seed)})" if per_seed else "")
+                           + f" (goal: at least {plan().ratio_at_least:g}x).")
+    return out

@@ -1,0 +1,55 @@
+"""Equal learning read off each mode's front (memlm.studies.continual_fronts), on hand-made points
+and on small fabricated run records. The shares are dyadic where the claim is an exact value."""
+
+from __future__ import annotations
+
+from continual_records import MEMORY, record
+
+from memlm.studies import continual_report as report
+from memlm.studies.continual_fronts import Point, Reading, at_level, front, level_lines
+
+
+def _p(learned, lost, name="x"):
+    return Point(name, learned, lost, learned)
+
+
+def test_the_front_keeps_the_runs_nothing_beats_on_both_by_learning():
+    a, b, c = _p(0.5, 100.0, "a"), _p(0.75, 300.0, "b"), _p(1.0, 700.0, "c")
+    beaten = _p(0.5, 200.0, "beaten")  # learns as much as a and loses more
+    assert front([c, beaten, a, b, _p(0.5, 100.0, "a again")]) == [a, b, c]
+
+
+def test_a_level_is_interpolated_between_the_runs_that_bracket_it_and_never_beyond():
+    points = front([_p(0.5, 100.0), _p(0.75, 300.0), _p(1.0, 700.0)])
+    assert at_level(points, 0.625) == Reading(200.0, 0.625)  # halfway from 0.5 to 0.75
+    assert at_level(points, 0.875) == Reading(500.0, 0.875)
+    assert at_level(points, 0.75) == Reading(300.0, 0.75)  # a run exactly at the level: its own loss
+    assert at_level(points, 1.0) == Reading(700.0, 1.0)
+    assert at_level(points, 0.25) == Reading(None, None, "not bracketed (its least-learning run learns 50.0%)")
+    short = front([_p(0.5, 100.0), _p(0.75, 300.0)])
+    assert at_level(short, 0.875) == Reading(None, None, "does not reach it (at most 75.0%)")
+    assert at_level([], 0.5) == Reading(None, None, "no runs")
+
+
+def test_the_report_reads_every_mode_per_seed_and_sets_the_reference_against_the_best_of_the_rest(tmp_path):
+    record(tmp_path, "base_s0", [], 800.0)
+    record(tmp_path, "base_s1", [], 800.0, seed=1)
+    record(tmp_path, "s0_full_lr1e-4", ["finetune=full", "optim.lr=1e-4"], 700.0, b=(0.9,))  # lost 100
+    record(tmp_path, "s0_full_lr1e-3", ["finetune=full", "optim.lr=1e-3"], 100.0, b=(1.0,))  # lost 700
+    record(tmp_path, "s1_full_lr1e-3", ["finetune=full", "optim.lr=1e-3"], 600.0, b=(0.93,), seed=1)
+    record(tmp_path, "s0_memory_lr10", [*MEMORY, "memory.value_lr=10"], 792.0, b=(0.96,))  # lost 8
+    record(tmp_path, "s0_memory_lr100", [*MEMORY, "memory.value_lr=100"], 760.0, b=(1.0,))  # lost 40
+    bases, sweep, _ = report.load_study(tmp_path)
+    lines = level_lines(bases, sweep)
+    assert lines[:4] == [
+        "- At 95% of facts B's bits learned (16,384 slots), facts-A bits lost (interpolated on each mode's "
+        "front; facts-B EM there in brackets):",
+        "  - `full`: mean 400 over 1 seed(s) (seed 0: 400 (EM 95.0%); seed 1: does not reach it (at most 93.0%))",
+        "  - `memory`: no seed reaches it (seed 0: not bracketed (its least-learning run learns 96.0%))",
+        "- At 99% of facts B's bits learned (16,384 slots), facts-A bits lost (interpolated on each mode's "
+        "front; facts-B EM there in brackets):"]
+    assert lines[4:] == [
+        "  - `full`: mean 640 over 1 seed(s) (seed 0: 640 (EM 99.0%); seed 1: does not reach it (at most 93.0%))",
+        "  - `memory`: mean 32 over 1 seed(s) (seed 0: 32 (EM 99.0%))",
+        "  - `full` / `memory` (the best of the rest): 20.0x (seed 0: 20.0x) (goal: at least 20x)."]
+    assert "\n".join(lines) in report.render(bases, sweep, [])
