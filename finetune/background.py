@@ -2,10 +2,12 @@
 reference that sparse fine-tuning ranks a batch's reads against
 (finetune=sparse; memlm.finetune.selection; memory/slot_selection.py).
 
-    counts, tokens, read = collect(model, batches, n_batches, device)  # {"layer4": (n_slots,) int64}
+    counts, tokens, read, docs = collect(model, batches, n_batches, device)  # {"layer4": (n_slots,) int64}
     read["layer4"]                                                # share of that table each batch read
-    save_usage(path, counts, tokens, source)                      # slot_usage.safetensors
+    docs["layer4"]                                                # (n_slots,): how many batches read each slot
+    save_usage(path, counts, tokens, source, docs, n_batches)     # slot_usage.safetensors
     background = load_usage(path, {"layer4": n_slots})            # checked against the model
+    docs, n = load_batches_read(path, ["layer4"])                 # finetune.ranking=tfidf_batches's background
     recorder = UsageRecorder(model, steps, last_steps, ...)       # a pretraining run's own background
 
 The command that writes one from any model a run can start from is
@@ -40,11 +42,18 @@ def layer_counts(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: layer.usage.counts.detach().cpu().clone() for name, layer in memory_layers(model).items()}
 
 
-def save_usage(path: Path, counts: dict[str, torch.Tensor], tokens: int, source: str) -> None:
+# A table's batches-read counts in the file: "batches_read:<table label>" (value_tables' labels).
+BATCHES_READ = "batches_read:"
+
+
+def save_usage(path: Path, counts: dict[str, torch.Tensor], tokens: int, source: str,
+               batches_read: dict[str, torch.Tensor] | None = None, n_batches: int = 0) -> None:
+    """The layers' read counts, and per value table how many of the `n_batches` batches read each slot."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp_{path.name}")
-    save_file({k: v.to(torch.int64).contiguous() for k, v in counts.items()}, str(tmp),
-              metadata={"tokens": str(tokens), "source": source})
+    tensors = {**counts, **{BATCHES_READ + label: d for label, d in (batches_read or {}).items()}}
+    metadata = {"tokens": str(tokens), "source": source, **({"batches": str(n_batches)} if batches_read else {})}
+    save_file({k: v.to(torch.int64).contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
     follow_umask(tmp)  # safetensors writes 0600
     tmp.replace(path)
 
@@ -82,6 +91,22 @@ def load_usage(path: str | Path, layers: dict[str, int]) -> dict[str, torch.Tens
             raise ConfigError("finetune.background", str(path), f"counts for every memory layer of this model: "
                               f"{name} is {found}, expected ({n_slots},) (was it collected from this model?)")
     return {name: counts[name] for name in layers}
+
+
+def load_batches_read(path: str | Path, tables: list[str]) -> tuple[dict[str, torch.Tensor], int]:
+    """Per value table (its label) how many background batches read each slot, and how many batches
+    there were: the background of a ranking by batches (memory/slot_selection.py BY_BATCHES)."""
+    path = Path(path)
+    n_batches = int(usage_metadata(path).get("batches", 0))
+    with safe_open(str(path), framework="pt") as fh:
+        found = {k.removeprefix(BATCHES_READ): fh.get_tensor(k) for k in fh.keys() if k.startswith(BATCHES_READ)}
+    missing = [label for label in tables if label not in found]
+    if missing or n_batches < 1:
+        raise ConfigError("finetune.background", str(path), f"a slot-usage file that counts the batches reading "
+                          f"each slot (for finetune.ranking=tfidf_batches; this one lacks "
+                          f"{', '.join(missing) or 'its batch count'}): count it again with "
+                          "python -m memlm.train.slot_usage")
+    return {label: found[label] for label in tables}, n_batches
 
 
 def describe(counts: dict[str, torch.Tensor]) -> list[str]:
@@ -142,7 +167,11 @@ class UsageRecorder:
         self.tokens_per_step, self.distributed = tokens_per_step, distributed
         self.dump_dir, self.is_main = Path(dump_dir), is_main
         self.counts = {name: torch.zeros_like(layer.usage.counts) for name, layer in self.layers.items()}
-        self.tokens = 0
+        self.tables = value_tables(self.layers)
+        # Per table, the steps (each rank's batch one document) that read each slot.
+        self.batches_read = {label: torch.zeros_like(self.layers[names[0]].usage.counts)
+                             for label, names in self.tables.items()}
+        self.tokens = self.batches = 0
         self._reads = StepReads(self.layers)
         self._ended = None  # the loop's record, once the run reached its last step
 
@@ -157,7 +186,10 @@ class UsageRecorder:
         if self._on(step) and self._reads.started:
             for name in self.layers:
                 self.counts[name] += self._reads.since(name)
+            for label, names in self.tables.items():
+                self.batches_read[label] += sum(self._reads.since(n) for n in names) > 0
             self.tokens += self.tokens_per_step
+            self.batches += 1
             self._reads.stop()
 
     def end(self, step: int, run) -> None:
@@ -175,16 +207,19 @@ class UsageRecorder:
     def write(self, directory: Path, is_main: bool) -> Path | None:
         if not self.layers or not self.tokens:
             return None
-        counts = dict(self.counts)
-        if self.distributed:
+        counts, batches_read = dict(self.counts), dict(self.batches_read)
+        batches = self.batches
+        if self.distributed:  # every rank's batch of a step is one document
             counts = {name: c.clone() for name, c in counts.items()}
-            for c in counts.values():
+            batches_read = {label: d.clone() for label, d in batches_read.items()}
+            for c in [*counts.values(), *batches_read.values()]:
                 dist.all_reduce(c)
+            batches *= dist.get_world_size()
         if not is_main:
             return None
         path = Path(directory) / FILE
         save_usage(path, {k: v.cpu() for k, v in counts.items()}, self.tokens, f"the last {self.tokens:,} "
-                   f"training tokens of {directory}")
+                   f"training tokens of {directory}", {k: v.cpu() for k, v in batches_read.items()}, batches)
         return path
 
 
@@ -198,17 +233,19 @@ def value_tables(layers: dict[str, torch.nn.Module]) -> dict[str, list[str]]:
     return {"+".join(names): names for names in tables.values()}
 
 
-def collect(model: torch.nn.Module, batches, n_batches: int,
-            device: torch.device) -> tuple[dict[str, torch.Tensor], int, dict[str, list[float]]]:
+def collect(model: torch.nn.Module, batches, n_batches: int, device: torch.device
+            ) -> tuple[dict[str, torch.Tensor], int, dict[str, list[float]], dict[str, torch.Tensor]]:
     """Read counts of every memory layer over `n_batches` of `batches`
     ((inputs, targets[, doc_ids]) tuples), the tokens read, and per value table
-    (value_tables) the share of its slots each batch read: the rows a fine-tuning
-    step on such a batch can change (finetune=sparse keeps top_t of them)."""
+    (value_tables) the share of its slots each batch read (the rows a fine-tuning
+    step on such a batch can change: finetune=sparse keeps top_t of them) and
+    how many of the batches read each slot."""
     model.train()  # the memory layers count reads in training mode, at the training knn
     reset_usage(model)
     layers = memory_layers(model)
     tables = value_tables(layers)
     reads, batch_read = StepReads(layers), {label: [] for label in tables}
+    batches_read = {label: torch.zeros_like(layers[names[0]].usage.counts) for label, names in tables.items()}
     tokens = 0
     for _ in range(n_batches):
         inputs, _, *doc = next(batches)
@@ -218,10 +255,11 @@ def collect(model: torch.nn.Module, batches, n_batches: int,
         for label, names in tables.items():
             read = sum(reads.since(n) for n in names)
             batch_read[label].append(float((read > 0).sum()) / read.numel())
+            batches_read[label] += read > 0
         tokens += inputs.numel()
     counts = layer_counts(model)
     reset_usage(model)
-    return counts, tokens, batch_read
+    return counts, tokens, batch_read, {label: d.cpu() for label, d in batches_read.items()}
 
 
 def describe_batch_reads(batch_read: dict[str, list[float]], n_slots: dict[str, int], batch: str) -> list[str]:

@@ -30,7 +30,7 @@ class FinetuneConfig:
 
     mode: str = "full"  # one of memlm.finetune.modes.MODES
     top_t: int = 1000  # sparse: value rows of each table updated per step
-    ranking: str = "kl"  # sparse: kl | tfidf (memory/slot_selection.py)
+    ranking: str = "kl"  # sparse: kl | tfidf | tfidf_batches (memory/slot_selection.py)
     # sparse: the background's slot reads (python -m memlm.train.slot_usage);
     # "" -> slot_usage.safetensors in the init_from checkpoint folder.
     background: str = ""

@@ -38,9 +38,10 @@ import torch
 from torch import nn
 
 from memlm.errors import ConfigError
-from memlm.finetune.background import FILE
+from memlm.finetune.background import FILE, usage_metadata
 from memlm.finetune.config import FinetuneConfig
 from memlm.finetune.selection import SlotSelection
+from memlm.memory.slot_selection import BY_BATCHES
 from memlm.memory.tables import sparse_tables
 from memlm.model.family import families, memory_family
 from memlm.model.ffn import table_kinds
@@ -206,6 +207,11 @@ class Sparse(Memory):
             raise ConfigError("finetune.background", str(path), "a slot-usage file of the init_from model "
                               f"(write one: python -m memlm.train.slot_usage {cfg.init_from or '<model>'}); "
                               "docs/finetuning.md")
+        if cfg.finetune.ranking in BY_BATCHES and not usage_metadata(path).get("batches"):
+            raise ConfigError("finetune.background", str(path), "a slot-usage file that counts the batches reading "
+                              f"each slot (for finetune.ranking={cfg.finetune.ranking}; this one lacks its batch "
+                              f"count): count it again with python -m memlm.train.slot_usage "
+                              f"{cfg.init_from or '<model>'}")
 
     def step_hook(self, model: nn.Module, cfg: Config, distributed: bool, init: Any):
         return SlotSelection(model, cfg, self.background_path(cfg, init), distributed)

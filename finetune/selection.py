@@ -7,7 +7,8 @@ at the same rows: UltraMemV2's pre-values).
     hook.after_backward()   # after the backward, before clipping: only the selected rows keep a gradient
 
 Each step ranks the slots its batch read against the background's reads
-(memory/slot_selection.py: KL or TF-IDF) and keeps the gradient of the
+(memory/slot_selection.py: KL, TF-IDF, or Lin et al.'s TF-IDF over background
+batches) and keeps the gradient of the
 `top_t` best of each table. Under torchrun every rank counts its own batch's
 reads; one all-reduce per table sums them, so every rank (and a one-process
 run on the same global batch) selects the same rows, whatever memory_parallel
@@ -22,8 +23,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memlm.finetune.background import StepReads, load_usage, memory_layers, usage_metadata, value_tables
-from memlm.memory.slot_selection import restrict_table_grad_, slot_scores, top_slots
+from memlm.finetune.background import (
+    StepReads,
+    load_batches_read,
+    load_usage,
+    memory_layers,
+    usage_metadata,
+    value_tables,
+)
+from memlm.memory.slot_selection import BY_BATCHES, restrict_table_grad_, slot_scores, top_slots
 
 
 class SlotSelection:
@@ -32,10 +40,15 @@ class SlotSelection:
         self.layers = memory_layers(model)
         self.path = Path(path)
         background = load_usage(path, {name: layer.usage.n_slots for name, layer in self.layers.items()})
-        # One entry per table: a pool shared by several layers (Memory+) is ranked on their summed reads.
+        tables = value_tables(self.layers)
+        self.n_batches = 0
+        if self.ranking in BY_BATCHES:  # the background is how many of its batches read each slot
+            by_table, self.n_batches = load_batches_read(path, list(tables))
+        else:  # one entry per table: a pool shared by several layers (Memory+) is ranked on their summed reads
+            by_table = {label: sum(background[n] for n in names) for label, names in tables.items()}
         device = next(iter(self.layers.values())).usage.counts.device
-        self.tables = [(self.layers[names[0]].row_tables(), names, sum(background[n] for n in names).to(device))
-                       for names in value_tables(self.layers).values()]
+        self.tables = [(self.layers[names[0]].row_tables(), names, by_table[label].to(device))
+                       for label, names in tables.items()]
         self._reads = StepReads(self.layers)
 
     def describe(self) -> str:
@@ -59,6 +72,6 @@ class SlotSelection:
     def after_backward(self) -> None:
         for weights, names, background in self.tables:
             counts = self.batch_counts(names)
-            rows = top_slots(slot_scores(counts, background, self.ranking), counts, self.top_t)
+            rows = top_slots(slot_scores(counts, background, self.ranking, self.n_batches), counts, self.top_t)
             for weight in weights:  # the same rows of every table the slots address
                 restrict_table_grad_(weight, rows)

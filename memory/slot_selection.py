@@ -23,6 +23,15 @@ slot (so a slot the background never read has a finite, largest IDF):
     kl:     score_i = q_i * log(q_i / p_bg(i)),  q_i = c_i / sum(c)
             (slot i's term of KL(batch reads || background reads))
 
+Lin et al.'s own ranking is there too, for batches that read a small share of
+the table (their regime: t ~ 500 of 1M slots): the document is one
+background batch, and the background is how many of its B batches read each
+slot (d_i; memlm.finetune.background records it beside the reads):
+
+    tfidf_batches:  score_i = q_i * log(B / (1 + d_i))
+
+    scores = slot_scores(batch_counts, batches_read, "tfidf_batches", n_batches=B)
+
 Only slots the batch read are candidates (a slot not read has no gradient to
 keep). Ties are broken by the lower slot index, so every rank that holds the
 same counts selects the same rows.
@@ -30,13 +39,18 @@ same counts selects the same rows.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor import DTensor
 
 from memlm.memory.sharded_rows import local_rows
 from memlm.memory.sparse_adamw import set_local_sparse_grad, sparse_rows, table_grad
 
-RANKINGS = ("tfidf", "kl")
+RANKINGS = ("tfidf", "kl", "tfidf_batches")
+# The rankings whose background is the number of background batches that read each slot (and how many
+# batches there were), not the background's reads.
+BY_BATCHES = ("tfidf_batches",)
 
 
 def background_probability(background: torch.Tensor) -> torch.Tensor:
@@ -45,19 +59,24 @@ def background_probability(background: torch.Tensor) -> torch.Tensor:
     return (b + 1.0) / (b.sum() + b.numel())
 
 
-def slot_scores(batch: torch.Tensor, background: torch.Tensor, ranking: str) -> torch.Tensor:
-    """(N,) batch read counts, (N,) background read counts -> (N,) float64
-    scores; slots the batch did not read score -inf."""
+def slot_scores(batch: torch.Tensor, background: torch.Tensor, ranking: str, n_batches: int = 0) -> torch.Tensor:
+    """(N,) batch read counts, (N,) background counts -> (N,) float64 scores; slots the batch did not
+    read score -inf. The background is its reads per slot, or for a ranking of BY_BATCHES the number of
+    its `n_batches` batches that read each slot."""
     if ranking not in RANKINGS:
         raise ValueError(f"ranking {ranking!r}: expected one of {', '.join(RANKINGS)}")
     if batch.shape != background.shape:
         raise ValueError(f"batch counts {tuple(batch.shape)} and background counts {tuple(background.shape)} differ")
     c = batch.double()
-    log_inv_p = -background_probability(background.to(c.device)).log()
-    if ranking == "tfidf":
-        score = c * log_inv_p
+    q = c / c.sum().clamp_min(1.0)
+    if ranking in BY_BATCHES:
+        if n_batches < 1:
+            raise ValueError(f"n_batches={n_batches}: ranking {ranking!r} needs the background's batch count (>= 1)")
+        score = q * (math.log(n_batches) - (background.to(c.device).double() + 1.0).log())
+    elif ranking == "tfidf":
+        score = c * -background_probability(background.to(c.device)).log()
     else:
-        q = c / c.sum().clamp_min(1.0)
+        log_inv_p = -background_probability(background.to(c.device)).log()
         score = q * (q.clamp_min(1e-300).log() + log_inv_p)
     return torch.where(c > 0, score, torch.full_like(score, float("-inf")))
 

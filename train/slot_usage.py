@@ -158,8 +158,8 @@ def background(name: str, batches: int, out: str = "", overrides: list[str] | No
     path = Path(out) if out else default
     check_output_file(path, "slot-usage file", is_usage_file)  # before the count: only an earlier one is replaced
     apply_knn_schedule(model, cfg.memory, step)
-    counts, tokens, batch_read = collect(model, loader, batches, torch.device("cpu"))
-    save_usage(path, counts, tokens, name)
+    counts, tokens, batch_read, batches_read = collect(model, loader, batches, torch.device("cpu"))
+    save_usage(path, counts, tokens, name, batches_read, batches)
     print(f"[slot-usage] {tokens:,} tokens of {cfg.data.kind} data through {name} -> {path}")
     for line in describe(counts):
         print(f"[slot-usage] {line}")

@@ -58,13 +58,15 @@ def _check_steps(trainer, steps: int, base_state: dict, max_rows: int | None) ->
     assert frozen and all(p not in trainer.optimizer.state for p in frozen)  # no state for frozen weights
 
 
-@pytest.mark.parametrize("mode,optimizer,lr", [("memory", "adamw", "1e-2"), ("sparse", "adamw", "1e-2"),
-                                               ("sparse", "sgd", "10")])
-def test_only_the_value_table_moves(base, tmp_path, mode, optimizer, lr):
+@pytest.mark.parametrize("mode,optimizer,lr,ranking", [
+    ("memory", "adamw", "1e-2", None), ("sparse", "adamw", "1e-2", None), ("sparse", "sgd", "10", None),
+    ("sparse", "sgd", "10", "tfidf_batches")])
+def test_only_the_value_table_moves(base, tmp_path, mode, optimizer, lr, ranking):
     base_state = load_model(base).model.state_dict()
     top_t = [f"finetune.top_t={TOP_T}"] if mode == "sparse" else []  # finetune=memory refuses a top_t
+    ranked = [f"finetune.ranking={ranking}"] if ranking else []
     trainer = Trainer(compose([*TINY, f"finetune={mode}", f"finetune.optimizer={optimizer}", f"memory.value_lr={lr}",
-                               *top_t, f"init_from={base}", "steps=3", f"dump_dir={tmp_path}"]))
+                               *top_t, *ranked, f"init_from={base}", "steps=3", f"dump_dir={tmp_path}"]))
     try:
         _check_steps(trainer, 3, base_state, TOP_T if mode == "sparse" else None)
     finally:
@@ -90,12 +92,28 @@ def test_sparse_without_a_background_file_is_refused_before_the_run_folder(base,
     assert not (tmp_path / "run").exists()
 
 
+def test_a_background_without_batch_counts_is_refused_for_tfidf_batches(base, tmp_path):
+    """A slot-usage file written before the batches were counted holds reads only: ranking by batches
+    names the file and the command that counts it again, before the run folder."""
+    old = tmp_path / "old.safetensors"
+    background.save_usage(old, background.load_usage(base / background.FILE, {"layer1": 64}), 128, "an old count")
+    with pytest.raises(ConfigError, match=r"finetune.background=.*old.safetensors.*lacks its batch count.*slot_usage"):
+        Trainer(compose([*TINY, "finetune=sparse", f"finetune.top_t={TOP_T}", "finetune.ranking=tfidf_batches",
+                         f"finetune.background={old}", f"init_from={base}", f"dump_dir={tmp_path / 'run'}"]))
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match=r"this one lacks layer0\+layer2\): count it again"):
+        background.load_batches_read(base / background.FILE, ["layer0+layer2"])  # another model's tables
+
+
 def test_slot_usage_reports_and_refuses_a_dense_model(base, tmp_path, capsys):
     assert slot_usage.main([str(base), "--batches", "2", "--out", str(tmp_path / "u.safetensors")]) == 0
     out = capsys.readouterr().out
     assert "[slot-usage] layer1:" in out and "of 64 slots read" in out
     counts = background.load_usage(tmp_path / "u.safetensors", {"layer1": 64})
     assert int(counts["layer1"].sum()) == 2 * 2 * 16 * 2 * 4  # batches x micro_batch x seq_len x heads x knn
+    documents, n_batches = background.load_batches_read(tmp_path / "u.safetensors", ["layer1"])
+    assert n_batches == 2 and int(documents["layer1"].max()) <= 2
+    assert torch.equal(documents["layer1"] > 0, counts["layer1"] > 0)  # read by some batch: read at all
     dense = tmp_path / "dense"
     Trainer(compose([*TINY[:5], "steps=1", f"dump_dir={dense}"])).fit()
     (ckpt,) = (dense / "checkpoints").glob("step_*")
@@ -125,6 +143,8 @@ def test_pretraining_records_its_last_steps_slot_usage_beside_the_final_checkpoi
     (ckpt,) = (tmp_path / "checkpoints").glob("step_*")
     counts = background.load_usage(ckpt / background.FILE, {"layer1": 64})
     assert int(counts["layer1"].sum()) == 2 * 2 * 16 * 2 * 4  # last 2 steps x micro_batch x seq_len x heads x knn
+    documents, n_batches = background.load_batches_read(ckpt / background.FILE, ["layer1"])
+    assert n_batches == 2 and torch.equal(documents["layer1"] > 0, counts["layer1"] > 0)
     assert f"slot usage of the last 64 tokens -> {ckpt / background.FILE}" in capsys.readouterr().out
     # a fine-tune finds it in its init_from folder
     trainer = Trainer(compose([*TINY, "finetune=sparse", f"finetune.top_t={TOP_T}", f"init_from={ckpt}", "steps=1",

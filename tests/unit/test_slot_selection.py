@@ -125,3 +125,17 @@ def test_sgd_is_plain_sgd_on_the_rows_and_skips_on_found_inf():
     del opt.found_inf
     opt.step()
     torch.testing.assert_close(table.detach(), before - 0.5 * grad, rtol=0, atol=1e-7)
+
+
+def test_tfidf_over_batches_is_lin_et_als_formula():
+    """tfidf_batches: the batch's share of reads times log(B / (1 + d)), d the background batches (of B)
+    that read the slot; a slot every background batch read scores below zero."""
+    batches_read, n_batches = torch.tensor([9, 0, 1, 3]), 10
+    scores = slot_scores(BATCH, batches_read, "tfidf_batches", n_batches)
+    assert scores[1] == float("-inf")  # not read by the batch: never a candidate
+    assert scores[[0, 2, 3]].tolist() == pytest.approx([(1 / 6) * math.log(10 / 10), (1 / 2) * math.log(10 / 2),
+                                                        (1 / 3) * math.log(10 / 4)])
+    assert top_slots(scores, BATCH, 2).tolist() == [2, 3]
+    assert slot_scores(BATCH, torch.tensor([10, 0, 1, 3]), "tfidf_batches", 10)[0] < 0
+    with pytest.raises(ValueError, match="needs the background's batch count"):
+        slot_scores(BATCH, batches_read, "tfidf_batches")
