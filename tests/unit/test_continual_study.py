@@ -180,7 +180,7 @@ def test_a_second_seed_repeats_seed_0s_best_settings_from_its_own_base(tmp_path,
     assert study.main(["--stage", "seeds", "--seed", "1"]) == 0
     repeated = calls[n:]
     assert [c["dump_dir"].rsplit("/", 1)[1] for c in repeated] == [
-        "s1_full_lr1e-4", "s1_memory_optimizeradamw_value_lr1e-3", "s1_sparse_optimizeradamw_top_t2000_value_lr1e-2"]
+        "s1_full_lr1e-5", "s1_memory_optimizeradamw_value_lr1e-3", "s1_sparse_optimizeradamw_top_t2000_value_lr1e-2"]
     ckpt = str(study.RUNS / "base_s1" / "checkpoints" / "step_00000300")
     assert all(c["seed"] == "1" and c["init_from"] == ckpt for c in repeated)
     assert repeated[2]["finetune.top_t"] == "2000" and repeated[2]["finetune.optimizer"] == "adamw"
