@@ -158,8 +158,12 @@ class TrainingState:
     val_loader: Any = None  # the validation stream, saved like the training one
 
     def loaders(self) -> dict[str, Any]:
-        """{key in rank{r}.json: stream}: the streams a checkpoint records the position of."""
+        """{key in rank{r}.json: stream}: the streams a checkpoint records the position of (STREAMS)."""
         return {"loader": self.loader, "val_loader": self.val_loader}
+
+
+# The streams' keys in rank{r}.json, and what a message calls them.
+STREAMS = {"loader": "training", "val_loader": "validation"}
 
 
 class Checkpointer:
@@ -357,22 +361,31 @@ class Checkpointer:
                                                     "param_groups": meta["param_groups"]})
         scheduler.load_state_dict(meta["scheduler"])
         rank_file = path / f"rank{group_rank()}.json"
+        restarted = []  # the streams that start again from their beginning
         if meta["world_size"] == group_size() and rank_file.is_file():
             per_rank = json.loads(rank_file.read_text())
             for key, loader in loaders.items():
-                # A checkpoint from before the validation stream was saved has no "val_loader": it restarts.
-                if loader is not None and per_rank.get(key) is not None and hasattr(loader, "load_state_dict"):
+                if loader is None or not hasattr(loader, "load_state_dict"):
+                    continue
+                if per_rank.get(key) is None:  # e.g. a checkpoint from before the validation stream was saved
+                    restarted.append(key)
+                else:
                     loader.load_state_dict(per_rank[key])
             set_rng_state(per_rank["rng"])
-        elif any(hasattr(loader, "reshard_state_dict") for loader in loaders.values()):
+        elif any(loader is not None for loader in loaders.values()):
             per_rank = [json.loads((path / f"rank{r}.json").read_text()) for r in range(meta["world_size"])]
             for key, loader in loaders.items():
+                if loader is None:
+                    continue
                 states = [old.get(key) for old in per_rank]
                 if hasattr(loader, "reshard_state_dict") and None not in states:
                     loader.reshard_state_dict(states)
-        elif group_rank() == 0:
-            print(f"[checkpoint] world size changed ({meta['world_size']} -> {group_size()}): model and optimizer "
-                  "were resharded; the data stream restarts from its beginning", flush=True)
+                else:
+                    restarted.append(key)
+        if restarted and group_rank() == 0:
+            streams = " and ".join(STREAMS[k] for k in restarted)
+            print(f"[checkpoint] {path.name} (saved on {meta['world_size']} rank(s), loaded on {group_size()}) holds "
+                  f"no position this run can use for its {streams} stream: it restarts from its beginning", flush=True)
         self.saved_step = meta["step"]
         return meta
 

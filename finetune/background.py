@@ -48,18 +48,21 @@ BATCHES_READ = "batches_read:"
 
 def save_usage(path: Path, counts: dict[str, torch.Tensor], tokens: int, source: str,
                batches_read: dict[str, torch.Tensor] | None = None, n_batches: int = 0) -> None:
-    """The layers' read counts, and per value table how many of the `n_batches` batches read each slot."""
+    """The layers' read counts, and per value table how many of the `n_batches` batches (of
+    tokens / n_batches tokens each: the metadata's batch_tokens) read each slot."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp_{path.name}")
     tensors = {**counts, **{BATCHES_READ + label: d for label, d in (batches_read or {}).items()}}
-    metadata = {"tokens": str(tokens), "source": source, **({"batches": str(n_batches)} if batches_read else {})}
+    batches = {"batches": str(n_batches), "batch_tokens": str(tokens // max(n_batches, 1))} if batches_read else {}
+    metadata = {"tokens": str(tokens), "source": source, **batches}
     save_file({k: v.to(torch.int64).contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
     follow_umask(tmp)  # safetensors writes 0600
     tmp.replace(path)
 
 
 def usage_metadata(path: Path) -> dict[str, str]:
-    """What save_usage recorded with the counts ({"tokens", "source"}); {} for a file it did not write."""
+    """What save_usage recorded with the counts ({"tokens", "source"}, and where it counted the batches
+    reading each slot "batches" and "batch_tokens"); {} for a file it did not write."""
     try:
         with safe_open(str(path), framework="pt") as fh:
             metadata = fh.metadata() or {}

@@ -55,6 +55,8 @@ class SlotSelection:
         """The line a run prints at its start: which background file ranks the slots, and what it counted."""
         meta = usage_metadata(self.path)
         counted = f" ({int(meta['tokens']):,} tokens through {meta['source']})" if meta else ""
+        if self.n_batches:  # the documents a ranking by batches counts in, against this run's batches
+            counted += f", {self.n_batches:,} background batches of {int(meta['batch_tokens']):,} tokens"
         return (f"finetune=sparse: background slot usage from {self.path}{counted}, "
                 f"top_t {self.top_t:,} by {self.ranking}")
 

@@ -83,7 +83,8 @@ def _mean(values: list[float]) -> float:
 def level_lines(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[str]:
     """Per table size and level (plan().levels): each mode's facts-A bits lost at that learning, per
     seed and as the mean of the seeds that reach it, and the plan's reference mode over the best of
-    the rest (the ratio of their means, and per seed where both read)."""
+    the rest (by that mean): the ratio of their means over the seeds where both reach the level, and
+    per seed."""
     out = []
     hi = plan().reference
     for slots in sorted({r["slots"] for r in sweep}):
@@ -112,15 +113,20 @@ def level_lines(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[s
             rest = {m: v for m, v in means.items() if m != hi}
             if hi in means and rest:
                 best = min(rest, key=rest.get)
-                if means[best] <= 0:
-                    out.append(f"  - `{best}` (the best of the rest) loses no facts-A bits on average: "
-                               f"`{hi}` / `{best}` has no finite ratio.")
+                # The ratio over the seeds where both read: means over other seeds would compare other draws.
+                both = [s for s in seeds if s in read[hi] and s in read[best]
+                        and read[hi][s].lost is not None and read[best][s].lost is not None]
+                if not both:
+                    out.append(f"  - `{hi}` / `{best}` (the best of the rest): no seed where both reach it.")
                     continue
-                per_seed = [f"seed {s}: {read[hi][s].lost / max(read[best][s].lost, 1e-9):.1f}x" for s in seeds
-                            if s in read[hi] and s in read[best]
-                            and read[hi][s].lost is not None and (read[best][s].lost or 0) > 0]
-                out.append(f"  - `{hi}` / `{best}` (the best of the rest): "
-                           f"{means[hi] / max(means[best], 1e-9):.1f}x"
-                           + (f" ({'; '.join(per_seed)})" if per_seed else "")
+                lost_hi, lost_best = (_mean([read[m][s].lost for s in both]) for m in (hi, best))
+                if lost_best <= 0:
+                    out.append(f"  - `{best}` (the best of the rest) loses no facts-A bits on average over seed(s) "
+                               f"{', '.join(map(str, both))}: `{hi}` / `{best}` has no finite ratio.")
+                    continue
+                per_seed = [f"seed {s}: {read[hi][s].lost / read[best][s].lost:.1f}x" for s in both
+                            if read[best][s].lost > 0]
+                out.append(f"  - `{hi}` / `{best}` (the best of the rest) over seed(s) {', '.join(map(str, both))}: "
+                           f"{lost_hi / lost_best:.1f}x" + (f" ({'; '.join(per_seed)})" if len(both) > 1 else "")
                            + f" (goal: at least {plan().ratio_at_least:g}x).")
     return out

@@ -22,7 +22,10 @@ The model is any a run can start from (memlm.run.source):
 Runs the model in training mode (the training knn, as a fine-tuning step
 reads) without gradients over `--batches` batches, counts every read of every
 memory layer and writes `slot_usage.safetensors`: one int64 (n_slots,) tensor
-per layer ("layer4"), with the tokens counted and the source in its metadata.
+per layer ("layer4"), and per value table one of how many of the batches read
+each slot ("batches_read:layer4", finetune.ranking=tfidf_batches's background;
+a batch is data.micro_batch rows), with the tokens counted, the batches, their
+tokens each and the source in its metadata.
 Then prints how many slots the sample read and how concentrated the reads are.
 An existing file there is replaced only when it is an earlier slot-usage file
 (anything else is refused with one line, before the count).

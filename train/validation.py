@@ -2,7 +2,7 @@
 
     validation = Validation(cfg, env, model, loader, autocast, logger)   # on the loop (memlm.train.extensions)
     validation.step_end(step, run)   # every val_every steps, before the last: run.val_loss
-    validation.end(step, run)        # once more when the run ends or stops, unless this step was measured
+    validation.end(step, run)        # once more at the run's last step
     loss = validation.loss()         # now: the mean loss of val_batches batches, over every rank
 
 Each measurement reads the next `val_batches` batches of the validation
@@ -33,7 +33,6 @@ class Validation:
                  autocast: Callable[[], AbstractContextManager], logger: MetricsLogger):
         self.cfg, self.env, self.model, self.loader = cfg, env, model, loader
         self.autocast, self.logger = autocast, logger
-        self.logged_step: int | None = None  # the step of the last measurement
 
     def due(self, step: int) -> bool:
         """Every `val_every` steps, before the last (the end's validation covers it)."""
@@ -44,14 +43,13 @@ class Validation:
             run.val_loss = self.log(step)
 
     def end(self, step: int, run) -> None:
-        """At the end of the run, or of a stop before it (stop_after, preemption): once more, unless this
-        step was just measured (a second measurement would log the step twice and move the stream past
-        what its checkpoint recorded)."""
-        if self.loader is not None and step != self.logged_step:
+        """At the run's last step, once more. A stop before it (fit's stop_after: a time slot) measures
+        nothing more: its checkpoint holds the stream where the unbroken run has it, so the resumed
+        run's measurements are the unbroken run's (the summary keeps the last measured loss)."""
+        if self.loader is not None and step == self.cfg.steps:
             run.val_loss = self.log(step)
 
     def log(self, step: int) -> float | None:
-        self.logged_step = step
         val = self.loss()
         if val is not None:
             self.logger.log({"step": step, "val_loss": val}, f"[train] step {step}  val_loss {val:.4f}")

@@ -92,6 +92,20 @@ def test_sparse_without_a_background_file_is_refused_before_the_run_folder(base,
     assert not (tmp_path / "run").exists()
 
 
+def test_tfidf_batches_ranks_against_the_batches_that_read_each_slot(base, tmp_path):
+    documents, n_batches = background.load_batches_read(base / background.FILE, ["layer1"])
+    trainer = Trainer(compose([*TINY, "finetune=sparse", f"finetune.top_t={TOP_T}", "finetune.ranking=tfidf_batches",
+                               f"init_from={base}", "steps=1", f"dump_dir={tmp_path}"]))
+    try:
+        (_, names, ranked_against), = trainer.finetune.tables
+        assert names == ["layer1"] and n_batches == trainer.finetune.n_batches == 4
+        assert torch.equal(ranked_against, documents["layer1"])  # not the background's reads
+        assert "top_t 5 by tfidf_batches" in trainer.finetune.describe()
+        assert ", 4 background batches of 32 tokens" in trainer.finetune.describe()  # micro_batch 2 x seq_len 16
+    finally:
+        trainer.close()
+
+
 def test_a_background_without_batch_counts_is_refused_for_tfidf_batches(base, tmp_path):
     """A slot-usage file written before the batches were counted holds reads only: ranking by batches
     names the file and the command that counts it again, before the run folder."""
