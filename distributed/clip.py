@@ -136,4 +136,7 @@ def _sparse_norm(params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[tor
             square = DTensor.from_local(square, p.device_mesh, placements, run_check=False).full_tensor()
         grads.append(local)
         squares.append(square)
-    return torch.stack(squares).sum().sqrt(), grads
+    # A table in host memory (memory.engram.placement=host) has its gradient there: the norm goes where the
+    # other tables' are, on the device when any is.
+    device = next((s.device for s in squares if s.device.type != "cpu"), squares[0].device)
+    return torch.stack([s.to(device) for s in squares]).sum().sqrt(), grads

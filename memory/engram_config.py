@@ -20,6 +20,8 @@ from memlm.errors import ConfigError
 
 # memory.engram.token_map: where the canonical ids come from (memory/engram_vocab.py).
 TOKEN_MAPS = ("tokenizer", "identity")
+# memory.engram.placement: where the tables live in training (memory/host_tables.py for host).
+PLACEMENTS = ("device", "host")
 MAX_SEED = 2**64
 
 
@@ -66,6 +68,10 @@ class EngramConfig:
     # (MemoryConfig.split_sparse_budget); the run's config.yaml records what they came to.
     budget: int = 0
     share: float = 0.0  # Engram's share of the budget, in (0, 1]
+    # device: the tables sit with the model. host: in host memory, each read's rows copied to the device and
+    # their row gradients back (memlm.memory.host_tables); needs row gradients (memory.sparse_updates=true)
+    # and one process. The planner counts the bytes each step moves between them.
+    placement: str = "device"
 
     def n_heads(self) -> int:
         """H: the hash heads of one layer, over every order."""
@@ -96,6 +102,8 @@ class EngramConfig:
                               f"distinct block indices in [0, {n_layers - 1}] (model.n_layers={n_layers}); [] for none")
         if self.token_map not in TOKEN_MAPS:
             raise ConfigError(f"{prefix}.token_map", self.token_map, f"one of: {', '.join(TOKEN_MAPS)}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"{prefix}.placement", self.placement, f"one of: {', '.join(PLACEMENTS)}")
         for key in ("rows_per_head", "dilation"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{prefix}.{key}", getattr(self, key), "0 (the default) or a positive integer")

@@ -103,7 +103,9 @@ class RowOptimizer(TableGradients, torch.optim.Optimizer):
                 grad = table_grad(param)
                 if grad is None:
                     continue
-                zeroed = self._update_param(param, grad, group, found_inf, coef)
+                # A table kept in host memory (memlm.memory.host_tables) takes the skip flag there.
+                flag = found_inf if found_inf is None else found_inf.to(local_tensor(param).device)
+                zeroed = self._update_param(param, grad, group, flag, coef)
                 if group.get(TABLES) and not zeroed and param.grad is not None and not param.grad.is_sparse:
                     param.grad.zero_()  # the buffer, ready for the next step's reads
         self.mark_tables_zeroed()

@@ -68,7 +68,7 @@ from memlm.memory.tables import value_pools
 from memlm.model import Transformer
 from memlm.optim.build import build_optimizer
 from memlm.plan.cost import HBM_HEADROOM, Layout, activation_bytes, comm_volume, gpu_spec, step_time
-from memlm.plan.table_traffic import expected_rows, step_table_bytes
+from memlm.plan.table_traffic import expected_rows, host_table_bytes, step_table_bytes
 
 # The shape each model preset is meant to train with: (sequence length,
 # micro-batch = sequences per GPU per forward, why). The planner's default for
@@ -134,6 +134,9 @@ def check_args(cfg: Config, world: int, rank: int, gpus_per_node: int, gpu: str)
     if gpus_per_node < 1:
         raise ConfigError("--gpus-per-node", gpus_per_node, "an integer >= 1")
     gpu_spec(gpu)
+    if cfg.memory.engram.layers and cfg.memory.engram.placement == "host" and world > 1:
+        raise ConfigError("--world", world, "1 with memory.engram.placement=host (a host table is trained by one "
+                          "process), or memory.engram.placement=device on several GPUs")
     p = cfg.parallel.memory_parallel
     if p != "auto" and world % p:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
@@ -245,6 +248,10 @@ def plan(cfg: Config, world: int, rank: int = 0, gpu: str = "H200", gpus_per_nod
         table_ids = {id(t) for t in tables}
         engram_tables = {id(b.engram.tables.weight) for b in model.layers if b.engram is not None}
         layout = _layout(cfg, model, meshes, env, accum, memory_parallel, tables, table_ids, target)
+        host = _host_tables(cfg, model, optimizer, layout)
+        for key in ("params", "grads", "optimizer"):
+            bytes_[key] -= host["bytes"].get(key, 0)  # what memory.engram.placement=host keeps off the device
+        tables = [t for t in tables if not host["bytes"] or id(t) not in engram_tables]
     act = activation_bytes(model, layout, cfg.parallel.activation_checkpoint)
     comm = comm_volume(layout)
     timing = step_time(layout, comm, gpu_spec(gpu), cfg.parallel.activation_checkpoint)
@@ -272,7 +279,27 @@ def plan(cfg: Config, world: int, rank: int = 0, gpu: str = "H200", gpus_per_nod
         "value_layouts": value_layouts_of(cfg, world, env.local_world_size),
         "tokens_per_step": layout.tokens * layout.accum * world,
         "table_step_bytes": _table_step_bytes(layout),
+        "host_tables": host,
     }
+
+
+def _host_tables(cfg: Config, model, optimizer, layout: Layout) -> dict[str, Any]:
+    """Engram's tables in host memory (memory.engram.placement=host): their bytes there (the table, a
+    gradient's worth for its rows, the AdamW moments) and what a step moves between host and device;
+    {"bytes": {}} with the tables on the device."""
+    engrams = [b.engram for b in model.layers if b.engram is not None]
+    if cfg.memory.engram.placement != "host" or not engrams:
+        return {"bytes": {}}
+    weights = [e.tables.weight for e in engrams]
+    held = {
+        "params": sum(local_bytes(w) for w in weights),
+        "grads": sum(local_bytes(w.grad) for w in weights if w.grad is not None),
+        "optimizer": sum(local_bytes(v) for w in weights for v in optimizer.state.get(w, {}).values()
+                         if isinstance(v, torch.Tensor)),
+    }
+    head_rows = list(engrams[0].hash.head_rows)
+    step = host_table_bytes(layout.tokens, head_rows, engrams[0].head_dim, len(engrams), layout.accum)
+    return {"bytes": held, "step": step}
 
 
 def _table_step_bytes(layout: Layout) -> dict[str, int]:

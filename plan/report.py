@@ -69,6 +69,7 @@ def format_plan(p: dict[str, Any]) -> str:
         f"{t['memory_comm_s']:.4f}, value reduce {t['value_reduce_s']:.4f}",
         f"  step {t['step_s']:.4f} s, {t['tokens_per_s']:,.0f} tokens/s per GPU, MFU {t['mfu']:.1%}",
         *format_table_traffic(p),
+        *format_host_tables(p),
         *format_value_layouts(p),
     ]
     return "\n".join(lines)
@@ -84,6 +85,22 @@ def format_table_traffic(p: dict[str, Any]) -> list[str]:
         f"  backward adds into the gradient buffer {size_text(t['backward_accumulate']).strip()} (read rows), "
         f"clip norm {size_text(t['clip_norm']).strip()}, AdamW with the clip and the buffer's zeroing "
         f"{size_text(t['optimizer']).strip()}",
+    ]
+
+
+def format_host_tables(p: dict[str, Any]) -> list[str]:
+    """Engram's tables in host memory (memory.engram.placement=host): what they hold there and the bytes
+    a step moves over PCIe; [] with the tables on the device."""
+    host = p.get("host_tables") or {}
+    if not host.get("bytes"):
+        return []
+    held, step = host["bytes"], host["step"]
+    return [
+        f"Engram tables in host memory (memory.engram.placement=host): {size_text(sum(held.values())).strip()} "
+        "there (tables, their gradients and AdamW moments), not counted above",
+        f"  per optimizer step over PCIe: {size_text(step['to_device']).strip()} of rows to the device, "
+        f"{size_text(step['to_host']).strip()} of row ids and row gradients back ({step['rows']:,} rows "
+        "expected for reads spread evenly: an upper estimate, text repeats n-grams)",
     ]
 
 

@@ -6,6 +6,7 @@
 
     step_table_bytes(n_slots=2**20, v_dim=1024, table_bytes=4, layers=3)   # the planner's bytes per step
     expected_rows(reads=16384 * 128, n_slots=2**20)  # distinct rows a layer's reads touch, reads spread evenly
+    host_table_bytes(tokens=8192, heads=16, head_rows=[160_001] * 16, head_dim=64, layers=2)  # host <-> device
 
 A pass is one table-sized tensor (the table, its gradient buffer, an AdamW
 moment) that an op takes or returns: an upper bound on what the op moves
@@ -94,3 +95,19 @@ def expected_rows(reads: int, n_slots: int) -> int:
     if n_slots <= 0:
         return 0
     return round(n_slots * -math.expm1(reads * math.log1p(-1.0 / n_slots))) if n_slots > 1 else min(1, reads)
+
+
+def host_table_bytes(tokens: int, head_rows: list[int], head_dim: int, layers: int, micro_batches: int = 1,
+                     value_bytes: int = 4) -> dict[str, int]:
+    """Bytes one optimizer step moves between host and device for Engram tables kept in host memory
+    (memory.engram.placement=host, memlm.memory.host_tables), by direction. Each layer and micro-batch
+    reads one row per token from each head's table (`head_rows`: its rows); the distinct rows are
+    expected for reads spread evenly, an upper estimate for text, whose n-grams repeat. Each distinct
+    row: its id to the host (8 bytes), its values to the device, its gradient back."""
+    distinct = sum(expected_rows(tokens, rows) for rows in head_rows)
+    reads = layers * micro_batches
+    return {
+        "to_device": reads * distinct * head_dim * value_bytes,
+        "to_host": reads * distinct * (8 + head_dim * value_bytes),
+        "rows": reads * distinct,
+    }

@@ -9,8 +9,9 @@ device) -> what the fine-tune mode adds (lora's adapters) and freezes ->
 the value tables column-sharded over the memory-parallel group -> `wrap`,
 what training adds before the weights are materialized (activation
 checkpointing, compile, FSDP2: memlm.distributed.parallelize) -> the weights
-on the device, initialized -> the value tables drawn from the seed alone.
-A loader then overwrites every weight with a checkpoint's.
+on the device, initialized -> the value tables drawn from the seed alone -> Engram's tables moved to host memory
+(memory.engram.placement=host, memlm.memory.host_tables). A loader then
+overwrites every weight with a checkpoint's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from memlm.config.run import Config
 from memlm.distributed import memory_hooks
 from memlm.distributed.env import DistEnv, Meshes, seed_everything, shard_index
+from memlm.errors import ConfigError
 from memlm.finetune.modes import mode_of
 from memlm.model import Transformer
 from memlm.model.lora import reset_lora
@@ -75,4 +77,19 @@ def build_run_model(cfg: Config, env: DistEnv | None = None, meshes: Meshes | No
         reset_lora(model)
     # Value tables from the seed alone: replicas agree, init=full == init=sharded.
     memory_hooks.init_value_tables(model, cfg.seed)
+    if cfg.memory.engram.layers and cfg.memory.engram.placement == "host":
+        keep_engram_tables_on_host(model, env)
     return model
+
+
+def keep_engram_tables_on_host(model: Transformer, env: DistEnv) -> None:
+    """Every Engram layer's table in host memory, read through memlm.memory.host_tables (drawn on the
+    device first, so a host table starts as the device placement's does on the same machine)."""
+    from memlm.memory.host_tables import keep_on_host
+
+    if env.world_size > 1:
+        raise ConfigError("memory.engram.placement", "host", f"device on {env.world_size} ranks: a host table is "
+                          "trained by one process (its row gradients are not reduced over ranks)")
+    for block in model.layers:
+        if block.engram is not None:
+            keep_on_host(block.engram.tables)

@@ -165,8 +165,8 @@ class Trainer:
         dense, tables = self.params
         gnorm = clip_group_(dense, self.cfg.optim.clip)
         # The tables' clip is applied by the optimizer's step, as it reads their gradients.
-        vnorm = clip_in_step_(self.optimizer, tables, self.cfg.memory.value_grad_clip) if tables \
-            else torch.zeros_like(gnorm)
+        vnorm = clip_in_step_(self.optimizer, tables, self.cfg.memory.value_grad_clip).to(gnorm.device) \
+            if tables else torch.zeros_like(gnorm)  # .to: a norm over host tables alone is on the host
         ok = step_ok(loss_sum, gnorm, vnorm)  # norms are global: every rank gets the same flag
         step_if_finite(self.optimizer, ok)
         self.optimizer.zero_grad(set_to_none=True)
