@@ -186,12 +186,12 @@ class Config:
             raise ConfigError("memory.engram.head_dim", engram.head_dim,
                               f"a multiple of parallel.memory_parallel={mp} (Engram's tables are split by columns "
                               "over the memory-parallel ranks)")
-        if engram.layers and engram.placement == "host":
+        if engram.layers and engram.tables_in == "host":
             if not (self.memory.sparse_updates or mode_of(self).row_gradients):
-                raise ConfigError("memory.engram.placement", "host", "device, or host with memory.sparse_updates="
+                raise ConfigError("memory.engram.tables_in", "host", "device, or host with memory.sparse_updates="
                                   "true (host tables are updated by rows: only the rows a step read come back)")
             if mp not in (1, "auto"):
-                raise ConfigError("memory.engram.placement", "host", f"device with parallel.memory_parallel={mp} "
+                raise ConfigError("memory.engram.tables_in", "host", f"device with parallel.memory_parallel={mp} "
                                   "(host tables are kept whole by one process), or host with memory_parallel 1")
         self.data.validate()
         if self.model.doc_mask and self.data.kind == "random":

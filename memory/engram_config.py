@@ -20,8 +20,8 @@ from memlm.errors import ConfigError
 
 # memory.engram.token_map: where the canonical ids come from (memory/engram_vocab.py).
 TOKEN_MAPS = ("tokenizer", "identity")
-# memory.engram.placement: where the tables live in training (memory/host_tables.py for host).
-PLACEMENTS = ("device", "host")
+# memory.engram.tables_in: where the tables live in training (memory/host_tables.py for host).
+TABLES_IN = ("device", "host")
 MAX_SEED = 2**64
 
 
@@ -71,7 +71,7 @@ class EngramConfig:
     # device: the tables sit with the model. host: in host memory, each read's rows copied to the device and
     # their row gradients back (memlm.memory.host_tables); needs row gradients (memory.sparse_updates=true)
     # and one process. The planner counts the bytes each step moves between them.
-    placement: str = "device"
+    tables_in: str = "device"
 
     def n_heads(self) -> int:
         """H: the hash heads of one layer, over every order."""
@@ -102,8 +102,8 @@ class EngramConfig:
                               f"distinct block indices in [0, {n_layers - 1}] (model.n_layers={n_layers}); [] for none")
         if self.token_map not in TOKEN_MAPS:
             raise ConfigError(f"{prefix}.token_map", self.token_map, f"one of: {', '.join(TOKEN_MAPS)}")
-        if self.placement not in PLACEMENTS:
-            raise ConfigError(f"{prefix}.placement", self.placement, f"one of: {', '.join(PLACEMENTS)}")
+        if self.tables_in not in TABLES_IN:
+            raise ConfigError(f"{prefix}.tables_in", self.tables_in, f"one of: {', '.join(TABLES_IN)}")
         for key in ("rows_per_head", "dilation"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{prefix}.{key}", getattr(self, key), "0 (the default) or a positive integer")

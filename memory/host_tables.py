@@ -14,16 +14,27 @@ One read, U the distinct rows it names:
 
     rows, local = unique(indices)       # (U,), (B, K) on the device; rows sorted
     rows -> host                        # U * 8 bytes: the read's one device-to-host copy
-    staged = table[rows] -> device      # (U, v): U * v * 4 bytes host to device
-    out = bag(staged, local, weights)   # the ordinary read (memory/fast/ops.py)
+    values = table[rows] -> device      # (U, v): U * v * 4 bytes host to device
+    out = bag(values, local, weights)   # the ordinary read (memory/fast/ops.py)
     backward: staged's row gradient (U, v) -> host, kept beside the table
               (sparse_adamw.add_local_sparse_grad): U * v * 4 bytes device to host
 
 The row optimizer (memlm.memory.SparseRowAdamW, memory.sparse_updates) then
-updates those rows in host memory after the backward. `rows` are sorted,
+updates those rows in host memory after the backward.
+
+Rows known ahead. A training step knows its rows before the forward: they
+are a function of the batch's tokens, which are on the host before they go
+to the device. `stage` takes them computed there, so the read skips the
+unique on the device and the device-to-host copy of ids (a host sync):
+
+    pool.reader.stage(pool, rows_host)  # (B, T, H) on the host, before the forward; the next read uses them
+    out = pool.read(indices, weights)   # indices: the same rows on the device (their shape is checked)
+
+A staged set serves the next read only; a read with none staged (validation,
+an activation-checkpointing recompute) takes the path above. `rows` are sorted,
 so `local` orders the reads as the table's own slots do: the staged read's
 coalesced row gradient holds the same bags in the same order as a read of
-the whole table with sparse=True. On CPU the two placements train bit for bit
+the whole table with sparse=True. On CPU both (tables_in host and device) train bit for bit
 alike (tests/integration/test_engram_host.py).
 """
 
@@ -40,17 +51,35 @@ from memlm.memory.sparse_adamw import add_local_sparse_grad
 class HostRowsReader:
     """Installed as `pool.reader` by `keep_on_host` (module docstring)."""
 
+    def __init__(self):
+        self.staged: tuple | None = None  # (shape, rows_host (U,), values (U, v), local (..., 1)) for the next read
+
+    def stage(self, pool: nn.Module, rows_host: torch.Tensor, device: torch.device | str) -> None:
+        """Gather the rows of the next read from `rows_host` (any shape, on the host) and start their copy to
+        `device`; the read's indices must be the same rows as (numel, 1)."""
+        rows, local = torch.unique(rows_host.reshape(-1, 1), sorted=True, return_inverse=True)  # (U,), (n, 1)
+        values = pool.weight.detach().index_select(0, rows)  # (U, v)
+        if torch.device(device).type == "cuda":
+            values, local = values.pin_memory(), local.pin_memory()
+        self.staged = (local.shape, rows, values.to(device, non_blocking=True), local.to(device, non_blocking=True))
+
     def __call__(self, pool: nn.Module, indices: torch.Tensor, weights: torch.Tensor, sparse: bool, kernel: str,
                  launches: ReadLaunches = NO_LAUNCHES) -> torch.Tensor:
         table = pool.weight  # (N, v) in host memory
-        device = indices.device
-        rows, local = torch.unique(indices, sorted=True, return_inverse=True)  # (U,), (B, K)
-        rows_host = rows.to(table.device)
-        staged = table.detach().index_select(0, rows_host).to(device, non_blocking=True)  # (U, v)
+        ahead, self.staged = self.staged, None
+        if ahead is not None:
+            shape, rows_host, values, local = ahead
+            if shape != indices.shape:
+                raise ValueError(f"the rows staged for this read have shape {tuple(shape)}, the read's indices "
+                                 f"{tuple(indices.shape)}: stage() the rows of the batch about to be read")
+        else:
+            rows, local = torch.unique(indices, sorted=True, return_inverse=True)  # (U,), (B, K)
+            rows_host = rows.to(table.device)  # the read's one device-to-host copy: a host sync on CUDA
+            values = table.detach().index_select(0, rows_host).to(indices.device, non_blocking=True)  # (U, v)
         if torch.is_grad_enabled() and table.requires_grad:
-            staged.requires_grad_(True)
-            staged.register_hook(lambda grad: _to_table(table, rows_host, grad))
-        return ops.embedding_bag(staged, local, weights, sparse=True, kernel=kernel, launches=launches)
+            values.requires_grad_(True)  # a leaf: its row gradient goes to the table by the hook
+            values.register_hook(lambda grad: _to_table(table, rows_host, grad))
+        return ops.embedding_bag(values, local, weights, sparse=True, kernel=kernel, launches=launches)
 
 
 def _to_table(table: torch.Tensor, rows_host: torch.Tensor, grad: torch.Tensor) -> None:
@@ -66,7 +95,7 @@ def keep_on_host(pool: nn.Module) -> None:
     The Parameter object stays the same, so an optimizer or checkpoint holding it still does."""
     if pool.reader is not None:
         raise ValueError(f"a value pool with a reader ({type(pool.reader).__name__}) cannot also be kept on the "
-                         "host: memory parallelism and host placement are exclusive")
+                         "host: memory parallelism and host tables are exclusive")
     with torch.no_grad():
         host = pool.weight.detach().to("cpu")
         if torch.cuda.is_available():

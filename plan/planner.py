@@ -134,9 +134,9 @@ def check_args(cfg: Config, world: int, rank: int, gpus_per_node: int, gpu: str)
     if gpus_per_node < 1:
         raise ConfigError("--gpus-per-node", gpus_per_node, "an integer >= 1")
     gpu_spec(gpu)
-    if cfg.memory.engram.layers and cfg.memory.engram.placement == "host" and world > 1:
-        raise ConfigError("--world", world, "1 with memory.engram.placement=host (a host table is trained by one "
-                          "process), or memory.engram.placement=device on several GPUs")
+    if cfg.memory.engram.layers and cfg.memory.engram.tables_in == "host" and world > 1:
+        raise ConfigError("--world", world, "1 with memory.engram.tables_in=host (a host table is trained by one "
+                          "process), or memory.engram.tables_in=device on several GPUs")
     p = cfg.parallel.memory_parallel
     if p != "auto" and world % p:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
@@ -250,7 +250,7 @@ def plan(cfg: Config, world: int, rank: int = 0, gpu: str = "H200", gpus_per_nod
         layout = _layout(cfg, model, meshes, env, accum, memory_parallel, tables, table_ids, target)
         host = _host_tables(cfg, model, optimizer, layout)
         for key in ("params", "grads", "optimizer"):
-            bytes_[key] -= host["bytes"].get(key, 0)  # what memory.engram.placement=host keeps off the device
+            bytes_[key] -= host["bytes"].get(key, 0)  # what memory.engram.tables_in=host keeps off the device
         tables = [t for t in tables if not host["bytes"] or id(t) not in engram_tables]
     act = activation_bytes(model, layout, cfg.parallel.activation_checkpoint)
     comm = comm_volume(layout)
@@ -284,11 +284,11 @@ def plan(cfg: Config, world: int, rank: int = 0, gpu: str = "H200", gpus_per_nod
 
 
 def _host_tables(cfg: Config, model, optimizer, layout: Layout) -> dict[str, Any]:
-    """Engram's tables in host memory (memory.engram.placement=host): their bytes there (the table, a
+    """Engram's tables in host memory (memory.engram.tables_in=host): their bytes there (the table, a
     gradient's worth for its rows, the AdamW moments) and what a step moves between host and device;
     {"bytes": {}} with the tables on the device."""
     engrams = [b.engram for b in model.layers if b.engram is not None]
-    if cfg.memory.engram.placement != "host" or not engrams:
+    if cfg.memory.engram.tables_in != "host" or not engrams:
         return {"bytes": {}}
     weights = [e.tables.weight for e in engrams]
     held = {

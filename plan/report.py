@@ -89,17 +89,17 @@ def format_table_traffic(p: dict[str, Any]) -> list[str]:
 
 
 def format_host_tables(p: dict[str, Any]) -> list[str]:
-    """Engram's tables in host memory (memory.engram.placement=host): what they hold there and the bytes
+    """Engram's tables in host memory (memory.engram.tables_in=host): what they hold there and the bytes
     a step moves over PCIe; [] with the tables on the device."""
     host = p.get("host_tables") or {}
     if not host.get("bytes"):
         return []
     held, step = host["bytes"], host["step"]
     return [
-        f"Engram tables in host memory (memory.engram.placement=host): {size_text(sum(held.values())).strip()} "
+        f"Engram tables in host memory (memory.engram.tables_in=host): {size_text(sum(held.values())).strip()} "
         "there (tables, their gradients and AdamW moments), not counted above",
-        f"  per optimizer step over PCIe: {size_text(step['to_device']).strip()} of rows to the device, "
-        f"{size_text(step['to_host']).strip()} of row ids and row gradients back ({step['rows']:,} rows "
+        f"  per optimizer step over PCIe: {size_text(step['to_device']).strip()} of rows and read positions to the "
+        f"device, {size_text(step['to_host']).strip()} of row ids and row gradients back ({step['rows']:,} rows "
         "expected for reads spread evenly: an upper estimate, text repeats n-grams)",
     ]
 

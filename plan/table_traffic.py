@@ -100,14 +100,16 @@ def expected_rows(reads: int, n_slots: int) -> int:
 def host_table_bytes(tokens: int, head_rows: list[int], head_dim: int, layers: int, micro_batches: int = 1,
                      value_bytes: int = 4) -> dict[str, int]:
     """Bytes one optimizer step moves between host and device for Engram tables kept in host memory
-    (memory.engram.placement=host, memlm.memory.host_tables), by direction. Each layer and micro-batch
+    (memory.engram.tables_in=host, memlm.memory.host_tables), by direction. Each layer and micro-batch
     reads one row per token from each head's table (`head_rows`: its rows); the distinct rows are
-    expected for reads spread evenly, an upper estimate for text, whose n-grams repeat. Each distinct
-    row: its id to the host (8 bytes), its values to the device, its gradient back."""
+    expected for reads spread evenly, an upper estimate for text, whose n-grams repeat. The rows are
+    staged from the host (HostRowsReader.stage): each distinct row's values go to the device with each
+    read's position in them (8 bytes per token and head); each distinct row's gradient comes back with
+    its id (8 bytes)."""
     distinct = sum(expected_rows(tokens, rows) for rows in head_rows)
     reads = layers * micro_batches
     return {
-        "to_device": reads * distinct * head_dim * value_bytes,
+        "to_device": reads * (distinct * head_dim * value_bytes + tokens * len(head_rows) * 8),
         "to_host": reads * distinct * (8 + head_dim * value_bytes),
         "rows": reads * distinct,
     }

@@ -10,7 +10,7 @@ the value tables column-sharded over the memory-parallel group -> `wrap`,
 what training adds before the weights are materialized (activation
 checkpointing, compile, FSDP2: memlm.distributed.parallelize) -> the weights
 on the device, initialized -> the value tables drawn from the seed alone -> Engram's tables moved to host memory
-(memory.engram.placement=host, memlm.memory.host_tables). A loader then
+(memory.engram.tables_in=host, memlm.memory.host_tables). A loader then
 overwrites every weight with a checkpoint's.
 """
 
@@ -77,18 +77,18 @@ def build_run_model(cfg: Config, env: DistEnv | None = None, meshes: Meshes | No
         reset_lora(model)
     # Value tables from the seed alone: replicas agree, init=full == init=sharded.
     memory_hooks.init_value_tables(model, cfg.seed)
-    if cfg.memory.engram.layers and cfg.memory.engram.placement == "host":
+    if cfg.memory.engram.layers and cfg.memory.engram.tables_in == "host":
         keep_engram_tables_on_host(model, env)
     return model
 
 
 def keep_engram_tables_on_host(model: Transformer, env: DistEnv) -> None:
     """Every Engram layer's table in host memory, read through memlm.memory.host_tables (drawn on the
-    device first, so a host table starts as the device placement's does on the same machine)."""
+    device first, so a host table starts as a device table does on the same machine)."""
     from memlm.memory.host_tables import keep_on_host
 
     if env.world_size > 1:
-        raise ConfigError("memory.engram.placement", "host", f"device on {env.world_size} ranks: a host table is "
+        raise ConfigError("memory.engram.tables_in", "host", f"device on {env.world_size} ranks: a host table is "
                           "trained by one process (its row gradients are not reduced over ranks)")
     for block in model.layers:
         if block.engram is not None:

@@ -18,6 +18,8 @@ is its step.
 Points, in the order the loop reaches them:
 - `step_start(step)`: before the step's first forward (`step` counts from 1:
   the step about to run).
+- `before_forward(inputs)`: each micro-batch's input tokens (B, T), still on
+  the host, before they go to the device and the forward runs.
 - `after_backward()`: the last micro-batch's backward is done; before the
   gradients are clipped and the optimizer steps.
 - `step_end(step, run)`: after the optimizer step; a component acts when it
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-POINTS = ("step_start", "after_backward", "step_end", "end", "close")
+POINTS = ("step_start", "before_forward", "after_backward", "step_end", "end", "close")
 
 
 @dataclass
@@ -68,6 +70,9 @@ class Extensions:
 
     def step_start(self, step: int) -> None:
         self._call("step_start", step)
+
+    def before_forward(self, inputs: Any) -> None:
+        self._call("before_forward", inputs)
 
     def after_backward(self) -> None:
         self._call("after_backward")

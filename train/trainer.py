@@ -150,7 +150,9 @@ class Trainer:
         self.extensions.step_start(self.step + 1)
         loss_sum = torch.zeros((), device=self.env.device)
         for micro in range(self.accum):
-            inputs, targets, doc_ids = model_batch(next(self.train_loader), self.env.device, self.cfg.model.doc_mask)
+            batch = next(self.train_loader)
+            self.extensions.before_forward(batch[0])  # the tokens on the host (Engram's host tables stage rows)
+            inputs, targets, doc_ids = model_batch(batch, self.env.device, self.cfg.model.doc_mask)
             if hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(micro == self.accum - 1)
             loss = self._forward_loss(inputs, targets, doc_ids) / self.accum

@@ -1,6 +1,6 @@
-"""Engram's tables in host memory (memory.engram.placement=host, memlm.memory.host_tables).
+"""Engram's tables in host memory (memory.engram.tables_in=host, memlm.memory.host_tables).
 
-On CPU host and device are one memory, so what the placement changes is the path: each read gathers the
+On CPU host and device are one memory, so what tables_in=host changes is the path: each read gathers the
 distinct rows it names and hands their row gradient back beside the table. It must train bit for bit as
 the tables read whole with row gradients (memory.sparse_updates=true), beside Memory+ too, and resume.
 """
@@ -27,11 +27,14 @@ BESIDE_MEMPLUS = [*BASE, "model.n_layers=2", "memory=memplus", "memory.layers=[1
                   "memory.engram.layers=[0]", *SMALL, "memory.sparse_updates=true"]
 
 
-@pytest.mark.parametrize("run", [ENGRAM, BESIDE_MEMPLUS], ids=["engram", "beside_memplus"])
+@pytest.mark.parametrize("run", [ENGRAM, BESIDE_MEMPLUS, [*ENGRAM, "parallel.activation_checkpoint=full"]],
+                         ids=["engram", "beside_memplus", "recomputed"])
 def test_host_tables_train_as_the_device_tables(tmp_path, run):
+    """Each micro-batch's rows staged from its tokens on the host (the recompute of activation checkpointing
+    reads them again unstaged): the run equals the tables read whole on the device, bit for bit."""
     batches = global_batches(128)
     device = reference_run(run, batches, tmp_path / "device")
-    host = reference_run([*run, "memory.engram.placement=host"], batches, tmp_path / "host")
+    host = reference_run([*run, "memory.engram.tables_in=host"], batches, tmp_path / "host")
     assert device["metrics"] == host["metrics"]  # losses and both gradient norms, every step
     assert device["state"].keys() == host["state"].keys()
     for key, value in device["state"].items():
@@ -39,7 +42,7 @@ def test_host_tables_train_as_the_device_tables(tmp_path, run):
 
 
 def test_the_host_reader_is_installed_and_reads_the_rows_named(tmp_path):
-    trainer = Trainer(compose([*ENGRAM, "memory.engram.placement=host", "data.micro_batch=2",
+    trainer = Trainer(compose([*ENGRAM, "memory.engram.tables_in=host", "data.micro_batch=2",
                                f"dump_dir={tmp_path}"]), train_loader=iter(global_batches(128)))
     pools = [b.engram.tables for b in trainer.model.layers]
     assert all(isinstance(p.reader, HostRowsReader) for p in pools)
@@ -58,7 +61,7 @@ def test_the_host_reader_is_installed_and_reads_the_rows_named(tmp_path):
 
 
 def test_a_run_on_host_tables_stops_and_resumes_bit_for_bit(tmp_path):
-    run = [*ENGRAM[:-1], "memory.sparse_updates=true", "memory.engram.placement=host", "model.vocab_size=128",
+    run = [*ENGRAM[:-1], "memory.sparse_updates=true", "memory.engram.tables_in=host", "model.vocab_size=128",
            "data.micro_batch=2", "logging.every=1", "steps=4"]
     full, halves = tmp_path / "full", tmp_path / "halves"
     Trainer(compose([*run, f"dump_dir={full}"])).fit()
@@ -72,16 +75,16 @@ def test_a_run_on_host_tables_stops_and_resumes_bit_for_bit(tmp_path):
     ("memory.sparse_updates=false", "memory.sparse_updates=true"),
     ("parallel.memory_parallel=2", "memory_parallel 1"),
 ])
-def test_host_placement_without_what_it_needs_is_refused(override, valid):
+def test_host_tables_without_what_they_need_are_refused(override, valid):
     with pytest.raises(ConfigError) as err:
-        compose([*ENGRAM, "memory.engram.placement=host", override])
-    assert err.value.key == "memory.engram.placement" and valid in str(err.value)
+        compose([*ENGRAM, "memory.engram.tables_in=host", override])
+    assert err.value.key == "memory.engram.tables_in" and valid in str(err.value)
 
 
-def test_an_unknown_placement_names_the_choices():
+def test_an_unknown_tables_in_names_the_choices():
     with pytest.raises(ConfigError) as err:
-        compose([*ENGRAM, "memory.engram.placement=disk"])
-    assert err.value.key == "memory.engram.placement" and "device, host" in str(err.value)
+        compose([*ENGRAM, "memory.engram.tables_in=disk"])
+    assert err.value.key == "memory.engram.tables_in" and "device, host" in str(err.value)
 
 
 def test_a_pool_with_a_reader_is_not_also_kept_on_the_host():
@@ -96,16 +99,17 @@ def test_a_pool_with_a_reader_is_not_also_kept_on_the_host():
 def test_the_pcie_bytes_of_a_step_by_hand():
     from memlm.plan.table_traffic import host_table_bytes
 
-    # Two heads of one row each: 2 tokens read 1 distinct row per head. Per read: 2 rows of 3 floats to the
-    # device (24 B), their ids (16 B) and gradients (24 B) back; 2 layers x 3 micro-batches.
+    # Two heads of one row each: 2 tokens read 1 distinct row per head. Per read: 2 rows of 3 floats (24 B)
+    # and 2 tokens x 2 heads of positions in them (32 B) to the device, the 2 rows' ids (16 B) and gradients
+    # (24 B) back; 2 layers x 3 micro-batches.
     assert host_table_bytes(tokens=2, head_rows=[1, 1], head_dim=3, layers=2, micro_batches=3) == \
-        {"to_device": 6 * 24, "to_host": 6 * 40, "rows": 6 * 2}
+        {"to_device": 6 * (24 + 32), "to_host": 6 * 40, "rows": 6 * 2}
 
 
 def test_the_planner_keeps_host_tables_off_the_device():
     run = ["memory=engram", "memory.sparse_updates=true", "model.n_layers=2", "memory.engram.layers=[0,1]"]
     device = plan(compose(run), world=1)
-    host = plan(compose([*run, "memory.engram.placement=host"]), world=1)
+    host = plan(compose([*run, "memory.engram.tables_in=host"]), world=1)
     held = host["host_tables"]["bytes"]
     tables = device["params_memory"] * 4  # float32 tables
     assert held["params"] == tables
@@ -117,7 +121,7 @@ def test_the_planner_keeps_host_tables_off_the_device():
 
 def test_the_planner_refuses_host_tables_on_several_gpus():
     with pytest.raises(ConfigError) as err:
-        plan(compose(["memory=engram", "memory.sparse_updates=true", "memory.engram.placement=host"]), world=2)
+        plan(compose(["memory=engram", "memory.sparse_updates=true", "memory.engram.tables_in=host"]), world=2)
     assert err.value.key == "--world"
 
 
@@ -125,7 +129,31 @@ def test_a_run_on_several_ranks_refuses_host_tables():
     from memlm.distributed.env import DistEnv
     from memlm.run.model import build_run_model, keep_engram_tables_on_host
 
-    model = build_run_model(compose([*ENGRAM, "memory.engram.placement=host"]))
+    model = build_run_model(compose([*ENGRAM, "memory.engram.tables_in=host"]))
     with pytest.raises(ConfigError) as err:
         keep_engram_tables_on_host(model, DistEnv(0, 2, 0, 2, torch.device("cpu")))
-    assert err.value.key == "memory.engram.placement" and "2 ranks" in str(err.value)
+    assert err.value.key == "memory.engram.tables_in" and "2 ranks" in str(err.value)
+
+
+def test_training_reads_the_rows_staged_from_the_tokens_on_the_host(tmp_path, monkeypatch):
+    staged_at_read = []
+    read = HostRowsReader.__call__
+
+    def spy(self, pool, indices, *args, **kwargs):
+        staged_at_read.append(self.staged is not None)
+        return read(self, pool, indices, *args, **kwargs)
+
+    monkeypatch.setattr(HostRowsReader, "__call__", spy)
+    trainer = Trainer(compose([*ENGRAM, "memory.engram.tables_in=host", "data.micro_batch=2", "global_batch_tokens=64",
+                               f"dump_dir={tmp_path}"]), train_loader=iter(global_batches(128) * 2))
+    for _ in range(2):
+        trainer.train_step()
+    assert staged_at_read == [True] * 8  # 2 Engram layers x 2 micro-batches x 2 steps
+
+
+def test_rows_staged_for_another_batch_are_refused():
+    pool = ValuePool(10, 4)
+    reader = HostRowsReader()
+    reader.stage(pool, torch.tensor([[1, 2, 3]]), "cpu")
+    with pytest.raises(ValueError, match=r"shape \(3, 1\).*\(4, 1\)"):
+        reader(pool, torch.tensor([[1], [2], [3], [4]]), torch.ones(4, 1), True, "auto")
