@@ -29,7 +29,8 @@ A 2-D attention_mask with padding is honoured (padded keys are masked, positions
 count real tokens only; Engram hashes padding as the start of a row and zeroes its
 convolution input there), as generate needs for batches of unequal prompts. An
 Engram layer keeps its canonical ids and convolution inputs on the cache object
-(`memlm_engram`), which beam search reorders with the cache's rows (`_reorder_cache`).
+(`memlm_engram`), which beam search reorders with the cache's rows (`_reorder_cache`)
+and each call cuts to the cache's length (assisted decoding crops the cache).
 """
 
 from __future__ import annotations
@@ -337,6 +338,11 @@ class MemlmForCausalLM(PreTrainedModel, GenerationMixin):
             real = attention_mask.bool()[:, -seq:] if padded else None
             # Each Engram layer's canonical ids and conv inputs so far ride on the cache object.
             histories = None if cache is None else cache.__dict__.setdefault(ENGRAM_HISTORY, {})
+            for history in (histories or {}).values():
+                # The attention cache's length is the truth: a cache cropped since the last call (assisted
+                # decoding drops the candidates it rejected, Cache.crop) drops them from the history too.
+                for key, past in history.items():
+                    history[key] = past[:, :start]
             engram_in = (input_ids, real, histories)
         for block in self.layers:
             h = block(h, cos, sin, cache, mask, engram_in)

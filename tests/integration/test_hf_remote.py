@@ -90,7 +90,7 @@ def _memlm_model(args_kw: dict, mem_kw: dict | None, seed: int = 0):
 def _bundle(tmp_path: Path, model, args, memory) -> Path:
     """What run/export.py writes for a non-dense model, minus the checkpoint round trip."""
     out = tmp_path / "bundle"
-    out.mkdir()
+    out.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     hf_remote.write_remote_code(out, args, memory, extra={"bos_token_id": 7})
@@ -122,6 +122,33 @@ def test_remote_model_logits_match_memlm(tmp_path, case):
     # value table goes back to its storage dtype (memory.value_dtype) at the next read.
     with torch.no_grad():
         assert (logits - hf.float()(tokens).logits).abs().max().item() <= (TOL if case in SUMMED_OTHERWISE else 0.0)
+
+
+def test_a_cropped_cache_decodes_as_if_the_dropped_positions_never_ran(tmp_path):
+    """Assisted decoding runs candidate tokens through the model, then crops the cache back to the ones
+    accepted (Cache.crop). An Engram layer's history rides on the cache object: it must follow the crop,
+    or the next tokens hash n-grams with the rejected candidates and convolve their inputs."""
+    ours, args, memory = _memlm_model(*CASES["engram_beside_memplus"])
+    hf = MemlmForCausalLM.from_pretrained(str(_bundle(tmp_path, ours, args, memory))).eval()
+    tokens = _tokens(2, 12, seed=8)
+    with torch.no_grad():
+        first = hf(tokens[:, :9], use_cache=True)  # 6 accepted positions, then 3 candidates
+        cache = first.cache if hasattr(first, "cache") else first.past_key_values
+        cache.crop(-3)  # the 3 candidates rejected (a negative count: transformers 5 and 4.x alike)
+        resumed = hf(tokens[:, 6:], cache=cache).logits
+        whole = hf(tokens, use_cache=False).logits[:, 6:]
+    assert (resumed - whole).abs().max().item() <= TOL
+
+
+def test_assisted_decoding_equals_greedy_decoding(tmp_path):
+    ours, args, memory = _memlm_model(*CASES["engram_beside_memplus"])
+    hf = MemlmForCausalLM.from_pretrained(str(_bundle(tmp_path / "main", ours, args, memory))).eval()
+    helper_model, helper_args, helper_memory = _memlm_model(*CASES["engram_alone"], seed=1)
+    helper = MemlmForCausalLM.from_pretrained(
+        str(_bundle(tmp_path / "helper", helper_model, helper_args, helper_memory))).eval()
+    prompt = _tokens(1, 5, seed=9)
+    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(hf.generate(prompt, assistant_model=helper, **kw), hf.generate(prompt, **kw))
 
 
 @pytest.mark.parametrize("case", ["memplus_shared_swilu", "engram_beside_memplus"])
