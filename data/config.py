@@ -23,6 +23,10 @@ from memlm.errors import ConfigError
 KINDS = ("random", "synthetic", "facts", "raw", "shards")
 FORMATS = ("auto", "jsonl", "parquet", "text", "text_file")
 ON_ERROR = ("raise", "skip")
+# data.rows: how documents fill a batch's rows (memlm.data.loader). packed: back to back, a row may span
+# documents; documents: one document per row from its start, the rest padding that is not trained on.
+ROWS = ("packed", "documents")
+IGNORE = -100  # the target of a padding position: not trained on (F.cross_entropy's ignore_index)
 # Fields only some kinds read (the rest are shared): setting one for another kind is refused.
 READ_BY = (("sources", ("raw", "shards")), ("shards_dir", ("shards",)),
            ("tokenizer", ("raw", "shards", "synthetic", "facts")), ("synthetic", ("synthetic",)),
@@ -74,6 +78,7 @@ class DataConfig:
     on_error: str = "raise"  # bad records: raise (naming file and line) | skip (counted, reported)
     val_fraction: float = 0.0  # raw/synthetic: documents held out by hash for split="val"
     shuffle: bool = True  # reshuffle documents every epoch (seeded); False keeps file order
+    rows: str = "packed"  # packed | documents (one document per row, padded; ROWS)
     prefetch: int = 2  # batches prepared ahead in a background thread; 0 -> none
     num_workers: int = 1  # processes tokenizing raw/synthetic sources when the loader is built
     cache_dir: str = "data_cache"  # kind=synthetic/facts: where the corpus and tokenizer are written
@@ -91,6 +96,11 @@ class DataConfig:
             raise ConfigError(f"{prefix}.kind", self.kind, f"one of: {', '.join(KINDS)}")
         if self.on_error not in ON_ERROR:
             raise ConfigError(f"{prefix}.on_error", self.on_error, f"one of: {', '.join(ON_ERROR)}")
+        if self.rows not in ROWS:
+            raise ConfigError(f"{prefix}.rows", self.rows, f"one of: {', '.join(ROWS)}")
+        if self.rows == "documents" and self.kind == "random":
+            raise ConfigError(f"{prefix}.rows", self.rows, f"packed with {prefix}.kind=random (random tokens have "
+                              "no documents), or a data kind with documents")
         if self.prefetch < 0:
             raise ConfigError(f"{prefix}.prefetch", self.prefetch, "an integer >= 0 (0 disables prefetch)")
         if not 0.0 <= self.val_fraction < 1.0:

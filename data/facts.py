@@ -65,6 +65,26 @@ def document(entity: str, attribute: str, value: str) -> str:
     return f"{question(entity, attribute)} {value}"
 
 
+# Phrasings of one fact for fine-tuning on paraphrases (memlm.data.continual's facts_b_para): the
+# evaluation's Q/A layout first, then statements and other questions. Written for this corpus: Lin et
+# al.'s paraphrases come from a language model; templates keep the corpus reproducible byte for byte.
+PHRASINGS = (
+    "Q: What is the {a} of {e}?\nA: {v}",
+    "The {a} of {e} is {v}.",
+    "{e}'s {a} is {v}.",
+    "{v} is the {a} of {e}.",
+    "Q: Which {a} does {e} have?\nA: {v}",
+    "Asked for the {a} of {e}, the answer is {v}.",
+    "{e} has {v} as {a}.",
+    "Q: Name the {a} of {e}.\nA: {v}",
+)
+
+
+def paraphrases(entity: str, attribute: str, value: str) -> list[str]:
+    """The fact in every phrasing of PHRASINGS, the evaluation's layout first."""
+    return [p.format(e=entity, a=attribute, v=value) for p in PHRASINGS]
+
+
 def check_sizes(entities: int, attributes: int, values: int, prefix: str = "data.facts") -> None:
     if not 0 < entities <= MAX_ENTITIES:
         raise ConfigError(f"{prefix}.entities", entities, f"an integer in [1, {MAX_ENTITIES}]")

@@ -38,6 +38,15 @@ Contract
   document it ends; the row's first document may have begun in the previous
   row). A pure function of the returned tokens: the state is the same with or
   without it. Sources without a tokenizer (kind=random) have no documents.
+- `data.rows=documents` (DocumentRows): each row holds one document from its
+  start (with its EOS), and the positions after it are padding: inputs 0,
+  targets IGNORE (-100), which the loss skips (memlm.train.loss). A source's
+  k-th row is its k-th document (epoch-major, in the epoch's order; with
+  data.shuffle=false, file order), so the state counts documents instead of
+  tokens. Every document must fit a row (seq_len + 1 tokens): a longer one is
+  refused when the loader is built. With file order and micro_batch k, a
+  corpus that lists each fact's k phrasings together gives batches of one
+  fact each (Lin et al.'s sparse fine-tuning batches; docs/finetuning.md).
 - Batches are made in a background thread (torchdata Prefetcher, `prefetch`
   batches ahead); the state always describes the batches *returned*, not the
   ones prefetched.
@@ -51,7 +60,7 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
-from memlm.data.config import DataConfig
+from memlm.data.config import IGNORE, DataConfig
 from memlm.data.corpus import Corpus, open_corpus
 from memlm.data.stream import MixtureSchedule
 from memlm.errors import ConfigError
@@ -62,6 +71,8 @@ log = logging.getLogger("memlm.data")
 
 class PackedBatches(BaseNode):
     """torchdata node yielding (inputs, targets) for one rank of the global sequence stream."""
+
+    ROWS = "packed"  # data.rows
 
     def __init__(self, corpus: Corpus, seq_len: int, micro_batch: int, rank: int, world_size: int,
                  seed: int, split: str = "train", kind: str = ""):
@@ -85,6 +96,9 @@ class PackedBatches(BaseNode):
     def _restore(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
             raise ConfigError("data state version", state.get("version"), f"{STATE_VERSION} (from this memlm)")
+        if state.get("rows", "packed") != self.ROWS:  # states of packed rows predate the key
+            raise ConfigError("data.rows", self.ROWS, f"{state.get('rows', 'packed')!r}, the value of the run this "
+                              "data state was saved from (its positions count other units)")
         for key in ("kind", "split", "seed"):
             if state[key] != getattr(self, key):
                 raise ConfigError(f"data.{key}", getattr(self, key),
@@ -100,14 +114,19 @@ class PackedBatches(BaseNode):
         self.global_seq = int(state["global_seq"])
         self.positions[:] = [int(state["positions"][n]) for n in self.names]
 
+    def _rows_of_step(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(every global row's source, this rank's rows before it per source, this rank's rows' sources)
+        of the step at global_seq: the k-th row of source s (over all ranks) is its k-th from positions[s]."""
+        choice = self.schedule.choices(self.global_seq, self.world_size * self.micro_batch)
+        first = self.rank * self.micro_batch
+        before = np.bincount(choice[:first], minlength=len(self.sources))
+        return choice, before, choice[first:first + self.micro_batch]
+
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         # returns inputs, targets: (micro_batch, seq_len) int64
         width, n_rows = self.seq_len + 1, self.world_size * self.micro_batch
-        choice = self.schedule.choices(self.global_seq, n_rows)
-        first = self.rank * self.micro_batch
         # k-th sequence of source s (counted over all ranks) starts at positions[s] + k * width.
-        before = np.bincount(choice[:first], minlength=len(self.sources))
-        mine = choice[first:first + self.micro_batch]
+        choice, before, mine = self._rows_of_step()
         buf = np.empty((self.micro_batch, width), dtype=np.int64)
         for s in np.unique(mine).tolist():  # one vectorized fill per source
             rows = np.flatnonzero(mine == s)
@@ -130,6 +149,49 @@ class PackedBatches(BaseNode):
             "world_size": self.world_size, "rank": self.rank,
             "micro_batch": self.micro_batch, "seq_len": self.seq_len,
         }
+
+
+class DocumentRows(PackedBatches):
+    """data.rows=documents: one document per row, padded (module docstring). Positions count documents."""
+
+    ROWS = "documents"
+
+    def __init__(self, corpus: Corpus, seq_len: int, micro_batch: int, rank: int, world_size: int,
+                 seed: int, split: str = "train", kind: str = ""):
+        super().__init__(corpus, seq_len, micro_batch, rank, world_size, seed, split, kind)
+        for source in self.sources:
+            longest = int(source.doc_len.max())
+            if longest > seq_len + 1:
+                raise ConfigError("data.seq_len", seq_len, f"at least {longest - 1} with data.rows=documents: "
+                                  f"source {source.name}'s longest document has {longest} tokens with its EOS, "
+                                  "and a row holds one whole document (seq_len + 1 tokens)")
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # returns inputs, targets: (micro_batch, seq_len) int64; targets IGNORE after each row's document
+        width, n_rows = self.seq_len + 1, self.world_size * self.micro_batch
+        choice, before, mine = self._rows_of_step()  # the k-th row of source s: its document positions[s] + k
+        buf = np.zeros((self.micro_batch, width), dtype=np.int64)
+        lengths = np.empty(self.micro_batch, dtype=np.int64)
+        for s in np.unique(mine).tolist():
+            rows = np.flatnonzero(mine == s)
+            numbers = self.positions[s] + before[s] + np.arange(len(rows))
+            part = np.zeros((len(rows), width), dtype=np.int64)
+            lengths[rows] = self.sources[s].fill_documents(numbers, part)
+            buf[rows] = part
+        self.positions += np.bincount(choice, minlength=len(self.sources))
+        self.global_seq += n_rows
+        targets = buf[:, 1:].copy()
+        targets[np.arange(self.seq_len)[None, :] >= lengths[:, None] - 1] = IGNORE  # no next token of the document
+        return torch.from_numpy(buf[:, :-1].copy()), torch.from_numpy(targets)
+
+    def get_state(self) -> dict:
+        state = super().get_state()
+        state["rows"] = self.ROWS
+        state["epochs"] = {s.name: int(p) // s.num_docs for s, p in zip(self.sources, self.positions)}
+        return state
+
+
+NODES = {node.ROWS: node for node in (PackedBatches, DocumentRows)}  # data.rows -> its node
 
 
 def document_ids(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -226,5 +288,5 @@ def build_loader(cfg: DataConfig, rank: int = 0, world_size: int = 1, split: str
     for name, stats in corpus.stats.items():
         if stats.total_skipped:
             log.warning("data: source %s: %s", name, stats.summary())
-    node = PackedBatches(corpus, cfg.seq_len, cfg.micro_batch, rank, world_size, cfg.seed, split, cfg.kind)
+    node = NODES[cfg.rows](corpus, cfg.seq_len, cfg.micro_batch, rank, world_size, cfg.seed, split, cfg.kind)
     return TokenLoader(node, corpus, cfg.prefetch, doc_ids)

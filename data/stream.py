@@ -82,6 +82,18 @@ class TokenSource:
         for epoch, pieces in by_epoch.items():
             self._copy_pieces(epoch, np.array(pieces, dtype=np.int64), flat)
 
+    def fill_documents(self, numbers: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """out[j, :len] = document numbers[j] of the stream (epoch-major: number k is document k % n of
+        epoch k // n, in that epoch's order); return the lengths (rows,). The rest of out is left as is."""
+        lengths = np.empty(len(numbers), dtype=np.int64)
+        for j, k in enumerate(numbers.tolist()):
+            epoch, i = divmod(k, self.num_docs)
+            doc = int(self._table(epoch)[0][i])
+            start, n = int(self.doc_start[doc]), int(self.doc_len[doc])
+            out[j, :n] = self.arrays[self.doc_array[doc]][start:start + n]
+            lengths[j] = n
+        return lengths
+
     def _copy_pieces(self, epoch: int, pieces: np.ndarray, flat: np.ndarray) -> None:
         # pieces: (k, 3) = flat destination, epoch offset, length
         order, cum = self._table(epoch)

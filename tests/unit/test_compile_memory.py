@@ -16,6 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 from memlm.config.run import compose
+from memlm.data.config import IGNORE
 
 # Importing memlm.memory registers the memlm:: ops (memory/fast/ops.py, memory/fast/search_grad.py).
 from memlm.memory import MemoryPlus, apply_knn_schedule, knn_at_step
@@ -221,6 +222,23 @@ def test_chunked_cross_entropy_equals_the_fp32_reference(dtype):
         torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
     else:  # both are fp32 gradients rounded once to bf16
         torch.testing.assert_close(grad, ref_grad, rtol=1e-2, atol=1e-5)
+
+
+def test_ignored_targets_add_nothing_to_the_chunked_cross_entropy():
+    """data.rows=documents pads each row and marks the padding's targets IGNORE: the loss is the mean
+    over the other tokens, and the ignored rows get a zero gradient."""
+    gen = torch.Generator().manual_seed(1)
+    logits = (3 * torch.randn(2, 11, 40, generator=gen)).requires_grad_()
+    targets = torch.randint(0, 40, (2, 11), generator=gen)
+    targets[0, 7:] = IGNORE
+    targets[1, 3:] = IGNORE
+    loss = chunked_cross_entropy(logits, targets, 4 * 40 * 4)  # 4 tokens a chunk
+    ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    (grad,) = torch.autograd.grad(loss, logits)
+    (ref_grad,) = torch.autograd.grad(ref, logits)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+    assert torch.all(grad[0, 7:] == 0) and torch.all(grad[1, 3:] == 0)
 
 
 def test_chunked_cross_entropy_keeps_no_fp32_copy_of_all_logits():

@@ -49,7 +49,8 @@ def test_the_same_arguments_give_the_same_bytes(tmp_path):
     _write(tmp_path / "x")
     _write(tmp_path / "y")
     names = sorted(p.relative_to(tmp_path / "x") for p in (tmp_path / "x").rglob("*") if p.is_file())
-    assert len(names) == (2 + 3) * 2 + 3 + 2 and all(  # facts parts, biography parts, tokenizer + manifest
+    # facts parts, facts B's paraphrases, biography parts, tokenizer and manifest
+    assert len(names) == (2 + 3) * 2 + 1 + 3 + 2 and all(
         (tmp_path / "x" / n).read_bytes() == (tmp_path / "y" / n).read_bytes() for n in names)
 
 
@@ -58,3 +59,38 @@ def test_the_same_arguments_give_the_same_bytes(tmp_path):
 def test_bad_arguments_name_the_value_and_what_is_valid(tmp_path, key, kw):
     with pytest.raises(ConfigError, match=key):
         _write(tmp_path, **kw)
+
+
+def test_read_as_document_rows_each_paraphrase_batch_is_one_fact(tmp_path):
+    """facts_b_para with data.rows=documents, file order, micro_batch 8: each batch is the 8 phrasings of
+    one fact of facts B, and the batches cover every fact once an epoch."""
+    from memlm.config.run import compose
+    from memlm.data.loader import build_loader
+
+    _write(tmp_path)
+    path = tmp_path / continual.PARAPHRASES / "train.jsonl"
+    rows = _jsonl(path)
+    b = _jsonl(tmp_path / "facts_b" / "facts.jsonl")
+    assert len(rows) == len(facts.PHRASINGS) * len(b)
+    cfg = compose(["data.kind=raw", f"data.sources=[{{name: para, path: {path}}}]",
+                   f"data.tokenizer={tmp_path / 'tokenizer.model'}", "data.rows=documents", "data.shuffle=false",
+                   "data.micro_batch=8", "data.seq_len=48", "data.prefetch=0"])
+    loader = build_loader(cfg.data)
+    tok = Tokenizer(str(tmp_path / "tokenizer.model"))
+    seen = []
+    for _ in range(len(b)):
+        inputs, _ = next(loader)
+        texts = [tok.decode([t for t in row.tolist() if t not in (0, tok.eos_id)]) for row in inputs]
+        fact = next(f for f in b if texts[0] == facts.document(f["entity"], f["attribute"], f["answer"]))
+        assert texts == facts.paraphrases(fact["entity"], fact["attribute"], fact["answer"])
+        seen.append(fact["question"])
+    assert sorted(seen) == sorted(f["question"] for f in b)
+
+
+def test_paraphrases_are_added_to_a_folder_written_without_them(tmp_path):
+    _write(tmp_path)
+    path = tmp_path / continual.PARAPHRASES / "train.jsonl"
+    before = path.read_bytes()
+    path.unlink()
+    assert continual.write_paraphrases(str(tmp_path)) == str(path)
+    assert path.read_bytes() == before
