@@ -258,13 +258,21 @@ def _figures(a: dict, b: dict, prefix: str = ""):
 
 
 def train(run: Run) -> None:
-    """`python -m memlm.train` with the run's overrides, its output in runs/continual/<name>.log."""
-    if run.dump.exists():  # an unfinished attempt: start it over (runs are minutes long)
-        shutil.rmtree(run.dump)
+    """`python -m memlm.train` with the run's overrides, its output in runs/continual/<name>.log. An
+    unfinished attempt that left a checkpoint (a stopped or preempted run: SIGTERM saves one) continues
+    from it, bit for bit (resume=auto); one that left none starts over in a fresh folder."""
+    resume = []
+    if run.dump.exists():
+        if any((run.dump / "checkpoints").glob("step_*")):
+            resume = ["resume=auto"]
+            print(f"[study] {run.name}: continuing the unfinished attempt in {run.dump} from its last checkpoint",
+                  flush=True)
+        else:
+            shutil.rmtree(run.dump)  # the study's own folder of an attempt that saved nothing
     print(f"[study] {run.name}: {run.command()}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_SILENT": "true"}
-    with open(RUNS / f"{run.name}.log", "w") as log:
-        rc = subprocess.run([sys.executable, "-m", "memlm.train", *run.overrides], stdout=log,
+    with open(RUNS / f"{run.name}.log", "a" if resume else "w") as log:
+        rc = subprocess.run([sys.executable, "-m", "memlm.train", *run.overrides, *resume], stdout=log,
                             stderr=subprocess.STDOUT, env=env).returncode
     if rc != 0:
         raise StudyError(f"{run.name} failed (exit {rc}); its log: {RUNS / f'{run.name}.log'}")

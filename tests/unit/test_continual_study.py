@@ -250,3 +250,21 @@ def test_a_table_sizes_own_entries_run_at_that_size_only(tmp_path):
     plan.write_text(continual_plan.PLAN_FILE.read_text() + "  1024:\n    - [memory.value_lr=1]\n")
     with pytest.raises(ConfigError, match=r"sweep_at.1024\[0\]=\['memory.value_lr=1'\]: names 0 modes"):
         continual_plan.load_plan(plan)
+
+
+def test_an_unfinished_attempt_continues_from_its_checkpoint_and_one_without_starts_over(tmp_path, monkeypatch):
+    """A stopped base (SIGTERM saves a checkpoint) is continued with resume=auto, not trained again from
+    scratch; an attempt that saved nothing is started over in a fresh folder."""
+    monkeypatch.chdir(tmp_path)
+    study.RUNS.mkdir(parents=True)
+    calls = []
+    monkeypatch.setattr(study.subprocess, "run", lambda cmd, **kw: calls.append(cmd[3:]) or
+                        subprocess.CompletedProcess(cmd, 0))
+    run = study.base_run(study.Series(0, None))
+    (run.dump / "checkpoints" / "step_00000250").mkdir(parents=True)
+    (run.dump / "metrics.jsonl").write_text('{"step": 250}\n')
+    study.train(run)
+    assert calls[-1][-1] == "resume=auto" and (run.dump / "metrics.jsonl").exists()
+    (run.dump / "checkpoints" / "step_00000250").rmdir()
+    study.train(run)
+    assert "resume=auto" not in calls[-1] and not (run.dump / "metrics.jsonl").exists()
