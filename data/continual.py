@@ -25,12 +25,13 @@ Writes into --out, each folder in the layout of a training source
 - `facts_a/`, `facts_b/`: `train.jsonl` and `facts.jsonl` (task `bits:<folder>`).
 - `facts_b1/` ... `facts_b<rounds>/`: facts B split by entity into rounds,
   for teaching them one round after another.
-- `facts_b_para/train.jsonl`: facts B in every phrasing of
-  `memlm.data.facts.PHRASINGS` (8), each fact's phrasings together and the
-  facts in a shuffled order: read with `data.rows=documents data.shuffle=false
-  data.micro_batch=8`, each batch is one fact's paraphrases (Lin et al.'s
-  batches); `write_paraphrases` adds it to a folder written before it existed.
-  Not in the tokenizer's text, so the tokenizer is the one without it.
+- `facts_b_para/train.jsonl`, and `facts_b<r>_para/` for each round: facts
+  B in every phrasing of `memlm.data.facts.PHRASINGS` (8), each fact's
+  phrasings together and the facts in a shuffled order: read with
+  `data.rows=documents data.shuffle=false data.micro_batch=8`, each batch is
+  one fact's paraphrases (Lin et al.'s batches); `write_paraphrases` adds
+  them to a folder written before they existed. Not in the tokenizer's text,
+  so the tokenizer is the one without them.
 - `tokenizer.model`, and `manifest.json` with the arguments and sizes.
 
 The same arguments always give byte-identical files.
@@ -67,16 +68,18 @@ def _write_facts(out: str, name: str, records: list[dict], seed: int) -> list[st
     return docs
 
 
-PARAPHRASES = "facts_b_para"  # the folder of facts B's paraphrases
+def paraphrase_folder(part: str) -> str:
+    """The folder of a facts part's paraphrases: facts_b -> facts_b_para, facts_b2 -> facts_b2_para."""
+    return f"{part}_para"
 
 
-def write_paraphrases(out: str, seed: int = 0) -> str:
-    """`out`/facts_b_para/train.jsonl from `out`/facts_b/facts.jsonl (module docstring); its path."""
-    with open(os.path.join(out, "facts_b", "facts.jsonl"), encoding="utf-8") as f:
+def write_paraphrases(out: str, seed: int = 0, part: str = "facts_b") -> str:
+    """`out`/<part>_para/train.jsonl from `out`/<part>/facts.jsonl (module docstring); its path."""
+    with open(os.path.join(out, part, "facts.jsonl"), encoding="utf-8") as f:
         records = [json.loads(line) for line in f]
     random.Random(seed + PARAPHRASE_SEED_OFFSET).shuffle(records)  # the facts; each fact's phrasings stay together
     rows = [{"text": text} for r in records for text in facts.paraphrases(r["entity"], r["attribute"], r["answer"])]
-    path = os.path.join(out, PARAPHRASES, "train.jsonl")
+    path = os.path.join(out, paraphrase_folder(part), "train.jsonl")
     _write_jsonl(path, rows)
     return path
 
@@ -98,7 +101,8 @@ def write_study(out: str, entities: int = 1000, new_entities: int = 200, rounds:
         part = all_facts[cut + r * per_round * attributes: cut + (r + 1) * per_round * attributes]
         _write_facts(out, f"facts_b{r + 1}", part, seed + r + 1)
 
-    write_paraphrases(out, seed)
+    for part in ["facts_b", *(f"facts_b{r + 1}" for r in range(rounds))]:
+        write_paraphrases(out, seed, part)
     persons, bios, qa = synthetic.generate(people, docs_per_person, seed, qa_fraction)
     _write_jsonl(os.path.join(out, "bio", "train.jsonl"), [{"text": d} for d in bios])
     rng = random.Random(seed + HELDOUT_SEED_OFFSET)

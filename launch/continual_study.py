@@ -106,7 +106,9 @@ class Run:
 
 def _label(overrides: list[str] | tuple[str, ...]) -> str:
     keep = [o.split("=", 1) for o in overrides if o != SGD]
-    return "_".join(f"{k.rsplit('.', 1)[-1]}{v}" for k, v in keep if not k.startswith(("seed", "init_from", "dump")))
+    # A path is named by its folder (data.sources.0.path=.../facts_b_para/train.jsonl -> pathfacts_b_para).
+    return "_".join(f"{k.rsplit('.', 1)[-1]}{Path(v).parent.name if '/' in v else v}" for k, v in keep
+                    if not k.startswith(("seed", "init_from", "dump")))
 
 
 def base_run(series: Series) -> Run:
@@ -154,7 +156,9 @@ def best_setting(runs: list[Run], mode: str) -> Run | None:
 
 def round_runs(series: Series, base: Run, best: Run, rounds: int) -> list[Run]:
     mode = best.mode
-    settings = [o for o in best.setting if o.startswith(("finetune.", "memory.", "optim.", "data.micro_batch="))]
+    # The setting's batch shape goes with it: its rows (one paraphrase per row, file order) and size.
+    settings = [o for o in best.setting if o.startswith(("finetune.", "memory.", "optim.", "data.micro_batch=",
+                                                         "data.rows=", "data.shuffle=", "data.seq_len="))]
     label = _label(settings)  # in the name: a later sweep that picks another best setting does not reuse these
     # A setting with its own steps (a smaller batch, more steps) keeps its share per round.
     swept = dict(o.split("=", 1) for o in best.setting)
@@ -166,12 +170,17 @@ def round_runs(series: Series, base: Run, best: Run, rounds: int) -> list[Run]:
     reads = "background" in MODES[mode].reads
     background = [f"finetune.background={final_checkpoint(base) / FILE}"] if reads else []
     evals = ",".join(f'"bits:facts_b{r + 1}"' for r in range(rounds))
+    from memlm.data.continual import paraphrase_folder
+
+    # A setting trained on facts B's paraphrases takes each round's paraphrases.
+    para = swept.get("data.sources.0.path", "").endswith(f"/{paraphrase_folder('facts_b')}/train.jsonl")
     runs, start = [], base
     for r in range(1, rounds + 1):
         name = f"{series.prefix}s{series.seed}_rounds_{mode}_{label}_r{r}"
         run = Run(name, ["experiment=continual_finetune", *series.table, f"finetune={mode}", *settings,
                          f"seed={series.seed}", f"steps={steps}",
-                         f"data.sources.0.path={DATA}/facts_b{r}/train.jsonl",
+                         f"data.sources.0.path={DATA}/{paraphrase_folder(f'facts_b{r}') if para else f'facts_b{r}'}"
+                         "/train.jsonl",
                          "checkpoint.at_end=true", *background,
                          f"eval.tasks=[{evals},\"bits:facts_a\",\"ppl:bio_heldout\",\"qa:bio_qa\"]",
                          f"init_from={final_checkpoint(start)}", f"dump_dir={RUNS / name}"],
@@ -179,6 +188,18 @@ def round_runs(series: Series, base: Run, best: Run, rounds: int) -> list[Run]:
         runs.append(run)
         start = run
     return runs
+
+
+def add_paraphrases() -> None:
+    """The paraphrases of facts B and of each round (memlm.data.continual) where the study's corpora were
+    written before they existed: the other files stay as they are."""
+    from memlm.data.continual import paraphrase_folder, write_paraphrases
+
+    seed = json.loads((DATA / "manifest.json").read_text()).get("seed", 0)
+    for part in sorted(p.parent.name for p in DATA.glob("facts_b*/facts.jsonl")):
+        if not (DATA / paraphrase_folder(part) / "train.jsonl").exists():
+            print(f"[study] writing {DATA / paraphrase_folder(part)}: {part}'s paraphrases", flush=True)
+            write_paraphrases(str(DATA), seed, part)
 
 
 def table_size(n_keys: int | None) -> int | None:
@@ -297,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         from memlm.data.continual import write_study
 
         write_study(str(DATA))
+    add_paraphrases()
     series = Series(args.seed, table_size(args.n_keys))
     base = base_run(series)
     execute(base)

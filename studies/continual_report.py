@@ -61,7 +61,7 @@ def load_record(record: Path) -> dict:
              cfg.finetune.lora_rank, -cfg.data.micro_batch, cfg.finetune.ranking, mode_of(cfg).lr(cfg))
     return {"name": record.name, "seed": cfg.seed, "slots": cfg.memory.n_keys ** 2, "mode": mode,
             "setting": setting, "command": command,
-            "order": order, "batch": (cfg.data.micro_batch, cfg.steps),
+            "order": order, "batch": (cfg.data.micro_batch, cfg.steps, cfg.data.rows),
             "b_em": b.get("exact_match"), "b_bits": b.get("stored_bits"), "b_corpus": b.get("corpus_bits"),
             "a_bits": res["bits:facts_a"]["stored_bits"], "a_corpus": res["bits:facts_a"]["corpus_bits"],
             "ppl": res["ppl:bio_heldout"]["token_ppl"], "qa_em": res["qa:bio_qa"]["exact_match"],
@@ -71,6 +71,8 @@ def load_record(record: Path) -> dict:
 def _batch(cfg) -> str:
     """A fine-tune's batch where it is not the study's (continual_finetune's): part of its setting."""
     mb = cfg.data.micro_batch
+    if cfg.data.rows == "documents":  # one document per row: with the paraphrase corpus, one fact a batch
+        return f", batches of {mb} paraphrase rows ({Path(cfg.data.sources[0].path).parent.name}) x {cfg.steps:,} steps"
     return "" if mb == finetune_config().data.micro_batch else f", batch {mb} x {cfg.steps:,} steps"
 
 
@@ -183,7 +185,8 @@ def _same_batch(sweep: list[dict], at: str, said: tuple) -> list[str]:
         a, b = best_learned(rows, first), best_learned(rows, second)
         if a and b and (a, b) != said:
             verdict = "less" if a["forgetting"] < b["forgetting"] else "not less"
-            out.append(f"- Goal (b) at {at}, the same batch of {batch[0]} rows x {batch[1]:,} steps: {first} "
+            shape = f"{batch[0]} paraphrase rows" if batch[2] == "documents" else f"{batch[0]} rows"
+            out.append(f"- Goal (b) at {at}, the same batch of {shape} x {batch[1]:,} steps: {first} "
                        f"forgets {verdict} than {second}: {_pct(a['forgetting'])} ({a['setting']}, EM "
                        f"{_pct(a['b_em'])}) against {_pct(b['forgetting'])} ({b['setting']}, EM {_pct(b['b_em'])}).")
     return out

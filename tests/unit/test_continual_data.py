@@ -49,8 +49,8 @@ def test_the_same_arguments_give_the_same_bytes(tmp_path):
     _write(tmp_path / "x")
     _write(tmp_path / "y")
     names = sorted(p.relative_to(tmp_path / "x") for p in (tmp_path / "x").rglob("*") if p.is_file())
-    # facts parts, facts B's paraphrases, biography parts, tokenizer and manifest
-    assert len(names) == (2 + 3) * 2 + 1 + 3 + 2 and all(
+    # facts parts, their paraphrases (facts B and each of 3 rounds), biography parts, tokenizer and manifest
+    assert len(names) == (2 + 3) * 2 + 4 + 3 + 2 and all(
         (tmp_path / "x" / n).read_bytes() == (tmp_path / "y" / n).read_bytes() for n in names)
 
 
@@ -68,7 +68,7 @@ def test_read_as_document_rows_each_paraphrase_batch_is_one_fact(tmp_path):
     from memlm.data.loader import build_loader
 
     _write(tmp_path)
-    path = tmp_path / continual.PARAPHRASES / "train.jsonl"
+    path = tmp_path / continual.paraphrase_folder("facts_b") / "train.jsonl"
     rows = _jsonl(path)
     b = _jsonl(tmp_path / "facts_b" / "facts.jsonl")
     assert len(rows) == len(facts.PHRASINGS) * len(b)
@@ -89,8 +89,11 @@ def test_read_as_document_rows_each_paraphrase_batch_is_one_fact(tmp_path):
 
 def test_paraphrases_are_added_to_a_folder_written_without_them(tmp_path):
     _write(tmp_path)
-    path = tmp_path / continual.PARAPHRASES / "train.jsonl"
-    before = path.read_bytes()
-    path.unlink()
-    assert continual.write_paraphrases(str(tmp_path)) == str(path)
-    assert path.read_bytes() == before
+    for part in ("facts_b", "facts_b2"):
+        path = tmp_path / continual.paraphrase_folder(part) / "train.jsonl"
+        before = path.read_bytes()
+        path.unlink()
+        assert continual.write_paraphrases(str(tmp_path), part=part) == str(path)
+        assert path.read_bytes() == before
+    round_two = _jsonl(tmp_path / "facts_b2" / "facts.jsonl")
+    assert len(_jsonl(path)) == len(facts.PHRASINGS) * len(round_two)

@@ -110,6 +110,28 @@ def test_goal_b_is_also_judged_within_each_batch_shape(tmp_path):
     assert "batch of 32 rows" not in text  # sparse learned nothing at 32 rows: no pair there
 
 
+def test_paraphrase_batches_are_a_batch_shape_of_their_own(tmp_path):
+    """Lin et al.'s batches (one fact's paraphrases, one document per row) against the same rows x steps
+    packed: two shapes, each judged on its own, named as what they are."""
+    para = ["data.sources.0.path=data_cache/continual/facts_b_para/train.jsonl", "data.rows=documents",
+            "data.shuffle=false", "data.micro_batch=8", "data.seq_len=32", "steps=1200"]
+    packed = ["data.micro_batch=8", "steps=1200"]
+    record(tmp_path, "base_s0", [], 1000.0)
+    record(tmp_path, "s0_memory_mb8", [*MEMORY, "memory.value_lr=1000", *packed], 970.0, b=(1.0,))  # lost 3%
+    record(tmp_path, "s0_sparse_mb8", [*SPARSE, "finetune.top_t=8000", "memory.value_lr=1000", *packed], 960.0,
+            b=(0.99,))  # 4%
+    record(tmp_path, "s0_memory_para", [*MEMORY, "memory.value_lr=300", *para], 980.0, b=(0.99,))  # 2%
+    record(tmp_path, "s0_sparse_para", [*SPARSE, "finetune.top_t=500", "memory.value_lr=1000", *para], 995.0,
+            b=(0.97,))  # 0.5%
+    _, sweep, _ = report.load_study(tmp_path)
+    text = "\n".join(report.findings(sweep))
+    # the overall pair is the paraphrase batches' (not said twice); the packed batch gets its own line
+    assert "- Goal (b) at 16,384 slots: sparse forgets less than memory (values only, every row): 0.5% against 2.0% " \
+        "(sgd lr 300, batches of 8 paraphrase rows (facts_b_para) x 1,200 steps), 1.5 points apart." in text
+    assert "the same batch of 8 paraphrase rows" not in text
+    assert "the same batch of 8 rows x 1,200 steps: sparse forgets not less than memory: 4.0%" in text
+
+
 def test_rounds_report_each_earlier_round_kept_relative_to_when_it_was_taught(tmp_path):
     record(tmp_path, "base_s0", [], 800.0)
     mem = [*MEMORY, "memory.value_lr=100"]
