@@ -44,7 +44,14 @@ def engram_token_map(cfg: Config) -> torch.Tensor | None:
     from memlm.memory.engram_vocab import canonical_map
 
     sp = Tokenizer(path).sp
-    return canonical_map([sp.id_to_piece(i) for i in range(sp.vocab_size())])
+    token_map = canonical_map([sp.id_to_piece(i) for i in range(sp.vocab_size())])
+    extra = cfg.model.vocab_size - len(token_map)
+    if extra < 0:
+        raise ConfigError("model.vocab_size", cfg.model.vocab_size, f"at least the tokenizer's {len(token_map):,} "
+                          f"pieces ({path}): the Engram layers map every token id")
+    # A model vocabulary larger than the tokenizer's (padded, or a tokenizer that took fewer pieces than
+    # asked): ids no text encodes to, each its own canonical id after the pieces'.
+    return torch.cat([token_map, int(token_map.max()) + 1 + torch.arange(extra)])
 
 
 def build_run_model(cfg: Config, env: DistEnv | None = None, meshes: Meshes | None = None,

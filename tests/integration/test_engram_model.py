@@ -111,6 +111,22 @@ def test_the_token_map_comes_from_the_runs_tokenizer(tmp_path):
     assert torch.equal(identity.layers[1].engram.hash.token_map, torch.arange(384))
 
 
+def test_a_model_vocabulary_beyond_the_tokenizers_gets_a_canonical_id_per_extra_token(tmp_path):
+    """A padded vocabulary (or a tokenizer that took fewer pieces than asked): the ids past the tokenizer's
+    pieces, which no text encodes to, each get a canonical id of their own; fewer ids than pieces is refused."""
+    make_tokenizer(tmp_path)
+    (tmp_path / "docs.jsonl").write_text('{"text": "x"}\n')
+    run = ["memory=engram", *SMALL, "data.kind=raw", f"data.tokenizer={tmp_path / 'tok.model'}",
+           f"+data.sources=[{{path: '{tmp_path / 'docs.jsonl'}'}}]"]
+    want = build_run_model(compose([*run, "model.vocab_size=384"])).layers[1].engram.hash.token_map
+    got = build_run_model(compose([*run, "model.vocab_size=400"])).layers[1].engram.hash.token_map
+    assert torch.equal(got[:384], want)
+    assert got[384:].tolist() == list(range(int(want.max()) + 1, int(want.max()) + 17))
+    with pytest.raises(ConfigError) as err:
+        build_run_model(compose([*run, "model.vocab_size=300"]))
+    assert err.value.key == "model.vocab_size" and "384" in str(err.value)
+
+
 @pytest.mark.parametrize("share, n_keys, rows", [(0.25, 111, 4096), (0.5, 91, 8192)])
 def test_one_setting_splits_the_sparse_budget(share, n_keys, rows):
     cfg = compose(["experiment=capacity_engram_memplus", f"memory.engram.share={share}"])
