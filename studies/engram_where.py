@@ -14,6 +14,13 @@ value token the argmax):
 - `all`: Engram as trained;
 - `without_entity`: Engram's output zeroed at the entity's tokens;
 - `entity_only`: zeroed everywhere but the entity's tokens;
+- `after_entity`: zeroed everywhere but after the entity (the question's end, "?\\nA:", and the value's
+  tokens, whose n-grams reach back over the entity's last tokens);
+- `spanning_ngrams`: zeroed everywhere but the max_order - 1 positions right after the entity, the
+  only ones after it whose n-grams hold an entity token;
+- `past_spanning`: zeroed everywhere but the positions after those, whose n-grams hold no entity token
+  (the same for every fact): what Engram adds there reaches back only through its causal convolution
+  (kernel_size taps, dilation apart);
 - `none`: zeroed everywhere (the model without Engram).
 
 A fact whose entity does not tokenize the same alone as inside its question is left out (counted).
@@ -33,7 +40,7 @@ from memlm.errors import ConfigError, entry_point
 from memlm.evals.metrics import stored_bits
 from memlm.evals.scoring import continuation_row, encode_pair, score_rows
 
-CONDITIONS = ("all", "without_entity", "entity_only", "none")
+CONDITIONS = ("all", "without_entity", "entity_only", "after_entity", "spanning_ngrams", "past_spanning", "none")
 
 
 def entity_span(tokenizer, question: str, entity: str) -> tuple[int, int] | None:
@@ -47,11 +54,14 @@ def entity_span(tokenizer, question: str, entity: str) -> tuple[int, int] | None
     return 1 + len(before), 1 + len(through)
 
 
-def _keep(condition: str, width: int, span: tuple[int, int]) -> torch.Tensor:
+def _keep(condition: str, width: int, span: tuple[int, int], max_order: int) -> torch.Tensor:
     """(1, width, 1) float: 1 where Engram's output is kept under `condition`."""
-    on_entity = torch.zeros(width)
+    on_entity, after, spanning = torch.zeros(width), torch.zeros(width), torch.zeros(width)
     on_entity[span[0]:span[1]] = 1.0
+    after[span[1]:] = 1.0
+    spanning[span[1]:span[1] + max_order - 1] = 1.0
     keep = {"all": torch.ones(width), "without_entity": 1.0 - on_entity, "entity_only": on_entity,
+            "after_entity": after, "spanning_ngrams": spanning, "past_spanning": after - spanning,
             "none": torch.zeros(width)}[condition]
     return keep.view(1, width, 1)
 
@@ -61,6 +71,7 @@ def where(model, tokenizer, facts: list[dict]) -> dict[str, dict]:
     engrams = [b.engram for b in model.layers if b.engram is not None]
     if not engrams:
         raise ConfigError("checkpoint", "a model without Engram layers", "a checkpoint with memory.engram.layers")
+    max_order = max(e.hash.max_order for e in engrams)
     keep: list[torch.Tensor] = []
     hooks = [e.register_forward_hook(lambda module, args, out: out * keep[0].to(out.dtype)) for e in engrams]
     totals = {c: {"stored_bits": 0.0, "corpus_bits": 0.0, "exact_match": 0.0, "n": 0} for c in CONDITIONS}
@@ -74,7 +85,7 @@ def where(model, tokenizer, facts: list[dict]) -> dict[str, dict]:
             ctx, cont = encode_pair(tokenizer, fact["question"], " " + fact["answer"])
             inputs, targets, _ = continuation_row(ctx, cont, model.args.max_seq_len)
             for condition in CONDITIONS:
-                keep[:] = [_keep(condition, len(inputs), span)]
+                keep[:] = [_keep(condition, len(inputs), span, max_order)]
                 ((logprob, greedy),) = score_rows(model, [(inputs, targets)], batch_size=1)
                 t = totals[condition]
                 t["stored_bits"] += stored_bits(-logprob / math.log(2), fact["values"])

@@ -70,3 +70,13 @@ def test_a_model_without_engram_is_refused(trained):
     cfg = compose(["model.vocab_size=512"])
     with pytest.raises(ConfigError):
         engram_where.where(build_model(cfg.model, seed=0).eval(), tok, facts)
+
+
+def test_each_condition_keeps_the_positions_it_names():
+    keep = {c: engram_where._keep(c, 10, (3, 5), max_order=3).flatten().tolist() for c in engram_where.CONDITIONS}
+    assert keep["entity_only"] == [0, 0, 0, 1, 1, 0, 0, 0, 0, 0]
+    assert keep["without_entity"] == [1, 1, 1, 0, 0, 1, 1, 1, 1, 1]
+    assert keep["after_entity"] == [0, 0, 0, 0, 0, 1, 1, 1, 1, 1]
+    assert keep["spanning_ngrams"] == [0, 0, 0, 0, 0, 1, 1, 0, 0, 0]  # n-grams of order <= 3 reach 2 back
+    assert keep["past_spanning"] == [0, 0, 0, 0, 0, 0, 0, 1, 1, 1]
+    assert keep["all"] == [1] * 10 and keep["none"] == [0] * 10
