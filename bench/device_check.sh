@@ -27,7 +27,8 @@
 #   paths           bench/device_train.py paths (bench/device_paths.py): the CUDA branches
 #                   the sections above never take, a few real steps each on the random-facts
 #                   corpus: document masks (FlexAttention), memory.kernel=torch, sparse value
-#                   updates, PEER, a checkpoint with slot usage, the facts eval, finetune=sparse
+#                   updates, PEER, Engram with its tables on the device and in host memory, a
+#                   checkpoint with slot usage, the facts eval, finetune=sparse
 #                   from it, generation from it.
 #                   FAIL: a path raises or ends on a non-finite loss.
 #   equivalence     2 NCCL ranks (memory_parallel=2) == 1 process; only with >= 2 GPUs.

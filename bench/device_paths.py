@@ -15,6 +15,9 @@ as the capacity study trains on), a dim-64 model, on the GPU in bf16.
     kernel_torch  memory.kernel=torch: the read's PyTorch path (Triton is CUDA's default)
     sparse        memory.sparse_updates=true: sparse value gradients, row-wise AdamW
     peer          memory=peer (row_dots on CUDA)
+    engram        Engram's tables on the device (memory=engram, row-wise AdamW)
+    engram_host   the same with the tables in host memory (memory.engram.tables_in=host): pinned
+                  staging, non-blocking copies both ways, the row updates on the host
     finetune      finetune=sparse from doc_mask's checkpoint and its slot usage
     generate      greedy decoding from that checkpoint (memlm.generate)
 
@@ -46,6 +49,8 @@ PATHS = {
     "kernel_torch": ["experiment=capacity_memplus", "memory.kernel=torch"],
     "sparse": ["experiment=capacity_memplus", "memory.sparse_updates=true"],
     "peer": ["experiment=capacity_peer"],
+    "engram": ["experiment=capacity_engram", "memory.sparse_updates=true"],
+    "engram_host": ["experiment=capacity_engram", "memory.sparse_updates=true", "memory.engram.tables_in=host"],
     "finetune": ["experiment=capacity_memplus", "finetune=sparse", "finetune.top_t=64"],
 }
 
@@ -90,7 +95,7 @@ def section_paths(dry: bool, tmp: str) -> dict:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    for name in ("doc_mask", "kernel_torch", "sparse", "peer"):
+    for name in ("doc_mask", "kernel_torch", "sparse", "peer", "engram", "engram_host"):
         attempt(name, lambda n=name: train_path(n, dry, tmp))
     checkpoints = sorted((Path(tmp) / "doc_mask" / "checkpoints").glob("step_*"))
     if checkpoints:

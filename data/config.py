@@ -78,7 +78,7 @@ class DataConfig:
     on_error: str = "raise"  # bad records: raise (naming file and line) | skip (counted, reported)
     val_fraction: float = 0.0  # raw/synthetic: documents held out by hash for split="val"
     shuffle: bool = True  # reshuffle documents every epoch (seeded); False keeps file order
-    rows: str = "packed"  # packed | documents (one document per row, padded; ROWS)
+    rows: str = "packed"  # one of ROWS (above)
     prefetch: int = 2  # batches prepared ahead in a background thread; 0 -> none
     num_workers: int = 1  # processes tokenizing raw/synthetic sources when the loader is built
     cache_dir: str = "data_cache"  # kind=synthetic/facts: where the corpus and tokenizer are written

@@ -13,7 +13,6 @@ dense models pay nothing. The layout, before the meshes are built:
 
 from __future__ import annotations
 
-import copy
 from typing import Protocol
 
 import torch.distributed as dist
@@ -168,28 +167,17 @@ def value_grad_reduction(model: nn.Module, meshes: Meshes, env: DistEnv, accum: 
 
 class MemoryStep:
     """The memory family's needs on the training loop's points (memlm.train.extensions): its
-    `step_start` (product keys: the knn schedule) before a step, the value gradients' reduction
-    (`reduction`, value_grad_reduction's) once the step's backward is done, and with Engram's
-    tables in host memory (memory.engram.tables_in=host) each micro-batch's rows staged before
-    its forward, hashed from its tokens on the host (memlm.memory.host_tables)."""
+    `step_start` (product keys: the knn schedule) before a step, and the value gradients' reduction
+    (`reduction`, value_grad_reduction's) once the step's backward is done. Engram's tables in host
+    memory add their own component (memlm.run.model.host_row_staging)."""
 
     def __init__(self, model: nn.Module, memory: MemoryConfig, reduction):
         self.model, self.memory, self.reduction = model, memory, reduction
         self.family = memory_family(memory)
-        self.hashers: list | None = None  # (Engram layer, its hash on the host), made at the first forward
 
     def step_start(self, step: int) -> None:
         if self.family is not None:
             self.family.step_start(self.model, self.memory, step - 1)  # it counts optimizer steps done
-
-    def before_forward(self, inputs) -> None:
-        if self.memory.engram.tables_in != "host" or not self.memory.engram.layers:
-            return
-        if self.hashers is None:  # after a resume has loaded the token map into the hash's buffers
-            engrams = [b.engram for b in self.model.layers if b.engram is not None]
-            self.hashers = [(e, copy.deepcopy(e.hash).to("cpu")) for e in engrams]
-        for engram, hasher in self.hashers:
-            engram.tables.reader.stage(engram.tables, hasher(inputs.to("cpu")), engram.w_k.weight.device)
 
     def after_backward(self) -> None:
         self.reduction.finish()  # started by a hook during the last backward

@@ -27,8 +27,13 @@ are a function of the batch's tokens, which are on the host before they go
 to the device. `stage` takes them computed there, so the read skips the
 unique on the device and the device-to-host copy of ids (a host sync):
 
-    pool.reader.stage(pool, rows_host)  # (B, T, H) on the host, before the forward; the next read uses them
-    out = pool.read(indices, weights)   # indices: the same rows on the device (their shape is checked)
+    pool.reader.stage(pool, rows_host, device)  # (B, T, H) on the host, before the forward; the next read uses them
+    out = pool.read(indices, weights)   # indices: the same rows on the device (checked, without a host sync)
+
+`StageRows` is the training loop's component that does this for every Engram
+layer whose table is on the host (memlm.train.extensions' `before_forward`):
+
+    extensions.add(StageRows(engrams))  # engrams: the Engram layers read through HostRowsReader
 
 A staged set serves the next read only; a read with none staged (validation,
 an activation-checkpointing recompute) takes the path above. `rows` are sorted,
@@ -40,6 +45,9 @@ alike (tests/integration/test_engram_host.py).
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -47,12 +55,15 @@ from memlm.memory.fast import ops
 from memlm.memory.fast.launches import NO_LAUNCHES, ReadLaunches
 from memlm.memory.sparse_adamw import add_local_sparse_grad
 
+STALE_STAGE = ("the rows staged for this read are not its indices: stage() the rows of the micro-batch about to be "
+               "read, hashed from its own tokens")
+
 
 class HostRowsReader:
     """Installed as `pool.reader` by `keep_on_host` (module docstring)."""
 
     def __init__(self):
-        self.staged: tuple | None = None  # (shape, rows_host (U,), values (U, v), local (..., 1)) for the next read
+        self.staged: tuple | None = None  # (rows_host (U,), rows (U,), values (U, v), local (n, 1)) for the next read
 
     def stage(self, pool: nn.Module, rows_host: torch.Tensor, device: torch.device | str) -> None:
         """Gather the rows of the next read from `rows_host` (any shape, on the host) and start their copy to
@@ -61,17 +72,21 @@ class HostRowsReader:
         values = pool.weight.detach().index_select(0, rows)  # (U, v)
         if torch.device(device).type == "cuda":
             values, local = values.pin_memory(), local.pin_memory()
-        self.staged = (local.shape, rows, values.to(device, non_blocking=True), local.to(device, non_blocking=True))
+        self.staged = (rows, rows.to(device, non_blocking=True), values.to(device, non_blocking=True),
+                       local.to(device, non_blocking=True))
 
     def __call__(self, pool: nn.Module, indices: torch.Tensor, weights: torch.Tensor, sparse: bool, kernel: str,
                  launches: ReadLaunches = NO_LAUNCHES) -> torch.Tensor:
         table = pool.weight  # (N, v) in host memory
         ahead, self.staged = self.staged, None
         if ahead is not None:
-            shape, rows_host, values, local = ahead
-            if shape != indices.shape:
-                raise ValueError(f"the rows staged for this read have shape {tuple(shape)}, the read's indices "
+            rows_host, rows, values, local = ahead
+            if local.shape != indices.shape:
+                raise ValueError(f"the rows staged for this read have shape {tuple(local.shape)}, the read's indices "
                                  f"{tuple(indices.shape)}: stage() the rows of the batch about to be read")
+            # Every read names the row staged for it (a stage of another micro-batch has the same shape). On the
+            # device this check is asynchronous: no host sync; a mismatch fails the step's next synchronization.
+            torch._assert_async((rows[local] == indices).all(), STALE_STAGE)
         else:
             rows, local = torch.unique(indices, sorted=True, return_inverse=True)  # (U,), (B, K)
             rows_host = rows.to(table.device)  # the read's one device-to-host copy: a host sync on CUDA
@@ -88,6 +103,22 @@ def _to_table(table: torch.Tensor, rows_host: torch.Tensor, grad: torch.Tensor) 
     values = grad._values().to(table.device)
     add_local_sparse_grad(table, torch.sparse_coo_tensor(
         rows_host[local_ids].unsqueeze(0), values, table.shape, is_coalesced=True, check_invariants=False))
+
+
+class StageRows:
+    """A training-loop component (memlm.train.extensions): before each micro-batch's forward, every host table's
+    rows for it, hashed from its tokens on the host and staged (`HostRowsReader.stage`)."""
+
+    def __init__(self, engrams: Sequence[nn.Module]):
+        self.engrams = list(engrams)  # memlm.memory.engram.Engram layers read through HostRowsReader
+        self.hashers: list[nn.Module] | None = None  # each layer's hash on the host, made at the first forward
+
+    def before_forward(self, inputs: torch.Tensor) -> None:  # inputs: (B, T) token ids
+        if self.hashers is None:  # after a resume has loaded the token map into the hashes' buffers
+            self.hashers = [copy.deepcopy(engram.hash).to("cpu") for engram in self.engrams]
+        tokens = inputs.to("cpu")
+        for engram, hasher in zip(self.engrams, self.hashers, strict=True):
+            engram.tables.reader.stage(engram.tables, hasher(tokens), engram.w_k.weight.device)  # (B, T, H) rows
 
 
 def keep_on_host(pool: nn.Module) -> None:

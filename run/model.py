@@ -100,3 +100,13 @@ def keep_engram_tables_on_host(model: Transformer, env: DistEnv) -> None:
     for block in model.layers:
         if block.engram is not None:
             keep_on_host(block.engram.tables)
+
+
+def host_row_staging(model: Transformer) -> list:
+    """The training loop's component that stages each micro-batch's rows for the Engram tables kept in host
+    memory (memlm.memory.host_tables.StageRows), or none when no table is read through HostRowsReader."""
+    from memlm.memory.host_tables import HostRowsReader, StageRows
+
+    engrams = [b.engram for b in model.layers if b.engram is not None and isinstance(b.engram.tables.reader,
+                                                                                        HostRowsReader)]
+    return [StageRows(engrams)] if engrams else []

@@ -37,7 +37,7 @@ from memlm.finetune.background import UsageRecorder
 from memlm.finetune.modes import mode_of
 from memlm.memory.tables import split_params
 from memlm.optim.build import build_optimizer, build_scheduler
-from memlm.run.model import build_run_model
+from memlm.run.model import build_run_model, host_row_staging
 from memlm.train.data_source import build_train_loader, has_validation, model_batch
 from memlm.train.evaluation import Evaluation
 from memlm.train.extensions import Extensions, RunRecord
@@ -93,8 +93,10 @@ class Trainer:
         self.finetune = mode_of(cfg).step_hook(self.model, cfg, env.distributed, self.init_source)
         if (line := self.finetune.describe()) is not None:  # sparse: the background file it ranks against
             self._print_main(f"[train] {line}")
-        # The step's own parts: the memory layers' (knn schedule, value-gradient reduction), the mode's.
-        self.extensions = Extensions(memory_hooks.MemoryStep(self.model, cfg.memory, self.value_grads), self.finetune)
+        # The step's own parts: the memory layers' (knn schedule, value-gradient reduction; host tables' rows
+        # staged before each forward), the mode's.
+        self.extensions = Extensions(memory_hooks.MemoryStep(self.model, cfg.memory, self.value_grads),
+                                     *host_row_staging(self.model), self.finetune)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         # Per-step loss, norms and the skip flag stay on the device until a read.
         self.guard = StepGuard(cfg.max_nonfinite_steps, self._print_main, lower=lower_hint(mode_of(cfg), cfg))

@@ -14,7 +14,7 @@ from family_paths import losses
 
 from memlm.config.run import compose
 from memlm.errors import ConfigError
-from memlm.memory.host_tables import HostRowsReader
+from memlm.memory.host_tables import HostRowsReader, StageRows
 from memlm.memory.values import ValuePool
 from memlm.plan.planner import plan
 from memlm.train.trainer import Trainer
@@ -46,6 +46,10 @@ def test_the_host_reader_is_installed_and_reads_the_rows_named(tmp_path):
                                f"dump_dir={tmp_path}"]), train_loader=iter(global_batches(128)))
     pools = [b.engram.tables for b in trainer.model.layers]
     assert all(isinstance(p.reader, HostRowsReader) for p in pools)
+    stagers = [c for c in trainer.extensions.components if isinstance(c, StageRows)]
+    assert len(stagers) == 1 and stagers[0].engrams == [b.engram for b in trainer.model.layers]
+    device = Trainer(compose([*ENGRAM, f"dump_dir={tmp_path / 'device'}"]), train_loader=iter(global_batches(128)))
+    assert not any(isinstance(c, StageRows) for c in device.extensions.components)  # nothing staged: no stager
     pool = pools[0]
     indices = torch.tensor([[3, 7], [7, 40]])
     weights = torch.tensor([[0.5, 2.0], [1.0, -1.0]])
@@ -157,3 +161,16 @@ def test_rows_staged_for_another_batch_are_refused():
     reader.stage(pool, torch.tensor([[1, 2, 3]]), "cpu")
     with pytest.raises(ValueError, match=r"shape \(3, 1\).*\(4, 1\)"):
         reader(pool, torch.tensor([[1], [2], [3], [4]]), torch.ones(4, 1), True, "auto")
+
+
+def test_rows_staged_for_another_micro_batch_of_the_same_shape_are_refused():
+    from memlm.memory.host_tables import STALE_STAGE
+
+    pool = ValuePool(10, 4)
+    reader = HostRowsReader()
+    reader.stage(pool, torch.tensor([[1, 2, 3]]), "cpu")
+    with pytest.raises(RuntimeError, match=STALE_STAGE[:40]):
+        reader(pool, torch.tensor([[1], [2], [4]]), torch.ones(3, 1), True, "auto")
+    reader.stage(pool, torch.tensor([[1, 2, 3]]), "cpu")  # the same rows, read in their staged order
+    out = reader(pool, torch.tensor([[1], [2], [3]]), torch.ones(3, 1), True, "auto")
+    assert torch.equal(out, pool.weight.detach()[1:4])
