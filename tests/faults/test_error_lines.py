@@ -201,6 +201,7 @@ def _every_main(files) -> list[tuple[str, list[str], int, str]]:
         ("memlm.studies.capacity_report", [str(empty)], FAULT_EXIT, "no finished run"),
         ("memlm.studies.continual_report", [str(empty)], FAULT_EXIT, "no base_s"),
         ("memlm.studies.engram_where", [str(files["good"]), str(bad_jsonl), "--n", "0"], USAGE_EXIT, "--n"),
+        ("memlm.studies.engram_phrasing", [str(empty)], FAULT_EXIT, "no finished run folder"),
         ("memlm.studies.finetune_recipe", ["--render-only", "--record", str(empty / "record.json"), "--doc", ""],
          FAULT_EXIT, "no record at"),
         ("memlm.launch.demo_record", ["--commit", "no-such-commit", "--out", str(root / "demo_record")],
@@ -276,7 +277,7 @@ def all_mains() -> list[str]:
 def test_every_main_is_wrapped_by_entry_point():
     unwrapped = [m for m in all_mains() if not hasattr(importlib.import_module(m).main, "__wrapped__")]
     assert not unwrapped, f"mains without memlm.errors.entry_point: {unwrapped}"
-    assert len(all_mains()) == 22, all_mains()
+    assert len(all_mains()) == 23, all_mains()
 
 
 # ------------------------------------------------------------------ the wrapper, kind by kind
