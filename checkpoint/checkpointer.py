@@ -27,15 +27,12 @@ import json
 import os
 import shutil
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -46,6 +43,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from memlm.checkpoint.config import CheckpointConfig
+from memlm.checkpoint.dcp_calls import (
+    agreed_error,
+    check_async_backend,
+    check_shapes,
+    checkpoint_error,
+    dcp_call,
+    gather_to_main,
+)
 from memlm.checkpoint.finite import check_finite_state
 from memlm.checkpoint.folder import (
     OLD,
@@ -69,79 +74,6 @@ from memlm.files import atomic_write_text
 from memlm.ranks import group_barrier, group_rank, group_size
 
 __all__ = ["CheckpointError", "Checkpointer", "check_shapes", "complete_checkpoints", "verify"]
-
-
-def _dcp(fn, *args, **kwargs):
-    """DCP save/load; one process runs without a process group (no warning).
-    DCP's CheckpointException derives from BaseException: it becomes a
-    CheckpointError naming the checkpoint and the first rank's error."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            return fn(*args, no_dist=not dist.is_initialized(), **kwargs)
-        except CheckpointException as err:
-            raise _checkpoint_error(err, kwargs.get("checkpoint_id")) from None
-
-
-def check_async_backend() -> None:
-    """dcp.async_save runs its collectives on host tensors: a process group
-    without a CPU backend (e.g. NCCL alone, made outside memlm's trainer) is
-    named in one clear error before anything is written, instead of DCP's assertion."""
-    if dist.is_initialized():
-        types = sorted(d.type for d in dist.distributed_c10d._get_default_group()._device_types)
-        if "cpu" not in types:
-            raise CheckpointError(
-                f"checkpoint.async_save=true needs a CPU backend in the default process group, which has one "
-                f"for {', '.join(types)} only: initialize it with backend='cpu:gloo,cuda:nccl' (memlm's trainer "
-                f"does, memlm.distributed.env.process_group_backend), or set checkpoint.async_save=false")
-
-
-def _checkpoint_error(err: CheckpointException, checkpoint_id) -> CheckpointError:
-    """failures: {rank: (exception, traceback summary)}: name the first rank's exception."""
-    first = next(iter(err.failures.values()), err)
-    if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
-        first = first[0]
-    return CheckpointError(f"checkpoint {checkpoint_id}: {type(first).__name__}: "
-                           f"{str(first).splitlines()[0] if str(first) else ''}")
-
-
-def _gather_to_main(part: dict[str, Any]) -> dict[str, Any]:
-    """Rank 0: the union of every rank's `part`; other ranks: their own."""
-    if not dist.is_initialized():
-        return part
-    parts: list[Any] = [None] * group_size() if group_rank() == 0 else None
-    dist.gather_object(part, parts, dst=0)
-    return {k: v for p in parts for k, v in p.items()} if group_rank() == 0 else part
-
-
-def _agreed_error(error: str | None) -> str | None:
-    """The first rank's error (by rank), known to every rank, or None when all passed."""
-    if not dist.is_initialized():
-        return error
-    errors: list[Any] = [None] * group_size()
-    dist.all_gather_object(errors, error)
-    return next((e for e in errors if e), None)
-
-
-def check_shapes(directory: Path, model_state: dict[str, Any]) -> None:
-    """Fail with every mismatched tensor listed, before DCP touches the model."""
-    saved = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    problems = []
-    for key, value in model_state.items():
-        fqn = f"model.{key}"
-        if fqn not in saved:
-            problems.append(f"{key}: missing from the checkpoint")
-        elif hasattr(saved[fqn], "size") and tuple(saved[fqn].size) != tuple(value.shape):
-            problems.append(f"{key}: checkpoint {tuple(saved[fqn].size)} vs model {tuple(value.shape)}")
-    extra = sorted(k[len("model."):] for k in saved if k.startswith("model.") and k[len("model."):] not in model_state)
-    problems += [f"{k}: in the checkpoint but not in the model" for k in extra]
-    if problems:
-        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
-        raise CheckpointError(
-            f"checkpoint {directory} does not match this run's model ({len(problems)} tensor(s): {shown}): it was "
-            f"saved with another model or memory config; resume it with that config (the run's config.yaml), "
-            f"start over with resume=none, or choose another dump_dir"
-        )
 
 
 @dataclass
@@ -226,14 +158,14 @@ class Checkpointer:
         meta = {"step": step, "world_size": group_size(), **state.counters, "scheduler": state.scheduler.state_dict(),
                 "param_groups": osd["param_groups"], "config": state.config_yaml}
         if self.cfg.async_save:
-            future = _dcp(dcp.async_save, tensors, checkpoint_id=str(tmp))
+            future = dcp_call(dcp.async_save, tensors, checkpoint_id=str(tmp))
             self._pending = (future, tmp, final, meta, start)
             self.saved_step = step
             if group_rank() == 0:
                 print(f"[checkpoint] staged step {step} for a background write (training blocked "
                       f"{time.perf_counter() - start:.2f}s)", flush=True)
             return final
-        _dcp(dcp.save, tensors, checkpoint_id=str(tmp))
+        dcp_call(dcp.save, tensors, checkpoint_id=str(tmp))
         self._publish(tmp, final, meta, start)
         self.saved_step = step
         return final
@@ -246,7 +178,7 @@ class Checkpointer:
             try:
                 result = future.result() if hasattr(future, "result") else future.upload_completion.result()
             except CheckpointException as err:  # a BaseException: make it an ordinary, readable error
-                raise _checkpoint_error(err, tmp) from None
+                raise checkpoint_error(err, tmp) from None
             del result
             self._publish(tmp, final, meta, start)
 
@@ -255,7 +187,7 @@ class Checkpointer:
         Each rank hashes its share of the files (about 1/world of the bytes), so
         no rank reads the whole checkpoint while the others wait in a collective."""
         group_barrier()
-        entries = _gather_to_main(manifest(tmp, self.cfg.verify == "checksum", group_rank(), group_size()))
+        entries = gather_to_main(manifest(tmp, self.cfg.verify == "checksum", group_rank(), group_size()))
         if group_rank() == 0:
             meta = seal_meta({**meta, "manifest": dict(sorted(entries.items()))})
             atomic_write_text(tmp / "meta.json", json.dumps(meta))
@@ -345,7 +277,7 @@ class Checkpointer:
             error = None
         except CheckpointError as err:
             error = str(err)
-        return _agreed_error(error)
+        return agreed_error(error)
 
     def load(self, path: Path, state: TrainingState) -> dict[str, Any]:
         """Restore everything saved into `state`, in place; returns meta (step, tokens, ...)."""
@@ -355,7 +287,7 @@ class Checkpointer:
         check_shapes(path, model_state)
         osd = get_optimizer_state_dict(model, optimizer)
         state = {"model": model_state, "optim": {"state": osd["state"]}}
-        _dcp(dcp.load, state, checkpoint_id=str(path))
+        dcp_call(dcp.load, state, checkpoint_id=str(path))
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, {"state": state["optim"]["state"],
                                                     "param_groups": meta["param_groups"]})
@@ -400,7 +332,7 @@ class Checkpointer:
         model_state = {k: v for k, v in whole.items() if fresh is None or not fresh(k)}
         check_shapes(Path(path), model_state)
         state = {"model": model_state}
-        _dcp(dcp.load, state, checkpoint_id=str(path))
+        dcp_call(dcp.load, state, checkpoint_id=str(path))
         # Not strict only for the fresh tensors left out above.
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=len(model_state) == len(whole)))
         return meta

@@ -218,7 +218,7 @@ def test_requeue_of_a_finished_run_keeps_its_summary(tmp_path):
 def test_checkpoint_error_names_the_exception_not_dcps_tuple():
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
-    from memlm.checkpoint.checkpointer import _dcp
+    from memlm.checkpoint.dcp_calls import dcp_call
 
     def failing(*args, **kwargs):
         try:
@@ -227,7 +227,7 @@ def test_checkpoint_error_names_the_exception_not_dcps_tuple():
             raise CheckpointException("load failed", {0: _wrap_exception(err)}) from None
 
     with pytest.raises(CheckpointError) as err:
-        _dcp(failing, {}, checkpoint_id="ckpt/step_00000002")
+        dcp_call(failing, {}, checkpoint_id="ckpt/step_00000002")
     assert str(err.value) == "checkpoint ckpt/step_00000002: ValueError: shard 3 is unreadable"
 
 
