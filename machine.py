@@ -1,7 +1,8 @@
 """What machine and code a run ran on: the facts every record names.
 
-    env = run_environment()     # {"commit": "fa05223...", "dirty": False, "torch": "2.13.0", "python": ..., "cpu": ...}
-    same_environment(a, b)      # True when commit, torch and CPU all match (and neither tree was dirty)
+    env = run_environment()     # {"commit": "fa05223...", "dirty": False, "torch": "2.13.0", "python": ...,
+                                #  "cpu": "AMD EPYC", "cpu_capability": "AVX2", "cores": 2}
+    same_environment(a, b)      # True when commit, torch, CPU and its vector unit all match (neither tree dirty)
 
 A record's figures reproduce bit for bit only where these match (the brief's
 measurement rule; memlm.launch.continual_study checks a retrained run against
@@ -31,6 +32,14 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def cpu_capability() -> str:
+    """The vector instructions torch's CPU kernels use on this machine (AVX2, AVX512, ...). Two machines of
+    one CPU model name (a virtual machine's "AMD EPYC") can differ in it, and their float results with it."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(["git", "-C", str(CODE), *args], capture_output=True, text=True, timeout=10)
@@ -46,11 +55,12 @@ def run_environment() -> dict[str, object]:
     commit = _git("rev-parse", "HEAD")
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if commit else None
     return {"commit": commit, "dirty": dirty, "torch": torch.__version__, "python": platform.python_version(),
-            "cpu": cpu_model(), "cores": os.cpu_count()}
+            "cpu": cpu_model(), "cpu_capability": cpu_capability(), "cores": os.cpu_count()}
 
 
 def same_environment(a: dict | None, b: dict | None) -> bool:
-    """Whether two environments promise bitwise equal runs: the same clean commit, torch and CPU."""
+    """Whether two environments promise bitwise equal runs: the same clean commit, torch, CPU and vector unit
+    (an environment recorded before `cpu_capability` was does not promise it)."""
     if not a or not b or a.get("dirty") or b.get("dirty") or not a.get("commit"):
         return False
-    return all(a.get(k) == b.get(k) for k in ("commit", "torch", "cpu"))
+    return all(a.get(k) is not None and a.get(k) == b.get(k) for k in ("commit", "torch", "cpu", "cpu_capability"))

@@ -238,7 +238,7 @@ def ensure_start(run: Run) -> None:
 
 def retrain(run: Run) -> None:
     """Train a recorded run again for its checkpoint and check it against the record: equal evaluations
-    where the record's commit, torch and CPU are this run's (the runs are deterministic on CPU), else
+    where the record's commit, torch, CPU and vector unit are this run's (the runs are deterministic on CPU), else
     each figure within the plan's `reproduce_within`; it says which check it made."""
     ensure_start(run)
     print(f"[study] {run.name}: recorded, but its checkpoint {final_checkpoint(run)} is not on this machine: "
@@ -256,12 +256,13 @@ def retrain(run: Run) -> None:
 def reproduction_problem(recorded: dict, again: dict, within: float) -> tuple[str | None, str]:
     """(what differs, or None; which check was made) between a record's summary.json and a rerun's."""
     if same_environment(recorded.get("environment"), again.get("environment")):
-        check = "the record's commit, torch and CPU: equal evaluations asked"
+        check = "the record's commit, torch, CPU and vector unit: equal evaluations asked"
         differs = None if again["evals"] == recorded["evals"] else f"evals {again['evals']} against {recorded['evals']}"
         return differs, check
     then, now = recorded.get("environment") or {}, again.get("environment") or {}
-    check = (f"recorded at commit {str(then.get('commit'))[:12]}, torch {then.get('torch')}, CPU {then.get('cpu')}; "
-             f"rerun at {str(now.get('commit'))[:12]}, torch {now.get('torch')}, CPU {now.get('cpu')}: "
+    check = (f"recorded at commit {str(then.get('commit'))[:12]}, torch {then.get('torch')}, CPU {then.get('cpu')} "
+             f"({then.get('cpu_capability', 'vector unit not recorded')}); rerun at {str(now.get('commit'))[:12]}, "
+             f"torch {now.get('torch')}, CPU {now.get('cpu')} ({now.get('cpu_capability')}): "
              f"every figure within {within:.0%} asked")
     far = [f"{key} {b} against {a}" for key, a, b in _figures(recorded["evals"], again["evals"])
            if abs(b - a) > within * abs(a)]

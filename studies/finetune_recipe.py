@@ -34,7 +34,7 @@ from pathlib import Path
 
 from memlm.errors import ConfigError, entry_point
 from memlm.files import atomic_write_text
-from memlm.machine import cpu_model
+from memlm.machine import cpu_capability, cpu_model
 from memlm.studies.ablation_report import ReportError, write_doc
 
 COMMANDS = {  # stage -> the command the doc shows (after `python -m`)
@@ -55,7 +55,8 @@ def machine() -> dict:
     """Where the seconds were measured (the load average: other jobs on the machine at the start)."""
     import torch
 
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "load_average": round(os.getloadavg()[0], 1),
+    return {"cpu": cpu_model(), "cpu_capability": cpu_capability(), "cores": os.cpu_count(),
+            "load_average": round(os.getloadavg()[0], 1),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS", ""), "torch": torch.__version__,
             "python": platform.python_version()}
 

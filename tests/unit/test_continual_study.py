@@ -119,16 +119,17 @@ def test_a_recorded_base_without_its_checkpoint_is_trained_again_and_must_equal_
     assert _error_line(capsys, r"base_s0 trained again does not reproduce its record .*8\.0.*7\.0")
 
 
-HERE = {"commit": "a" * 40, "dirty": False, "torch": "2.13.0", "cpu": "AMD EPYC"}
+HERE = {"commit": "a" * 40, "dirty": False, "torch": "2.13.0", "cpu": "AMD EPYC", "cpu_capability": "AVX2"}
 
 
 @pytest.mark.parametrize("rerun_env, rerun_bits, message", [
-    (HERE, 7.0, "the record's commit, torch and CPU: equal evaluations asked"),  # equal where all three match
+    (HERE, 7.0, "the record's commit, torch, CPU and vector unit: equal evaluations asked"),  # all match
     ({**HERE, "cpu": "other"}, 7.1, "every figure within 2% asked"),  # elsewhere: 1.4% off passes
+    ({**HERE, "cpu_capability": "AVX512"}, 7.1, "every figure within 2% asked"),  # one CPU name, other kernels
     ({**HERE, "commit": "b" * 40}, 7.1, "every figure within 2% asked"),
     ({**HERE, "dirty": True}, 7.1, "every figure within 2% asked"),  # a changed tree promises nothing
 ])
-def test_a_retrained_run_is_checked_bitwise_only_where_commit_torch_and_cpu_match(
+def test_a_retrained_run_is_checked_bitwise_only_where_commit_torch_cpu_and_vector_unit_match(
         tmp_path, monkeypatch, capsys, rerun_env, rerun_bits, message):
     monkeypatch.chdir(tmp_path)
     (tmp_path / study.DATA).mkdir(parents=True)
