@@ -132,7 +132,8 @@ def render(record: dict) -> str:
         "",
         f"The recipe {verdict} (at least {BAR['exact_match']:.0%} exact match on the new facts, held-out "
         f"perplexity within {BAR['perplexity_change']:.0%} of the base's). Time on {m['cores']} cores "
-        f"({m['cpu']}, {threads}, torch {m['torch']}{shared}): corpora {_minutes(s['corpora'])}, base "
+        f"({m['cpu']}{', ' + m['cpu_capability'] if m.get('cpu_capability') else ''}, {threads}, torch "
+        f"{m['torch']}{shared}): corpora {_minutes(s['corpora'])}, base "
         f"{_minutes(s['base'])}, fine-tune {_minutes(s['fine-tune'])}, "
         f"{_minutes(sum(s.values()))} in all, evaluations included.",
         END,
