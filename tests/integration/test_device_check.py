@@ -610,7 +610,7 @@ WHY = {"kernel_tests": "failed: tests.unit.test_kernels_ops::",  # every test th
        "kernel_bench": "output off by",
        "mfu": "under the floor 10%", "nosync": "item at", "compile_dense": "graph break(s), expected 0",
        "compile_memplus": "graph break(s), expected 0",
-       "paths": "1 of 6 paths failed: kernel_torch: RuntimeError: element 0",
+       "paths": "1 of 8 paths failed: kernel_torch: RuntimeError: element 0",
        "equivalence": "2 ranks differ from 1 process"}
 
 
