@@ -53,7 +53,8 @@ def load_record(dump: Path) -> dict:
     return {"run": dump.name, "variant": variant_label(cfg.memory, memory_family(cfg.memory) or family_of(
         cfg.model.ffn)), "seed": cfg.seed, "flops": model.flops_per_token(cfg.data.seq_len),
         "steps": summary["steps"], "val_loss": summary.get("val_loss"), "minutes": summary.get("seconds", 0) / 60,
-        "ran_on": f"{env.get('commit', '?')[:7]}, torch {env.get('torch', '?')}, {env.get('cpu', '?')}",
+        "ran_on": f"{env.get('commit', '?')[:7]}, torch {env.get('torch', '?')}, {env.get('cpu', '?')}"
+                  + (f" ({env['cpu_capability']})" if env.get("cpu_capability") else ""),
         "seen": metrics[EM_SEEN], "phrasings": metrics.get(PHRASINGS_SEEN), "unseen": metrics.get(EM_UNSEEN),
         "trained": metrics.get(EM_TRAINED)}
 
