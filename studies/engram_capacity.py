@@ -87,5 +87,10 @@ def _share_line(entities: int, runs_at: Callable[[str, int, float | None], list[
     inside = 0 < peak_share < 1
     shape = (f"an inverted U, the most at {peak_share:.0%} to Engram (the paper's loss is lowest at 20-25%)" if inside
              else f"no peak inside: the most at {peak_share:.0%} to Engram")
+    corpus = peak[0]["corpus_bits"]
+    full = [share for share, runs in points if mean_bits(runs) >= SATURATED * corpus]
+    if len(full) > 1:  # two shares at the corpus's ceiling: their order is not capacity's
+        shape += (f"; bounded by the corpus: {', '.join(f'{s:.0%}' for s in full)} each hold at least "
+                  f"{SATURATED:.0%} of its {corpus:,.0f} bits, so this N cannot place a peak among them")
     return [f"- Bits stored against Engram's share of the sparse budget at N = {entities:,} (Memory+ at value lr "
             f"{lr:g} as share 0): {said_points}: {shape} ({mean_bits(peak):,.0f})."]

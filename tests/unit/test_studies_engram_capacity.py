@@ -40,6 +40,10 @@ def test_the_share_curve_names_an_inside_peak_and_its_absence():
     rows[-1]["stored_bits"] = 250_000
     line = engram_lines(rows, 8000, _runs_at(rows))[-1]
     assert line.endswith("no peak inside: the most at 100% to Engram (250,000).")
+    rows[1]["stored_bits"] = 249_000  # 25% and 100% both at the corpus's ceiling (at least 95% of 256,000)
+    line = engram_lines(rows, 8000, _runs_at(rows))[-1]
+    assert line.endswith("no peak inside: the most at 100% to Engram; bounded by the corpus: 25%, 100% each hold at "
+                         "least 95% of its 256,000 bits, so this N cannot place a peak among them (250,000).")
 
 
 def test_no_engram_run_no_line():
