@@ -22,6 +22,7 @@ from pathlib import Path
 
 from memlm.errors import MemlmError, entry_point
 from memlm.evals.report import eval_metrics
+from memlm.studies.formats import percent
 from memlm.studies.levers import (
     flatten,
     lever_rows,
@@ -117,7 +118,7 @@ def load_points(root: Path) -> list[dict]:
 
 
 def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.1f}"
+    return percent(x, unit="")  # the tables' headers and the check lines name the unit
 
 
 def _num(x, fmt: str = ",") -> str:

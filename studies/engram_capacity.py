@@ -25,6 +25,11 @@ SHARES = {"Memory+": 0.0, "Engram 25% + Memory+": 0.25, "Engram 50% + Memory+": 
 SATURATED = 0.95  # a share of the corpus's bits from which a variant is bounded by the corpus
 
 
+def _held(runs: list[dict]) -> float:
+    """The share of the corpus's bits these runs store (their mean)."""
+    return mean_bits(runs) / runs[0]["corpus_bits"]
+
+
 def _seeds(runs: list[dict]) -> str:
     return f"{len(runs)} seed{'s' if len(runs) > 1 else ''}"
 
@@ -61,8 +66,7 @@ def engram_lines(rows: list[dict], entities: int, runs_at: Callable[[str, int, f
                                                   f"{defaults[0]['value_lr']:g})"))
         if dense:
             parts.append(_against(ours, dense, "Dense's"))
-        corpus = ours[0]["corpus_bits"]
-        held = mean_bits(ours) / corpus
+        corpus, held = ours[0]["corpus_bits"], _held(ours)
         out.append(f"- {variant} at N = {entities:,}, value lr {lr:g}, stores {said(ours)} bits ({_seeds(ours)}), "
                    f"{held:.1%} of the corpus's {corpus:,.0f}: " + "; ".join(parts) + ".")
         if held >= SATURATED:
@@ -88,7 +92,7 @@ def _share_line(entities: int, runs_at: Callable[[str, int, float | None], list[
     shape = (f"an inverted U, the most at {peak_share:.0%} to Engram (the paper's loss is lowest at 20-25%)" if inside
              else f"no peak inside: the most at {peak_share:.0%} to Engram")
     corpus = peak[0]["corpus_bits"]
-    full = [share for share, runs in points if mean_bits(runs) >= SATURATED * corpus]
+    full = [share for share, runs in points if _held(runs) >= SATURATED]
     if len(full) > 1:  # two shares at the corpus's ceiling: their order is not capacity's
         shape += (f"; bounded by the corpus: {', '.join(f'{s:.0%}' for s in full)} each hold at least "
                   f"{SATURATED:.0%} of its {corpus:,.0f} bits, so this N cannot place a peak among them")
