@@ -23,14 +23,21 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@touch $(STAMP)
 	@echo "[setup] done: activate it with . $(VENV)/bin/activate"
 
+# The suite runs on TEST_WORKERS processes (pytest-xdist), one test file per
+# worker at a time: a file's module fixtures are built once, and its
+# multi-process tests (2-4 gloo ranks, torchrun with its own free ports) never
+# share a port with another file's. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 demo: $(STAMP)
 	$(BIN)/python -m memlm.launch.demo $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(ARGS)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest -m "not slow" $(XDIST) $(ARGS)
 
 # Exports read by transformers 4.x: a second environment with the newest 4.x
 # (the main one has transformers 5) and no memlm, used only by a few tests:
