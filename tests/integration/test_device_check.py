@@ -4,55 +4,33 @@ recompiles, a compile speedup <= 1, an MFU under the floor, an `.item()` in
 the step, 2 ranks off 1 process, no GPU) and the section reports FAIL with the
 reason and a non-zero exit; and the dry run (tiny models on CPU) passes.
 
-Two layers: the bench scripts' functions called in this process with the
-failure patched in (fast), and bench/device_check.sh run end to end with the
-failure patched in through a sitecustomize.py on PYTHONPATH, which Python
-imports at start-up in every section's process (marked slow).
+Two layers. Here: the script's own bookkeeping and the bench scripts'
+functions called in this process with the failure patched in (fast). The
+script run end to end (slow, minutes each): test_device_check_runs.py (a
+failure injected into each section, the dry run) and
+test_device_check_speed.py (the speed sections' dry run, wheels for the GPU
+image).
 
-    python -m pytest -q tests/integration/test_device_check.py -m "slow or not slow"
+    python -m pytest -q tests/integration/test_device_check*.py -m "slow or not slow"
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from device_check_run import SCRIPT, load_bench, run_device_check, summary_line
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "device_check.sh"
-
-
-def _load(name: str):
-    """bench/<name>.py as a module (bench/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-kernels = _load("kernels")
-device_train = _load("device_train")
-gpu_speed = _load("gpu_speed")
-speed_kernels = _load("speed_kernels")
-speed_profile = _load("speed_profile")
-launch_sweep = _load("launch_sweep")
-
-
-def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
-    full = {**os.environ, "OUT": str(tmp_path / "out"), **env}
-    return subprocess.run(["bash", str(SCRIPT)], env=full, capture_output=True, text=True, timeout=1800)
-
-
-def _summary_line(tmp_path: Path, section: str) -> str:
-    summary = (tmp_path / "out" / "summary.txt").read_text()
-    return next(line for line in summary.splitlines() if line.startswith(section + " "))
+kernels = load_bench("kernels")
+device_train = load_bench("device_train")
+gpu_speed = load_bench("gpu_speed")
+speed_kernels = load_bench("speed_kernels")
+speed_profile = load_bench("speed_profile")
+launch_sweep = load_bench("launch_sweep")
 
 
 # ------------------------------------------------------------ the script itself
@@ -71,7 +49,7 @@ def test_header_lists_every_section_with_its_rule():
 
 def test_failing_sections_are_recorded_and_the_rest_still_runs(tmp_path):
     # `false` as the Python: every section fails at once.
-    result = _run(tmp_path, PYTHON="false", SECTIONS="mfu nosync equivalence", DRY_RUN="1")
+    result = run_device_check(tmp_path, PYTHON="false", SECTIONS="mfu nosync equivalence", DRY_RUN="1")
     assert result.returncode != 0
     summary = (tmp_path / "out" / "summary.txt").read_text()
     for section in ("mfu", "nosync", "equivalence"):
@@ -80,17 +58,17 @@ def test_failing_sections_are_recorded_and_the_rest_still_runs(tmp_path):
 
 
 def test_a_section_exiting_0_without_its_ok_line_fails(tmp_path):
-    result = _run(tmp_path, PYTHON="true", SECTIONS="mfu", DRY_RUN="1")
+    result = run_device_check(tmp_path, PYTHON="true", SECTIONS="mfu", DRY_RUN="1")
     assert result.returncode != 0
-    assert "FAIL (no RESULT ok)" in _summary_line(tmp_path, "mfu")
+    assert "FAIL (no RESULT ok)" in summary_line(tmp_path, "mfu")
 
 
 def test_env_fails_without_a_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    result = _run(tmp_path, PYTHON=sys.executable, SECTIONS="env")
+    result = run_device_check(tmp_path, PYTHON=sys.executable, SECTIONS="env")
     assert result.returncode != 0
-    line = _summary_line(tmp_path, "env")
+    line = summary_line(tmp_path, "env")
     assert "FAIL" in line and "RESULT env FAIL: missing a CUDA GPU" in line, line
 
 
@@ -531,202 +509,3 @@ def test_host_read_counter_on_a_gpu_counts_only_cuda_tensors():
         reads.armed = False
     assert [r.split(" at ")[0] for _, r in reads.reads] == ["item", "__bool__"]
     assert torch.Tensor.item is not reads._counted  # restored
-
-
-# ------------------------------------------------- end to end: device_check.sh
-# sitecustomize.py sources that patch a failure into a section's process.
-INJECT = {
-    "kernel_tests": """
-        import memlm.memory.fast.ops as ops
-        def broken(*args, **kwargs):
-            raise RuntimeError("injected kernel error")
-        ops.embedding_bag = broken
-    """,
-    "kernel_bench": """
-        import memlm.memory.fast.ops as ops
-        right = ops.embedding_bag
-        ops.embedding_bag = lambda *a, **k: right(*a, **k) * 1.5
-    """,
-    "mfu": """
-        import memlm.train.metrics as metrics
-        metrics.device_peak_flops = lambda device: 989e12  # an H200's peak for the CPU
-    """,
-    "nosync": """
-        from memlm.train.trainer import Trainer
-        forward_loss = Trainer._forward_loss
-        def with_item(self, *args, **kwargs):
-            loss = forward_loss(self, *args, **kwargs)
-            loss.item()
-            return loss
-        Trainer._forward_loss = with_item
-    """,
-    "compile_dense": """
-        import torch
-        import memlm.distributed.parallelize as parallelize
-        from memlm.model.block import Block
-        def apply_compile(model):
-            for block in model.layers:
-                block.compile(backend="aot_eager")
-        parallelize.apply_compile = apply_compile
-        forward = Block.forward
-        def with_break(self, *args, **kwargs):
-            torch._dynamo.graph_break()
-            return forward(self, *args, **kwargs)
-        Block.forward = with_break
-    """,
-    "compile_memplus": """
-        import torch
-        import memlm.distributed.parallelize as parallelize
-        from memlm.memory import MemoryPlus
-        def apply_compile(model):
-            for block in model.layers:
-                block.compile(backend="aot_eager")
-        parallelize.apply_compile = apply_compile
-        forward = MemoryPlus.forward
-        def with_break(self, *args, **kwargs):
-            torch._dynamo.graph_break()
-            return forward(self, *args, **kwargs)
-        MemoryPlus.forward = with_break
-    """,
-    "paths": """
-        from memlm.train.trainer import Trainer
-        init = Trainer.__init__
-        def broken(self, cfg, *args, **kwargs):  # a crash of one CUDA-only branch
-            if cfg.memory.kernel == "torch":
-                raise RuntimeError("element 0 of tensors does not require grad")
-            init(self, cfg, *args, **kwargs)
-        Trainer.__init__ = broken
-    """,
-    "equivalence": """
-        from memlm.train.trainer import Trainer
-        train_step = Trainer.train_step
-        def off(self, *args, **kwargs):  # the 1-process reference only (the ranks are spawned processes)
-            metrics = train_step(self, *args, **kwargs)
-            return {**metrics, "loss": metrics["loss"] * 1.01} if metrics else metrics
-        Trainer.train_step = off
-    """,
-}
-WHY = {"kernel_tests": "failed: tests.unit.test_kernels_ops::",  # every test that reads fails
-       "kernel_bench": "output off by",
-       "mfu": "under the floor 10%", "nosync": "item at", "compile_dense": "graph break(s), expected 0",
-       "compile_memplus": "graph break(s), expected 0",
-       "paths": "1 of 8 paths failed: kernel_torch: RuntimeError: element 0",
-       "equivalence": "2 ranks differ from 1 process"}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("section", sorted(INJECT))
-def test_an_injected_failure_fails_the_section_and_the_run(tmp_path, section):
-    site = tmp_path / "site"
-    site.mkdir()
-    only = "" if section.startswith("kernel") else "device_train.py"
-    body = textwrap.indent(textwrap.dedent(INJECT[section]), "    ")
-    (site / "sitecustomize.py").write_text(f"import sys\nif {only!r} in (sys.argv[0] if sys.argv else ''):\n{body}")
-    result = _run(tmp_path, PYTHON=sys.executable, SECTIONS=section, DRY_RUN="1", PYTHONPATH=str(site))
-    line = _summary_line(tmp_path, section)
-    assert result.returncode != 0, line
-    assert "FAIL" in line and WHY[section] in line, line
-    assert "failed sections: 1" in result.stdout
-
-
-@pytest.mark.slow
-def test_dry_run_passes(tmp_path):
-    # compile_memplus is left out here only for time (about 2 minutes of CPU
-    # compilation); compile_dense runs the same code.
-    sections = "env kernel_tests kernel_bench mfu nosync compile_dense paths equivalence"
-    result = _run(tmp_path, PYTHON=sys.executable, SECTIONS=sections, DRY_RUN="1")
-    summary = (tmp_path / "out" / "summary.txt").read_text()
-    assert result.returncode == 0, summary + result.stdout[-3000:]
-    for section in sections.split():
-        assert " ok " in _summary_line(tmp_path, section), summary
-    assert "RESULT mfu ok" in summary and "RESULT equivalence ok" in summary
-    assert (tmp_path / "out" / "mfu.json").exists()
-
-
-@pytest.mark.slow
-def test_speed_dry_run_passes(tmp_path):
-    """Issue #49's device run (SECTIONS="env speed") on CPU: the kernels and the
-    sweep under the interpreter (with the official kernel when
-    bench/official_kernel.sh has copied it here), tiny train, profile and
-    compiled parts; JSON and doc rows written, the doc regenerated from the JSON."""
-    result = _run(tmp_path, PYTHON=sys.executable, SECTIONS="env speed", DRY_RUN="1")
-    summary = (tmp_path / "out" / "summary.txt").read_text()
-    assert result.returncode == 0, summary + result.stdout[-3000:]
-    for section in ("speed_kernels", "speed_sweep", "speed_train", "speed_profile", "speed_compiled"):
-        assert " ok " in _summary_line(tmp_path, section), summary
-    out = tmp_path / "out"
-    for part in ("kernels", "sweep", "train", "profile"):
-        assert json.loads((out / f"speed_{part}.json").read_text())["dry_run"] is True
-    train = json.loads((out / "speed_train.json").read_text())
-    assert {(r["model"], r["mode"]) for r in train["results"]} == {
-        (m, mode) for m in ("dense", "memplus fp32", "memplus bf16") for mode in ("eager", "compiled")}
-    # The sweep's fastest, as config values of the Memory+ runs.
-    assert train["launches"]["dense"] == [] and train["launches"]["memplus fp32"][0].startswith(
-        "memory.triton_forward=[") and train["launches"]["memplus bf16"][1].startswith("memory.triton_backward=[")
-    kernels_json = json.loads((out / "speed_kernels.json").read_text())
-    assert {r["dtype"] for r in kernels_json["rows"]} == {"float32", "bfloat16"} and kernels_json["copy"]["gbs"] > 0
-    assert {r["case"] for r in kernels_json["rows"]} == {"uniform", "L2-resident", "hot slots"}
-    doc = (out / "benchmarks.md").read_text()
-    section = doc.split("## GPU speed (bench/gpu_speed.py)", 1)[1]
-    assert section.count("DRY RUN on CPU") == 4
-    for name in ("segments", "by_slot", "atomic", "F.embedding_bag", "segments accumulate"):
-        assert f"| {name}" in section, name
-    again = tmp_path / "again.md"
-    assert gpu_speed.main(["doc", str(out), "--doc", str(again)]) == 0
-    assert again.read_text().split("## GPU speed (bench/gpu_speed.py)", 1)[1] == section
-
-
-@pytest.mark.slow
-def test_wheels_for_another_python_are_refused_and_the_sections_needing_them_skipped(tmp_path):
-    """A GPU image without hydra, omegaconf and torchdata, and wheels built for
-    another Python: each wheel is tried alone and named as refused, env still
-    passes, every section needing the modules says SKIPPED and why, the
-    summary names them, and the exit status is 3 (nothing failed, some skipped)."""
-    wheels = tmp_path / "whl"
-    wheels.mkdir()
-    other = f"cp{sys.version_info[0]}{sys.version_info[1] + 1}"
-    for name in ("hydra_core-1.3.8", "omegaconf-2.3.1", "torchdata-0.11.0"):
-        (wheels / f"{name}-{other}-{other}-manylinux_2_17_x86_64.whl").write_bytes(b"")
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text("import sys\nfor m in ('hydra', 'omegaconf', 'torchdata'):\n"
-                                           "    sys.modules[m] = None  # the image lacks them\n")
-    sections = "env mfu speed_train speed_profile speed_compiled"
-    result = _run(tmp_path, PYTHON=sys.executable, SECTIONS=sections, DRY_RUN="1", WHEELS=str(wheels),
-                  PYTHONPATH=str(site))
-    summary = (tmp_path / "out" / "summary.txt").read_text()
-    assert result.returncode == 3, summary + result.stdout[-3000:]
-    version = ".".join(map(str, sys.version_info[:3]))
-    assert f"Python {version}" in result.stdout
-    assert result.stdout.count(f"wheel REFUSED on Python {version}: ") == 3 and "not a supported wheel" in result.stdout
-    assert " ok " in _summary_line(tmp_path, "env")
-    assert "training modules missing: hydra omegaconf torchdata" in _summary_line(tmp_path, "env")
-    for section in sections.split()[1:]:
-        line = _summary_line(tmp_path, section)
-        assert "SKIPPED" in line and f"needs hydra omegaconf torchdata: not importable on Python {version}" in line
-        assert "wheels refused: hydra_core-1.3.8-" in line, line
-    assert "skipped sections: 4: mfu speed_train speed_profile speed_compiled" in summary
-    assert "failed sections: 0" in summary
-
-
-@pytest.mark.slow
-def test_without_pip_pure_wheels_are_unpacked(tmp_path):
-    """A Python without pip: a pure-Python wheel is unpacked into the site
-    folder, a binary one is refused and named."""
-    import zipfile
-
-    wheels = tmp_path / "whl"
-    wheels.mkdir()
-    with zipfile.ZipFile(wheels / "fakemod-1.0-py3-none-any.whl", "w") as whl:
-        whl.writestr("fakemod/__init__.py", "WHERE = __file__\n")
-    (wheels / "fakebin-1.0-cp312-cp312-manylinux_2_17_x86_64.whl").write_bytes(b"")
-    python = tmp_path / "python"
-    python.write_text("#!/usr/bin/env bash\n"
-                      'if [ "${1:-}" = "-m" ] && [ "${2:-}" = "pip" ]; then\n'
-                      '    echo "No module named pip" >&2; exit 1\nfi\n'
-                      f'exec {sys.executable} "$@"\n')
-    python.chmod(0o755)
-    _run(tmp_path, PYTHON=str(python), SECTIONS="env", DRY_RUN="1", WHEELS=str(wheels))
-    log = (tmp_path / "out" / "wheels.log").read_text()
-    assert f"wheel installed (unpacked: {python} has no pip): fakemod-1.0-py3-none-any.whl" in log, log
-    assert "wheel REFUSED on Python" in log and "fakebin-1.0-cp312" in log and "not a pure-Python wheel" in log
