@@ -17,6 +17,21 @@ import textwrap
 import pytest
 from device_check_run import run_device_check, summary_line
 
+# A graph break in every call of cls.forward, the blocks compiled with aot_eager (CPU, no inductor).
+GRAPH_BREAK = """
+    import torch
+    import memlm.distributed.parallelize as parallelize
+    from {module} import {cls}
+    def apply_compile(model):
+        for block in model.layers:
+            block.compile(backend="aot_eager")
+    parallelize.apply_compile = apply_compile
+    forward = {cls}.forward
+    def with_break(self, *args, **kwargs):
+        torch._dynamo.graph_break()
+        return forward(self, *args, **kwargs)
+    {cls}.forward = with_break
+"""
 # sitecustomize.py sources that patch a failure into a section's process.
 INJECT = {
     "kernel_tests": """
@@ -43,34 +58,8 @@ INJECT = {
             return loss
         Trainer._forward_loss = with_item
     """,
-    "compile_dense": """
-        import torch
-        import memlm.distributed.parallelize as parallelize
-        from memlm.model.block import Block
-        def apply_compile(model):
-            for block in model.layers:
-                block.compile(backend="aot_eager")
-        parallelize.apply_compile = apply_compile
-        forward = Block.forward
-        def with_break(self, *args, **kwargs):
-            torch._dynamo.graph_break()
-            return forward(self, *args, **kwargs)
-        Block.forward = with_break
-    """,
-    "compile_memplus": """
-        import torch
-        import memlm.distributed.parallelize as parallelize
-        from memlm.memory import MemoryPlus
-        def apply_compile(model):
-            for block in model.layers:
-                block.compile(backend="aot_eager")
-        parallelize.apply_compile = apply_compile
-        forward = MemoryPlus.forward
-        def with_break(self, *args, **kwargs):
-            torch._dynamo.graph_break()
-            return forward(self, *args, **kwargs)
-        MemoryPlus.forward = with_break
-    """,
+    "compile_dense": GRAPH_BREAK.format(module="memlm.model.block", cls="Block"),
+    "compile_memplus": GRAPH_BREAK.format(module="memlm.memory", cls="MemoryPlus"),
     "paths": """
         from memlm.train.trainer import Trainer
         init = Trainer.__init__
