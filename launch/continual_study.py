@@ -34,6 +34,13 @@ Stages:
   the plan's `round_steps`.
 - `seeds`: with `--seed S` (S > 0), a second base model and the best
   setting of each round mode found in seed 0's sweep, at seed S.
+
+A setting ranked by `finetune.ranking=tfidf_batches` (Lin et al.'s document
+frequency) ranks against the base's final model over the plan's
+`background_batches` batches of its pretraining data (they count about 1,000),
+written once beside the base's final checkpoint by `python -m
+memlm.train.slot_usage` (`batch_background`); the other sparse settings rank
+against the background the base recorded over its last steps.
 """
 
 from __future__ import annotations
@@ -91,6 +98,7 @@ class Run:
     mode: str = ""  # a fine-tune's mode; "" for a base model
     setting: tuple[str, ...] = ()  # a sweep run's overrides besides its mode, seed and paths
     start: Run | None = None  # the run whose final checkpoint this one starts from (init_from)
+    background_of: Run | None = None  # the base whose batch background it ranks against (tfidf_batches)
 
     @property
     def dump(self) -> Path:
@@ -125,11 +133,39 @@ def final_checkpoint(run: Run) -> Path:
     return run.dump / "checkpoints" / f"step_{steps:08d}"
 
 
+BY_BATCHES = "finetune.ranking=tfidf_batches"
+
+
+def batch_background(base: Run) -> Path:
+    """The background a `tfidf_batches` setting ranks against: the base's final model over the plan's
+    `background_batches` pretraining batches (each a document of Lin et al.'s TF-IDF), beside its final
+    checkpoint. The base's own recorded background (its last steps, `slot_usage.safetensors`) counts
+    fewer batches, while the model still trained."""
+    return final_checkpoint(base) / f"slot_usage_{plan().background_batches}_batches.safetensors"
+
+
+def background(base: Run, mode: str, setting: tuple[str, ...] | list[str],
+               from_base: bool) -> tuple[list[str], Run | None]:
+    """(the finetune.background override, the base whose batch background must exist first) of a run of
+    `mode` with `setting`. A run `from_base` that ranks against what the base recorded names nothing: a
+    fine-tune's default is the file in its init_from folder."""
+    from memlm.finetune.background import FILE
+    from memlm.finetune.modes import MODES
+
+    if BY_BATCHES in setting:
+        return [f"finetune.background={batch_background(base)}"], base
+    if "background" in MODES[mode].reads and not from_base:
+        return [f"finetune.background={final_checkpoint(base) / FILE}"], None
+    return [], None
+
+
 def sweep_run(series: Series, base: Run, mode: str, setting: tuple[str, ...]) -> Run:
     name = f"{series.prefix}s{series.seed}_{mode}_{_label(setting)}"
+    ranks_against, of = background(base, mode, setting, from_base=True)
     return Run(name, ["experiment=continual_finetune", *series.table, f"finetune={mode}", *setting,
-                      f"seed={series.seed}", f"init_from={final_checkpoint(base)}", f"dump_dir={RUNS / name}"],
-               mode, setting, base)
+                      f"seed={series.seed}", *ranks_against, f"init_from={final_checkpoint(base)}",
+                      f"dump_dir={RUNS / name}"],
+               mode, setting, base, of)
 
 
 def sweep_runs(series: Series, base: Run) -> list[Run]:
@@ -163,12 +199,6 @@ def round_runs(series: Series, base: Run, best: Run, rounds: int) -> list[Run]:
     # A setting with its own steps (a smaller batch, more steps) keeps its share per round.
     swept = dict(o.split("=", 1) for o in best.setting)
     steps = plan().round_steps * int(swept.get("steps", finetune_config().steps)) // finetune_config().steps
-    from memlm.finetune.background import FILE
-    from memlm.finetune.modes import MODES
-
-    # The base's background, for a mode that reads one (the others refuse a setting they ignore).
-    reads = "background" in MODES[mode].reads
-    background = [f"finetune.background={final_checkpoint(base) / FILE}"] if reads else []
     evals = ",".join(f'"bits:facts_b{r + 1}"' for r in range(rounds))
     from memlm.data.continual import paraphrase_folder
 
@@ -177,14 +207,17 @@ def round_runs(series: Series, base: Run, best: Run, rounds: int) -> list[Run]:
     runs, start = [], base
     for r in range(1, rounds + 1):
         name = f"{series.prefix}s{series.seed}_rounds_{mode}_{label}_r{r}"
+        # Every round ranks against the base's background, for a mode that reads one (the others refuse
+        # a setting they ignore); round 1, from the base, names it too: the rounds read alike.
+        ranks_against, of = background(base, mode, settings, from_base=False)
         run = Run(name, ["experiment=continual_finetune", *series.table, f"finetune={mode}", *settings,
                          f"seed={series.seed}", f"steps={steps}",
                          f"data.sources.0.path={DATA}/{paraphrase_folder(f'facts_b{r}') if para else f'facts_b{r}'}"
                          "/train.jsonl",
-                         "checkpoint.at_end=true", *background,
+                         "checkpoint.at_end=true", *ranks_against,
                          f"eval.tasks=[{evals},\"bits:facts_a\",\"ppl:bio_heldout\",\"qa:bio_qa\"]",
                          f"init_from={final_checkpoint(start)}", f"dump_dir={RUNS / name}"],
-                  mode, tuple(settings), start)
+                  mode, tuple(settings), start, of)
         runs.append(run)
         start = run
     return runs
@@ -221,6 +254,7 @@ def execute(run: Run) -> None:
         print(f"[study] {run.name}: recorded, skipped", flush=True)
         return
     ensure_start(run)
+    ensure_background(run)
     train(run)
     run.record.mkdir(parents=True, exist_ok=True)
     for name in ("config.yaml", "metrics.jsonl", "summary.json"):
@@ -234,6 +268,26 @@ def ensure_start(run: Run) -> None:
     """The checkpoint `run` starts from, trained again where this machine lacks it."""
     if run.start is not None and not final_checkpoint(run.start).exists():
         retrain(run.start)
+
+
+def ensure_background(run: Run) -> None:
+    """The batch background `run` ranks against (`batch_background`), written where this machine lacks it:
+    deterministic from the base's final checkpoint, so a fresh clone writes the same file."""
+    base = run.background_of
+    if base is None or batch_background(base).exists():
+        return
+    if not final_checkpoint(base).exists():
+        retrain(base)
+    out, log = batch_background(base), RUNS / f"{base.name}.background.log"
+    command = [sys.executable, "-m", "memlm.train.slot_usage", str(final_checkpoint(base)),
+               "--batches", str(plan().background_batches), "--out", str(out)]
+    print(f"[study] {base.name}: writing its background over {plan().background_batches:,} batches -> {out}",
+          flush=True)
+    with open(log, "w") as f:
+        rc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}).returncode
+    if rc != 0:
+        raise StudyError(f"{base.name}'s background failed (exit {rc}); its log: {log}")
 
 
 def retrain(run: Run) -> None:

@@ -28,6 +28,7 @@ class Plan:
     learned: float  # facts-B exact match a setting must reach to count as having learned them
     levels: tuple[float, ...]  # shares of facts B's bits learned at which the report reads each mode's front
     round_steps: int
+    background_batches: int  # the pretraining batches a finetune.ranking=tfidf_batches setting's background counts
     round_modes: tuple[str, ...]
     report_order: tuple[str, ...]
     reference: str  # goal (a): its facts-A loss over the best of the other modes' ...
@@ -66,7 +67,11 @@ def load_plan(path: Path = PLAN_FILE) -> Plan:
     if not levels or not all(0 < x <= 1 for x in levels):
         raise ConfigError(f"{path}: levels", raw.get("levels"), "a list of shares of facts B's bits in (0, 1]")
     goals = raw["goals"]
+    batches = raw.get("background_batches")
+    if not isinstance(batches, int) or batches < 1:
+        raise ConfigError(f"{path}: background_batches", batches, "an integer >= 1 (pretraining batches)")
     return Plan(learned=float(raw["learned"]), levels=levels, round_steps=int(raw["round_steps"]),
+                background_batches=batches,
                 round_modes=tuple(mode(m, "round_modes") for m in raw["round_modes"]),
                 report_order=tuple(mode(m, "report_order") for m in raw["report_order"]),
                 reference=mode(goals["reference"], "goals.reference"),

@@ -17,6 +17,10 @@ def _fake_train(calls, fail=(), evals=None, environment=None):
     """A subprocess.run stand-in: writes what a finished run leaves in its dump_dir (`evals`: a base's;
     `environment`: what its summary says it ran on)."""
     def run(cmd, **kw):
+        if cmd[2] == "memlm.train.slot_usage":  # a batch background: [checkpoint, --batches, N, --out, file]
+            calls.append({"slot_usage": cmd[3], "batches": cmd[5], "out": cmd[7]})
+            Path(cmd[7]).write_text("")
+            return subprocess.CompletedProcess(cmd, 0)
         overrides = dict(o.split("=", 1) for o in cmd[3:])
         calls.append(overrides)
         name = overrides["dump_dir"].rsplit("/", 1)[1]
@@ -269,3 +273,39 @@ def test_an_unfinished_attempt_continues_from_its_checkpoint_and_one_without_sta
     (run.dump / "checkpoints" / "step_00000250").rmdir()
     study.train(run)
     assert "resume=auto" not in calls[-1] and not (run.dump / "metrics.jsonl").exists()
+
+
+def test_a_tfidf_batches_setting_ranks_against_the_bases_model_over_the_plans_background_batches(tmp_path,
+                                                                                                 monkeypatch):
+    """Lin et al.'s document frequency over about 1,000 pretraining batches: written once from the base's
+    final checkpoint, before the first run that reads it (retraining the base where it is missing), and
+    named by every run of such a setting, its rounds included; the other sparse settings keep the base's own."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / study.DATA).mkdir(parents=True)
+    (tmp_path / study.DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    calls = []
+    monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
+    series = study.Series(0, 1024)
+    base = study.base_run(series)
+    assert study.main(["--stage", "base", "--n-keys", "1024"]) == 0
+    study.shutil.rmtree(base.dump)  # a fresh clone: the base's record, not its checkpoint
+    assert study.main(["--stage", "sweep", "--modes", "sparse", "--n-keys", "1024"]) == 0
+    ckpt = study.RUNS / "k1024_base_s0" / "checkpoints" / "step_00000300"
+    file = ckpt / f"slot_usage_{continual_plan.plan().background_batches}_batches.safetensors"
+    writes = [i for i, c in enumerate(calls) if "slot_usage" in c]
+    assert len(writes) == 1 and calls[writes[0]] == {"slot_usage": str(ckpt), "batches": "1000", "out": str(file)}
+    by_batches = [c for c in calls if c.get("finetune.ranking") == "tfidf_batches"]
+    assert len(by_batches) == 3 and all(c["finetune.background"] == str(file) for c in by_batches)
+    assert calls[writes[0] + 1] is by_batches[0]
+    others = [c for c in calls if c.get("finetune") == "sparse" and c.get("finetune.ranking") != "tfidf_batches"]
+    assert others and all("finetune.background" not in c for c in others)  # the base's, in their init_from
+    setting = next(s for _, s in continual_plan.plan().sweep_at[1024] if study.BY_BATCHES in s)
+    best = study.sweep_run(series, base, "sparse", setting)
+    rounds = study.round_runs(series, base, best, 2)
+    assert [r.background_of for r in rounds] == [base, base]
+    assert all(f"finetune.background={file}" in r.overrides for r in rounds)
+    # a later round on a machine without the base: the base trained again, then its background written
+    study.shutil.rmtree(base.dump)
+    n = len(calls)
+    study.ensure_background(rounds[1])
+    assert calls[n]["dump_dir"].endswith("/k1024_base_s0") and calls[n + 1]["out"] == str(file) and len(calls) == n + 2
