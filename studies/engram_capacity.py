@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from memlm.studies.value_lr import best, default_levers, mean_bits, said
+from memlm.studies.value_lr import best, default_levers, mean_bits, said, said_bits
 
 # The capacity report's Engram variants and their share of the sparse budget (memory.engram.share);
 # Memory+ alone is share 0.
@@ -28,10 +28,6 @@ SATURATED = 0.95  # a share of the corpus's bits from which a variant is bounded
 def _held(runs: list[dict]) -> float:
     """The share of the corpus's bits these runs store (their mean)."""
     return mean_bits(runs) / runs[0]["corpus_bits"]
-
-
-def _seeds(runs: list[dict]) -> str:
-    return f"{len(runs)} seed{'s' if len(runs) > 1 else ''}"
 
 
 def _against(ours: list[dict], theirs: list[dict], what: str) -> str:
@@ -67,7 +63,7 @@ def engram_lines(rows: list[dict], entities: int, runs_at: Callable[[str, int, f
         if dense:
             parts.append(_against(ours, dense, "Dense's"))
         corpus, held = ours[0]["corpus_bits"], _held(ours)
-        out.append(f"- {variant} at N = {entities:,}, value lr {lr:g}, stores {said(ours)} bits ({_seeds(ours)}), "
+        out.append(f"- {variant} at N = {entities:,}, value lr {lr:g}, stores {said_bits(ours)}, "
                    f"{held:.1%} of the corpus's {corpus:,.0f}: " + "; ".join(parts) + ".")
         if held >= SATURATED:
             out.append(f"  That is {held:.1%} of what the corpus holds: at this N the comparison is bounded by the "

@@ -67,6 +67,11 @@ def said(runs: list[dict]) -> str:
         f"{r['stored_bits']:,.0f}" for r in runs) + ")"
 
 
+def said_bits(runs: list[dict]) -> str:
+    """`said` with its unit, and the seed count where `said` does not give it (one run)."""
+    return f"{said(runs)} bits" + (" (1 seed)" if len(runs) == 1 else "")
+
+
 def settings(rows: list[dict], entities: int, runs_at: RunsAt) -> dict[str, list[tuple[float | None, list[dict]]]]:
     """variant -> [(value lr, runs)] at N, by value lr; variants without a value lr (Dense, MoE): [(None, runs)]."""
     out: dict[str, list[tuple[float | None, list[dict]]]] = {}
@@ -143,8 +148,7 @@ def section(rows: list[dict], entities: int, runs_at: RunsAt) -> list[str]:
     out.append("")
     for variant, points in swept.items():
         lr, runs = best(points)
-        line = (f"- {variant}'s best value lr at N = {entities:,}: {_lr(lr)}, {said(runs)} bits "
-                f"({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+        line = f"- {variant}'s best value lr at N = {entities:,}: {_lr(lr)}, {said_bits(runs)}"
         above = [(x, r) for x, r in points if len(r) < len(runs) and mean_bits(r) > mean_bits(runs)]
         if above:
             line += "; one-seed settings above it, unsettled until a second seed: " + ", ".join(

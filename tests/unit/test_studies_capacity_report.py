@@ -207,7 +207,7 @@ def test_value_lr_sweep_names_each_variants_best_setting_and_the_order(tmp_path)
     assert "| Memory+ | 0.03 | 2 | 500 (mean of 2 seeds: 600, 400) |" in text
     assert "| Memory | 0.003 | 1 | 450 |" in text and "| Memory | 0.01 | 1 | 550 |" in text
     # One seed at 1e-1 (700) is above the two-seed mean at 3e-2 (500): named, but not the best.
-    assert ("Memory+'s best value lr at N = 40: 0.03, 500 (mean of 2 seeds: 600, 400) bits (2 seeds); one-seed "
+    assert ("Memory+'s best value lr at N = 40: 0.03, 500 (mean of 2 seeds: 600, 400) bits; one-seed "
             "settings above it, unsettled until a second seed: 0.1 (700).") in text
     assert "Memory's best value lr at N = 40: 0.01, 550 bits (1 seed)." in text
     assert ("Order at each variant's best setting at N = 40, levers included (mean bits; seeds and their spread; "
@@ -238,7 +238,7 @@ def test_a_lever_run_is_set_beside_its_seed_and_is_no_seed_of_a_setting(tmp_path
     text = report.render(rows)
     # Not a seed: the setting at 1e-1 keeps its two seeds, the best is still their mean.
     assert "| Memory+ | 0.1 | 2 | 600 (mean of 2 seeds: 700, 500) |" in text
-    assert "Memory+'s best value lr at N = 40: 0.1, 600 (mean of 2 seeds: 700, 500) bits (2 seeds)." in text
+    assert "Memory+'s best value lr at N = 40: 0.1, 600 (mean of 2 seeds: 700, 500) bits." in text
     assert ("| Memory+ | 0.1 | `memory.value_weight_decay=0.1` | 0 | 350 | 54.7 | 700 | -50.0% | 2.92x | m40_1e-1_wd |"
             in text)
     assert "| Memory+ | 0.1 | `memory.value_dtype=bf16` | 2 | 90 | 14.1 | not run | - | 0.75x | m40_wd_s2 |" in text
