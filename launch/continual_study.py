@@ -1,6 +1,6 @@
 """The continual-learning study, run by run: base model, fine-tuning sweep, rounds.
 
-    OMP_NUM_THREADS=1 python -m memlm.launch.continual_study [--stage base|sweep|rounds|seeds|all] [--seed 0]
+    OMP_NUM_THREADS=1 python -m memlm.launch.continual_study [--stage base|sweep|rounds|seeds|reproduce|all] [--seed 0]
         [--n-keys 256]
 
 Each run is a plain `python -m memlm.train experiment=continual_* ...`
@@ -34,6 +34,10 @@ Stages:
   the plan's `round_steps`.
 - `seeds`: with `--seed S` (S > 0), a second base model and the best
   setting of each round mode found in seed 0's sweep, at seed S.
+- `reproduce`: the base and each mode's best setting trained again from
+  scratch in runs/continual_again (the study's own runs untouched) and
+  checked against their records (`reproduce`); each rerun's summary.json is
+  kept beside its record as reproduced_summary.json, which the report lists.
 
 A setting ranked by `finetune.ranking=tfidf_batches` (Lin et al.'s document
 frequency) ranks against the base's final model over the plan's
@@ -56,11 +60,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memlm.errors import ConfigError, MemlmError, entry_point
-from memlm.machine import same_environment
 from memlm.studies.continual_plan import finetune_config, plan
+from memlm.studies.reproduction import REPRODUCED, reproduction_problem
 
 DATA = Path("data_cache/continual")
 RUNS = Path("runs/continual")
+AGAIN = Path("runs/continual_again")  # --stage reproduce: reruns beside the study's own runs, never over them
 RECORDS = Path("docs/runs/continual")
 SGD = "finetune.optimizer=sgd"  # left out of run names: the sweep's default for the value tables
 
@@ -99,10 +104,11 @@ class Run:
     setting: tuple[str, ...] = ()  # a sweep run's overrides besides its mode, seed and paths
     start: Run | None = None  # the run whose final checkpoint this one starts from (init_from)
     background_of: Run | None = None  # the base whose batch background it ranks against (tfidf_batches)
+    root: Path = RUNS  # where its dump goes: the study's runs, or AGAIN for a reproduction
 
     @property
     def dump(self) -> Path:
-        return RUNS / self.name
+        return self.root / self.name
 
     @property
     def record(self) -> Path:
@@ -119,9 +125,10 @@ def _label(overrides: list[str] | tuple[str, ...]) -> str:
                     if not k.startswith(("seed", "init_from", "dump")))
 
 
-def base_run(series: Series) -> Run:
+def base_run(series: Series, root: Path = RUNS) -> Run:
     name = f"{series.prefix}base_s{series.seed}"
-    return Run(name, ["experiment=continual_base", *series.table, f"seed={series.seed}", f"dump_dir={RUNS / name}"])
+    return Run(name, ["experiment=continual_base", *series.table, f"seed={series.seed}", f"dump_dir={root / name}"],
+               root=root)
 
 
 def final_checkpoint(run: Run) -> Path:
@@ -164,8 +171,8 @@ def sweep_run(series: Series, base: Run, mode: str, setting: tuple[str, ...]) ->
     ranks_against, of = background(base, mode, setting, from_base=True)
     return Run(name, ["experiment=continual_finetune", *series.table, f"finetune={mode}", *setting,
                       f"seed={series.seed}", *ranks_against, f"init_from={final_checkpoint(base)}",
-                      f"dump_dir={RUNS / name}"],
-               mode, setting, base, of)
+                      f"dump_dir={base.root / name}"],
+               mode, setting, base, of, base.root)
 
 
 def sweep_runs(series: Series, base: Run) -> list[Run]:
@@ -278,7 +285,7 @@ def ensure_background(run: Run) -> None:
         return
     if not final_checkpoint(base).exists():
         retrain(base)
-    out, log = batch_background(base), RUNS / f"{base.name}.background.log"
+    out, log = batch_background(base), base.root / f"{base.name}.background.log"
     command = [sys.executable, "-m", "memlm.train.slot_usage", str(final_checkpoint(base)),
                "--batches", str(plan().background_batches), "--out", str(out)]
     print(f"[study] {base.name}: writing its background over {plan().background_batches:,} batches -> {out}",
@@ -298,6 +305,11 @@ def retrain(run: Run) -> None:
     print(f"[study] {run.name}: recorded, but its checkpoint {final_checkpoint(run)} is not on this machine: "
           "training it again", flush=True)
     train(run)
+    check_against_record(run)
+
+
+def check_against_record(run: Run) -> None:
+    """Stop the study where the run's dump does not reproduce its record (`reproduction_problem`)."""
     recorded = json.loads((run.record / "summary.json").read_text())
     again = json.loads((run.dump / "summary.json").read_text())
     problem, check = reproduction_problem(recorded, again, plan().reproduce_within)
@@ -307,30 +319,23 @@ def retrain(run: Run) -> None:
     print(f"[study] {run.name}: trained again, {check}: its evaluations reproduce the record's", flush=True)
 
 
-def reproduction_problem(recorded: dict, again: dict, within: float) -> tuple[str | None, str]:
-    """(what differs, or None; which check was made) between a record's summary.json and a rerun's."""
-    if same_environment(recorded.get("environment"), again.get("environment")):
-        check = "the record's commit, torch, CPU and vector unit: equal evaluations asked"
-        differs = None if again["evals"] == recorded["evals"] else f"evals {again['evals']} against {recorded['evals']}"
-        return differs, check
-    then, now = recorded.get("environment") or {}, again.get("environment") or {}
-    check = (f"recorded at commit {str(then.get('commit'))[:12]}, torch {then.get('torch')}, CPU {then.get('cpu')} "
-             f"({then.get('cpu_capability', 'vector unit not recorded')}); rerun at {str(now.get('commit'))[:12]}, "
-             f"torch {now.get('torch')}, CPU {now.get('cpu')} ({now.get('cpu_capability')}): "
-             f"every figure within {within:.0%} asked")
-    far = [f"{key} {b} against {a}" for key, a, b in _figures(recorded["evals"], again["evals"])
-           if abs(b - a) > within * abs(a)]
-    return ("; ".join(far) or None), check
-
-
-def _figures(a: dict, b: dict, prefix: str = ""):
-    """(key, a's number, b's number) for every number both nested dicts hold at the same key."""
-    for key, value in a.items():
-        other = b.get(key) if isinstance(b, dict) else None
-        if isinstance(value, dict):
-            yield from _figures(value, other or {}, f"{prefix}{key}.")
-        elif isinstance(value, (int, float)) and isinstance(other, (int, float)) and not isinstance(value, bool):
-            yield f"{prefix}{key}", float(value), float(other)
+def reproduce(series: Series) -> None:
+    """Train the series' base and one fine-tune per mode again, in AGAIN, and check each against its record:
+    the fine-tune is the mode's best setting (the one the report's goals read), started from the base trained
+    again here. Each rerun's summary.json is kept beside its record (REPRODUCED); a run that does not
+    reproduce stops the study, naming both figures. A rerun finished here before is checked, not repeated."""
+    base = base_run(series, AGAIN)
+    if not (base.record / "summary.json").exists():
+        raise StudyError(f"--stage reproduce: no record of {base.name} ({base.record}) to reproduce")
+    recorded_sweep = sweep_runs(series, base_run(series))
+    picks = [best_setting(recorded_sweep, mode) for mode in plan().report_order]
+    for run in [base, *(sweep_run(series, base, best.mode, best.setting) for best in picks if best)]:
+        if not (run.dump / "summary.json").exists():
+            ensure_start(run)
+            ensure_background(run)
+            train(run)
+        check_against_record(run)
+        shutil.copy2(run.dump / "summary.json", run.record / REPRODUCED)
 
 
 def train(run: Run) -> None:
@@ -347,18 +352,20 @@ def train(run: Run) -> None:
             shutil.rmtree(run.dump)  # the study's own folder of an attempt that saved nothing
     print(f"[study] {run.name}: {run.command()}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_SILENT": "true"}
-    with open(RUNS / f"{run.name}.log", "a" if resume else "w") as log:
+    log_file = run.root / f"{run.name}.log"
+    run.root.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "a" if resume else "w") as log:
         rc = subprocess.run([sys.executable, "-m", "memlm.train", *run.overrides, *resume], stdout=log,
                             stderr=subprocess.STDOUT, env=env).returncode
     if rc != 0:
-        raise StudyError(f"{run.name} failed (exit {rc}); its log: {RUNS / f'{run.name}.log'}")
+        raise StudyError(f"{run.name} failed (exit {rc}); its log: {log_file}")
 
 
 @entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memlm.launch.continual_study", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", choices=("base", "sweep", "rounds", "seeds", "all"), default="all")
+    parser.add_argument("--stage", choices=("base", "sweep", "rounds", "seeds", "reproduce", "all"), default="all")
     parser.add_argument("--seed", type=int, default=0, help="the base model's and the fine-tunes' seed")
     parser.add_argument("--modes", default="", help="comma-separated modes to run in the sweep (default: all)")
     parser.add_argument("--n-keys", type=int, default=None,
@@ -375,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         write_study(str(DATA))
     add_paraphrases()
     series = Series(args.seed, table_size(args.n_keys))
+    if args.stage == "reproduce":
+        reproduce(series)
+        return 0
     base = base_run(series)
     execute(base)
     if args.stage == "seeds":

@@ -26,7 +26,7 @@ def _fake_train(calls, fail=(), evals=None, environment=None):
         name = overrides["dump_dir"].rsplit("/", 1)[1]
         if name in fail:
             return subprocess.CompletedProcess(cmd, 1)
-        dump = study.RUNS / name
+        dump = Path(overrides["dump_dir"])
         (dump / "evals").mkdir(parents=True)
         steps = int(overrides.get("steps", 300))
         em = {"full": 0.99, "memory": 0.97, "sparse": 0.96, "lora": 0.5}.get(overrides.get("finetune"), 0.0)
@@ -309,3 +309,37 @@ def test_a_tfidf_batches_setting_ranks_against_the_bases_model_over_the_plans_ba
     n = len(calls)
     study.ensure_background(rounds[1])
     assert calls[n]["dump_dir"].endswith("/k1024_base_s0") and calls[n + 1]["out"] == str(file) and len(calls) == n + 2
+
+
+def test_reproduce_trains_the_base_and_each_modes_best_setting_again_beside_the_study_and_checks_them(
+        tmp_path, monkeypatch, capsys):
+    """--stage reproduce: from scratch in runs/continual_again (the study's own checkpoints untouched), the
+    fine-tunes from the base trained again; each rerun's summary kept beside its record; a rerun done before
+    is checked, not repeated; one that differs stops the study naming both figures."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / study.DATA).mkdir(parents=True)
+    (tmp_path / study.DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    calls = []
+    monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, evals={"bits:facts_a": {"stored_bits": 7.0}},
+                                                             environment=HERE))
+    assert study.main(["--stage", "reproduce"]) == 1
+    assert _error_line(capsys, r"--stage reproduce: no record of base_s0")
+    assert study.main(["--stage", "sweep", "--modes", "memory,sparse"]) == 0
+    n = len(calls)
+    assert study.main(["--stage", "reproduce"]) == 0
+    again = calls[n:]
+    assert [c["dump_dir"] for c in again] == [
+        str(study.AGAIN / "base_s0"), str(study.AGAIN / "s0_memory_optimizeradamw_value_lr1e-3"),
+        str(study.AGAIN / "s0_sparse_optimizeradamw_top_t2000_value_lr1e-2")]  # each mode's best; none of lora, full
+    assert all(c["init_from"] == str(study.AGAIN / "base_s0" / "checkpoints" / "step_00000300") for c in again[1:])
+    for run in ("base_s0", "s0_memory_optimizeradamw_value_lr1e-3", "s0_sparse_optimizeradamw_top_t2000_value_lr1e-2"):
+        kept = (study.RECORDS / run / study.REPRODUCED).read_text()
+        assert kept == (study.AGAIN / run / "summary.json").read_text()
+    assert "equal evaluations asked: its evaluations reproduce the record's" in capsys.readouterr().out
+    assert study.main(["--stage", "reproduce"]) == 0 and len(calls) == n + 3  # done here before: checked only
+    study.shutil.rmtree(study.AGAIN)
+    monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, evals={"bits:facts_a": {"stored_bits": 7.5}},
+                                                             environment={**HERE, "commit": "b" * 40}))
+    assert study.main(["--stage", "reproduce"]) == 1
+    assert _error_line(capsys, r"base_s0 trained again does not reproduce its record .*within 2% asked\): "
+                               r"bits:facts_a.stored_bits 7.5 against 7.0")

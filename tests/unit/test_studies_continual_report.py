@@ -149,3 +149,28 @@ def test_a_fine_tune_without_its_base_is_refused(tmp_path):
     record(tmp_path, "s1_memory_lr100", [*MEMORY, "memory.value_lr=100"], 760.0, b=(0.98,), seed=1)
     with pytest.raises(ReportError, match="no base_s1 record"):
         report.load_study(tmp_path)
+
+
+def test_a_record_trained_again_is_listed_with_where_each_ran_the_check_asked_and_its_verdict(tmp_path):
+    import json
+
+    _study(tmp_path)
+    here = {"commit": "a" * 40, "dirty": False, "torch": "2.13.0", "cpu": "AMD EPYC", "cpu_capability": "AVX512"}
+    for name, env, a_bits in (("base_s0", here, 800.0), ("s0_memory_lr100", {**here, "commit": "b" * 40}, 770.0),
+                              ("s0_sparse_a", {**here, "cpu_capability": "AVX2"}, 792.0)):
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        (tmp_path / name / "summary.json").write_text(json.dumps({**summary, "environment": here}))
+        summary["evals"]["bits:facts_a"]["stored_bits"] = a_bits
+        (tmp_path / name / "reproduced_summary.json").write_text(json.dumps({**summary, "environment": env}))
+    bases, sweep, _ = report.load_study(tmp_path)
+    lines = report.reproduction_lines(bases, sweep)[3:]
+    assert lines == [
+        "- `base_s0` (16,384 slots, seed 0, base): recorded at aaaaaaa (AMD EPYC, AVX512), trained again at "
+        "aaaaaaa (AMD EPYC, AVX512); equal asked: reproduces (largest difference in an evaluation figure 0.00%).",
+        "- `s0_memory_lr100` (16,384 slots, seed 0, memory, sgd lr 100): recorded at aaaaaaa (AMD EPYC, AVX512), "
+        "trained again at bbbbbbb (AMD EPYC, AVX512); within 2.0% asked: reproduces (largest difference in an "
+        "evaluation figure 1.32%).",  # 770 against 760 bits
+        "- `s0_sparse_a` (16,384 slots, seed 0, sparse, top_t 2,000, sgd lr 300): recorded at aaaaaaa (AMD EPYC, "
+        "AVX512), trained again at aaaaaaa (AMD EPYC, AVX2); within 2.0% asked: reproduces (largest difference "
+        "in an evaluation figure 0.00%)."]
+    assert "s0_full" not in "\n".join(lines)  # not trained again: not listed
