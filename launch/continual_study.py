@@ -25,7 +25,8 @@ Stages:
 - `base`: the corpora (memlm.data.continual) and the base model, pretrained
   on biographies + facts A, with its background slot usage.
 - `sweep`: facts B taught by every entry of the plan's sweep (and of its
-  `sweep_at` for this --n-keys), from the base's final checkpoint.
+  `sweep_at` for this --n-keys; or the size's own list, `sweep_only_at`),
+  from the base's final checkpoint.
 - `rounds`: facts B in rounds (facts_b1 ... facts_b5), each round starting
   from the previous round's final weights, for the best setting of each of
   the plan's round modes in the sweep (the least facts-A loss among the runs
@@ -176,8 +177,7 @@ def sweep_run(series: Series, base: Run, mode: str, setting: tuple[str, ...]) ->
 
 
 def sweep_runs(series: Series, base: Run) -> list[Run]:
-    entries = [*plan().sweep, *plan().sweep_at.get(series.n_keys, ())]
-    return [sweep_run(series, base, mode, setting) for mode, setting in entries]
+    return [sweep_run(series, base, mode, setting) for mode, setting in plan().sweep_of(series.n_keys)]
 
 
 def facts_b_exact_match(run: Run) -> tuple[float, float]:

@@ -40,6 +40,14 @@ class Plan:
     reproduce_within: float  # a run retrained elsewhere (another commit, torch or CPU): its evals within this share
     sweep: tuple[tuple[str, tuple[str, ...]], ...]  # (mode, the entry's other overrides)
     sweep_at: dict[int, tuple[tuple[str, tuple[str, ...]], ...]]  # n_keys -> entries run at that size only
+    sweep_only_at: dict[int, tuple[tuple[str, tuple[str, ...]], ...]]  # n_keys -> that size's whole sweep
+
+    def sweep_of(self, n_keys: int | None) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """The sweep at a table size (None: the experiment's own): its own list where the plan gives one,
+        else the common sweep and the size's added entries."""
+        if n_keys in self.sweep_only_at:
+            return self.sweep_only_at[n_keys]
+        return (*self.sweep, *self.sweep_at.get(n_keys, ()))
 
 
 def load_plan(path: Path = PLAN_FILE) -> Plan:
@@ -81,7 +89,9 @@ def load_plan(path: Path = PLAN_FILE) -> Plan:
                 lost_at_most={int(k): float(v) for k, v in (goals.get("lost_at_most") or {}).items()},
                 heldout_within=float(goals["heldout_within"]),
                 reproduce_within=float(raw.get("reproduce_within", 0.0)), sweep=entries(raw["sweep"], "sweep"),
-                sweep_at={int(n): entries(e, f"sweep_at.{n}") for n, e in (raw.get("sweep_at") or {}).items()})
+                sweep_at={int(n): entries(e, f"sweep_at.{n}") for n, e in (raw.get("sweep_at") or {}).items()},
+                sweep_only_at={int(n): entries(e, f"sweep_only_at.{n}")
+                               for n, e in (raw.get("sweep_only_at") or {}).items()})
 
 
 @functools.cache

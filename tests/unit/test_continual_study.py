@@ -219,8 +219,9 @@ def test_every_plan_entry_composes():
 
     for mode, setting in continual_plan.plan().sweep:
         compose(["experiment=continual_finetune", f"finetune={mode}", *setting])
-    for n_keys, entries in continual_plan.plan().sweep_at.items():  # a size's own entries, at that size
-        for mode, setting in entries:
+    plan = continual_plan.plan()
+    for n_keys in {*plan.sweep_at, *plan.sweep_only_at}:  # a size's own entries, at that size
+        for mode, setting in plan.sweep_of(n_keys):
             compose(["experiment=continual_finetune", f"memory.n_keys={n_keys}", f"finetune={mode}", *setting])
 
 
@@ -251,9 +252,12 @@ def test_a_table_sizes_own_entries_run_at_that_size_only(tmp_path):
     assert "k512_s0_sparse_top_t32000_value_lr1000" in at[512]
     assert not any("top_t32000" in name for name in at[256])
     assert len(at[512]) == len(at[256]) + len(continual_plan.plan().sweep_at[512])
+    at_1m = [r.name for r in study.sweep_runs(study.Series(0, 1024), study.base_run(study.Series(0, 1024)))]
+    assert len(at_1m) == len(continual_plan.plan().sweep_only_at[1024]) == len(set(at_1m))  # its own list only
+    assert "k1024_s0_full_lr1e-5" in at_1m and "k1024_s0_lora_lr1e-3" not in at_1m
     plan = tmp_path / "plan.yaml"
     plan.write_text(continual_plan.PLAN_FILE.read_text() + "  1024:\n    - [memory.value_lr=1]\n")
-    with pytest.raises(ConfigError, match=r"sweep_at.1024\[0\]=\['memory.value_lr=1'\]: names 0 modes"):
+    with pytest.raises(ConfigError, match=r"sweep_only_at.1024\[0\]=\['memory.value_lr=1'\]: names 0 modes"):
         continual_plan.load_plan(plan)
 
 
@@ -299,7 +303,7 @@ def test_a_tfidf_batches_setting_ranks_against_the_bases_model_over_the_plans_ba
     assert calls[writes[0] + 1] is by_batches[0]
     others = [c for c in calls if c.get("finetune") == "sparse" and c.get("finetune.ranking") != "tfidf_batches"]
     assert others and all("finetune.background" not in c for c in others)  # the base's, in their init_from
-    setting = next(s for _, s in continual_plan.plan().sweep_at[1024] if study.BY_BATCHES in s)
+    setting = next(s for _, s in continual_plan.plan().sweep_only_at[1024] if study.BY_BATCHES in s)
     best = study.sweep_run(series, base, "sparse", setting)
     rounds = study.round_runs(series, base, best, 2)
     assert [r.background_of for r in rounds] == [base, base]
