@@ -10,6 +10,18 @@ import pytest
 
 from memlm.errors import ConfigError
 from memlm.launch import continual_study as study
+from memlm.launch.continual_runs import (
+    AGAIN,
+    BY_BATCHES,
+    DATA,
+    RECORDS,
+    RUNS,
+    Series,
+    base_run,
+    round_runs,
+    sweep_run,
+    sweep_runs,
+)
 from memlm.studies import continual_plan
 
 
@@ -53,14 +65,14 @@ def _error_line(capsys, pattern: str) -> bool:
 
 def test_runs_chain_from_the_base_and_a_recorded_run_is_skipped(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / study.DATA).mkdir(parents=True)
-    (tmp_path / study.DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    (tmp_path / DATA).mkdir(parents=True)
+    (tmp_path / DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
     calls = []
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
     assert study.main(["--stage", "base"]) == 0
-    assert calls[0]["experiment"] == "continual_base" and (study.RECORDS / "base_s0" / "command.txt").exists()
+    assert calls[0]["experiment"] == "continual_base" and (RECORDS / "base_s0" / "command.txt").exists()
     assert study.main(["--stage", "all", "--modes", "memory,sparse"]) == 0
-    base_ckpt = str(study.RUNS / "base_s0" / "checkpoints" / "step_00000300")
+    base_ckpt = str(RUNS / "base_s0" / "checkpoints" / "step_00000300")
     sweep = [c for c in calls[1:] if "data.sources.0.path" not in c]  # rounds train on a round's facts
     planned = [mode for mode, _ in continual_plan.plan().sweep if mode in ("memory", "sparse")]
     assert len(sweep) == len(planned) and all(c["init_from"] == base_ckpt for c in sweep)  # the base was not rerun
@@ -71,7 +83,7 @@ def test_runs_chain_from_the_base_and_a_recorded_run_is_skipped(tmp_path, monkey
         ("memory", "adamw", "1e-3", "facts_b1"), ("memory", "adamw", "1e-3", "facts_b2"),
         ("sparse", "adamw", "1e-2", "facts_b1"), ("sparse", "adamw", "1e-2", "facts_b2")]
     assert rounds[0]["init_from"] == base_ckpt
-    first = study.RUNS / "s0_rounds_memory_optimizeradamw_value_lr1e-3_r1"
+    first = RUNS / "s0_rounds_memory_optimizeradamw_value_lr1e-3_r1"
     assert rounds[1]["init_from"] == str(first / "checkpoints" / "step_00000060")
     # the base's background, for the mode that reads one (finetune=memory refuses a setting it ignores)
     assert [c.get("finetune.background") for c in rounds] == [None, None, *[f"{base_ckpt}/slot_usage.safetensors"] * 2]
@@ -81,8 +93,8 @@ def test_runs_chain_from_the_base_and_a_recorded_run_is_skipped(tmp_path, monkey
 
 def test_a_second_table_size_runs_under_its_own_names_with_its_size(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / study.DATA).mkdir(parents=True)
-    (tmp_path / study.DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    (tmp_path / DATA).mkdir(parents=True)
+    (tmp_path / DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
     calls = []
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
     assert study.main(["--stage", "all", "--modes", "sparse", "--n-keys", "256"]) == 0
@@ -90,7 +102,7 @@ def test_a_second_table_size_runs_under_its_own_names_with_its_size(tmp_path, mo
     assert names[0] == "k256_base_s0" and names[1] == "k256_s0_sparse_top_t500_value_lr100"
     assert names[-1] == "k256_s0_rounds_sparse_optimizeradamw_top_t2000_value_lr1e-2_r2"
     assert all(c["memory.n_keys"] == "256" for c in calls)
-    base_ckpt = str(study.RUNS / "k256_base_s0" / "checkpoints" / "step_00000300")
+    base_ckpt = str(RUNS / "k256_base_s0" / "checkpoints" / "step_00000300")
     assert all(c["init_from"] == base_ckpt for c in calls[1:-1])  # the sweep and round 1 start from its base
     # the study's own size keeps its names: nothing above is reused for it, nor it for them
     assert study.main(["--stage", "base", "--n-keys", "128"]) == 0
@@ -103,20 +115,20 @@ def test_a_recorded_base_without_its_checkpoint_is_trained_again_and_must_equal_
                                                                                           capsys):
     """A fresh clone has the records, not the runs/ checkpoints the next fine-tunes start from."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / study.DATA).mkdir(parents=True)
-    (tmp_path / study.DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    (tmp_path / DATA).mkdir(parents=True)
+    (tmp_path / DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
     calls = []
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, evals={"bits:facts_a": {"stored_bits": 7.0}}))
     assert study.main(["--stage", "base"]) == 0
-    record = (study.RECORDS / "base_s0" / "summary.json").read_text()
-    study.shutil.rmtree(study.RUNS / "base_s0")
+    record = (RECORDS / "base_s0" / "summary.json").read_text()
+    study.shutil.rmtree(RUNS / "base_s0")
     assert study.main(["--stage", "base"]) == 0 and len(calls) == 1  # nothing starts from it: not retrained
     assert study.main(["--stage", "sweep", "--modes", "full"]) == 0
     names = [c["dump_dir"].rsplit("/", 1)[1] for c in calls]
     assert names[1] == "base_s0" and names[2].startswith("s0_full_") and names.count("base_s0") == 2
-    assert (study.RECORDS / "base_s0" / "summary.json").read_text() == record
+    assert (RECORDS / "base_s0" / "summary.json").read_text() == record
     # a base that comes out different would not continue its record: the study stops, naming both
-    study.shutil.rmtree(study.RUNS / "base_s0")
+    study.shutil.rmtree(RUNS / "base_s0")
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, evals={"bits:facts_a": {"stored_bits": 8.0}}))
     capsys.readouterr()
     assert study.main(["--stage", "sweep", "--modes", "lora"]) == 1
@@ -136,20 +148,20 @@ HERE = {"commit": "a" * 40, "dirty": False, "torch": "2.13.0", "cpu": "AMD EPYC"
 def test_a_retrained_run_is_checked_bitwise_only_where_commit_torch_cpu_and_vector_unit_match(
         tmp_path, monkeypatch, capsys, rerun_env, rerun_bits, message):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / study.DATA).mkdir(parents=True)
-    (tmp_path / study.DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    (tmp_path / DATA).mkdir(parents=True)
+    (tmp_path / DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
     calls = []
     monkeypatch.setattr(study.subprocess, "run",
                         _fake_train(calls, evals={"bits:facts_a": {"stored_bits": 7.0}}, environment=HERE))
     assert study.main(["--stage", "base"]) == 0
-    study.shutil.rmtree(study.RUNS / "base_s0")
+    study.shutil.rmtree(RUNS / "base_s0")
     monkeypatch.setattr(study.subprocess, "run", _fake_train(
         calls, evals={"bits:facts_a": {"stored_bits": rerun_bits}}, environment=rerun_env))
     capsys.readouterr()
     assert study.main(["--stage", "sweep", "--modes", "full"]) == 0
     assert message in capsys.readouterr().out
     # the same rerun 3% off: refused in both cases, the check it made named
-    study.shutil.rmtree(study.RUNS / "base_s0")
+    study.shutil.rmtree(RUNS / "base_s0")
     monkeypatch.setattr(study.subprocess, "run", _fake_train(
         calls, evals={"bits:facts_a": {"stored_bits": 7.21}}, environment=rerun_env))
     assert study.main(["--stage", "sweep", "--modes", "lora"]) == 1
@@ -158,18 +170,18 @@ def test_a_retrained_run_is_checked_bitwise_only_where_commit_torch_cpu_and_vect
 
 def test_a_failed_run_stops_the_study_naming_its_log(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / study.DATA).mkdir(parents=True)
-    (tmp_path / study.DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    (tmp_path / DATA).mkdir(parents=True)
+    (tmp_path / DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
     monkeypatch.setattr(study.subprocess, "run", _fake_train([], fail=("base_s0",)))
     assert study.main(["--stage", "base"]) == 1
     assert _error_line(capsys, r"base_s0 failed \(exit 1\).*runs/continual/base_s0.log")
-    assert not (study.RECORDS / "base_s0").exists()
+    assert not (RECORDS / "base_s0").exists()
 
 
 def test_a_second_seed_repeats_seed_0s_best_settings_from_its_own_base(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / study.DATA).mkdir(parents=True)
-    (tmp_path / study.DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    (tmp_path / DATA).mkdir(parents=True)
+    (tmp_path / DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
     calls = []
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
     assert study.main(["--stage", "seeds", "--seed", "0"]) == 2  # a usage mistake: exit 2, as from every command
@@ -186,7 +198,7 @@ def test_a_second_seed_repeats_seed_0s_best_settings_from_its_own_base(tmp_path,
     repeated = calls[n:]
     assert [c["dump_dir"].rsplit("/", 1)[1] for c in repeated] == [
         "s1_full_lr1e-5", "s1_memory_optimizeradamw_value_lr1e-3", "s1_sparse_optimizeradamw_top_t2000_value_lr1e-2"]
-    ckpt = str(study.RUNS / "base_s1" / "checkpoints" / "step_00000300")
+    ckpt = str(RUNS / "base_s1" / "checkpoints" / "step_00000300")
     assert all(c["seed"] == "1" and c["init_from"] == ckpt for c in repeated)
     assert repeated[2]["finetune.top_t"] == "2000" and repeated[2]["finetune.optimizer"] == "adamw"
 
@@ -194,8 +206,8 @@ def test_a_second_seed_repeats_seed_0s_best_settings_from_its_own_base(tmp_path,
 def test_the_plan_names_the_recorded_runs_so_they_are_reused():
     """configs/studies/continual.yaml gives every seed-0 sweep record its run name back: none is rerun
     (entries added since are new runs)."""
-    names = {r.name for r in study.sweep_runs(study.Series(0), study.base_run(study.Series(0)))}
-    recorded = {p.name for p in (Path(__file__).resolve().parents[2] / study.RECORDS).iterdir()
+    names = {r.name for r in sweep_runs(Series(0), base_run(Series(0)))}
+    recorded = {p.name for p in (Path(__file__).resolve().parents[2] / RECORDS).iterdir()
                 if p.name.startswith("s0_") and "_rounds_" not in p.name}
     assert recorded <= names
 
@@ -229,30 +241,30 @@ def test_rounds_of_a_small_batch_setting_keep_its_batch_and_its_share_of_steps(t
     """A sweep entry at 8 rows x 1,200 steps goes on to rounds at 8 rows x 240 steps (1,200 x 60 / 300):
     each round sees its facts as often as the setting's sweep run saw all of them, per fact."""
     monkeypatch.chdir(tmp_path)
-    series = study.Series(0, 512)
-    base = study.base_run(series)
+    series = Series(0, 512)
+    base = base_run(series)
     base.record.mkdir(parents=True)
     (base.record / "summary.json").write_text(json.dumps({"steps": 3000}))
     setting = ("finetune.optimizer=sgd", "finetune.top_t=8000", "memory.value_lr=1000", "data.micro_batch=8",
                "steps=1200")
-    best = study.sweep_run(series, base, "sparse", setting)
-    rounds = study.round_runs(series, base, best, 2)
+    best = sweep_run(series, base, "sparse", setting)
+    rounds = round_runs(series, base, best, 2)
     first, second = (dict(o.split("=", 1) for o in r.overrides) for r in rounds)
     name = "k512_s0_rounds_sparse_top_t8000_value_lr1000_micro_batch8_r{}"
     assert [r.name for r in rounds] == [name.format(i) for i in (1, 2)]
     assert first["data.micro_batch"] == "8" and first["steps"] == "240" and first["memory.n_keys"] == "512"
-    assert second["init_from"] == str(study.RUNS / rounds[0].name / "checkpoints" / "step_00000240")
+    assert second["init_from"] == str(RUNS / rounds[0].name / "checkpoints" / "step_00000240")
     assert rounds[1].start is rounds[0] and rounds[0].start is base
 
 
 def test_a_table_sizes_own_entries_run_at_that_size_only(tmp_path):
     """sweep_at.512 holds top_t values above the 16K table's slots: 256K runs them, the other sizes do not."""
-    at = {n: {r.name for r in study.sweep_runs(study.Series(0, n), study.base_run(study.Series(0, n)))}
+    at = {n: {r.name for r in sweep_runs(Series(0, n), base_run(Series(0, n)))}
           for n in (256, 512)}
     assert "k512_s0_sparse_top_t32000_value_lr1000" in at[512]
     assert not any("top_t32000" in name for name in at[256])
     assert len(at[512]) == len(at[256]) + len(continual_plan.plan().sweep_at[512])
-    at_1m = [r.name for r in study.sweep_runs(study.Series(0, 1024), study.base_run(study.Series(0, 1024)))]
+    at_1m = [r.name for r in sweep_runs(Series(0, 1024), base_run(Series(0, 1024)))]
     assert len(at_1m) == len(continual_plan.plan().sweep_only_at[1024]) == len(set(at_1m))  # its own list only
     assert "k1024_s0_full_lr1e-5" in at_1m and "k1024_s0_lora_lr1e-3" not in at_1m
     plan = tmp_path / "plan.yaml"
@@ -265,11 +277,11 @@ def test_an_unfinished_attempt_continues_from_its_checkpoint_and_one_without_sta
     """A stopped base (SIGTERM saves a checkpoint) is continued with resume=auto, not trained again from
     scratch; an attempt that saved nothing is started over in a fresh folder."""
     monkeypatch.chdir(tmp_path)
-    study.RUNS.mkdir(parents=True)
+    RUNS.mkdir(parents=True)
     calls = []
     monkeypatch.setattr(study.subprocess, "run", lambda cmd, **kw: calls.append(cmd[3:]) or
                         subprocess.CompletedProcess(cmd, 0))
-    run = study.base_run(study.Series(0, None))
+    run = base_run(Series(0, None))
     (run.dump / "checkpoints" / "step_00000250").mkdir(parents=True)
     (run.dump / "metrics.jsonl").write_text('{"step": 250}\n')
     study.train(run)
@@ -285,16 +297,16 @@ def test_a_tfidf_batches_setting_ranks_against_the_bases_model_over_the_plans_ba
     final checkpoint, before the first run that reads it (retraining the base where it is missing), and
     named by every run of such a setting, its rounds included; the other sparse settings keep the base's own."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / study.DATA).mkdir(parents=True)
-    (tmp_path / study.DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    (tmp_path / DATA).mkdir(parents=True)
+    (tmp_path / DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
     calls = []
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
-    series = study.Series(0, 1024)
-    base = study.base_run(series)
+    series = Series(0, 1024)
+    base = base_run(series)
     assert study.main(["--stage", "base", "--n-keys", "1024"]) == 0
     study.shutil.rmtree(base.dump)  # a fresh clone: the base's record, not its checkpoint
     assert study.main(["--stage", "sweep", "--modes", "sparse", "--n-keys", "1024"]) == 0
-    ckpt = study.RUNS / "k1024_base_s0" / "checkpoints" / "step_00000300"
+    ckpt = RUNS / "k1024_base_s0" / "checkpoints" / "step_00000300"
     file = ckpt / f"slot_usage_{continual_plan.plan().background_batches}_batches.safetensors"
     writes = [i for i, c in enumerate(calls) if "slot_usage" in c]
     assert len(writes) == 1 and calls[writes[0]] == {"slot_usage": str(ckpt), "batches": "1000", "out": str(file)}
@@ -303,9 +315,9 @@ def test_a_tfidf_batches_setting_ranks_against_the_bases_model_over_the_plans_ba
     assert calls[writes[0] + 1] is by_batches[0]
     others = [c for c in calls if c.get("finetune") == "sparse" and c.get("finetune.ranking") != "tfidf_batches"]
     assert others and all("finetune.background" not in c for c in others)  # the base's, in their init_from
-    setting = next(s for _, s in continual_plan.plan().sweep_only_at[1024] if study.BY_BATCHES in s)
-    best = study.sweep_run(series, base, "sparse", setting)
-    rounds = study.round_runs(series, base, best, 2)
+    setting = next(s for _, s in continual_plan.plan().sweep_only_at[1024] if BY_BATCHES in s)
+    best = sweep_run(series, base, "sparse", setting)
+    rounds = round_runs(series, base, best, 2)
     assert [r.background_of for r in rounds] == [base, base]
     assert all(f"finetune.background={file}" in r.overrides for r in rounds)
     # a later round on a machine without the base: the base trained again, then its background written
@@ -321,8 +333,8 @@ def test_reproduce_trains_the_base_and_each_modes_best_setting_again_beside_the_
     fine-tunes from the base trained again; each rerun's summary kept beside its record; a rerun done before
     is checked, not repeated; one that differs stops the study naming both figures."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / study.DATA).mkdir(parents=True)
-    (tmp_path / study.DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    (tmp_path / DATA).mkdir(parents=True)
+    (tmp_path / DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
     calls = []
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, evals={"bits:facts_a": {"stored_bits": 7.0}},
                                                              environment=HERE))
@@ -333,15 +345,15 @@ def test_reproduce_trains_the_base_and_each_modes_best_setting_again_beside_the_
     assert study.main(["--stage", "reproduce"]) == 0
     again = calls[n:]
     assert [c["dump_dir"] for c in again] == [
-        str(study.AGAIN / "base_s0"), str(study.AGAIN / "s0_memory_optimizeradamw_value_lr1e-3"),
-        str(study.AGAIN / "s0_sparse_optimizeradamw_top_t2000_value_lr1e-2")]  # each mode's best; none of lora, full
-    assert all(c["init_from"] == str(study.AGAIN / "base_s0" / "checkpoints" / "step_00000300") for c in again[1:])
+        str(AGAIN / "base_s0"), str(AGAIN / "s0_memory_optimizeradamw_value_lr1e-3"),
+        str(AGAIN / "s0_sparse_optimizeradamw_top_t2000_value_lr1e-2")]  # each mode's best; none of lora, full
+    assert all(c["init_from"] == str(AGAIN / "base_s0" / "checkpoints" / "step_00000300") for c in again[1:])
     for run in ("base_s0", "s0_memory_optimizeradamw_value_lr1e-3", "s0_sparse_optimizeradamw_top_t2000_value_lr1e-2"):
-        kept = (study.RECORDS / run / study.REPRODUCED).read_text()
-        assert kept == (study.AGAIN / run / "summary.json").read_text()
+        kept = (RECORDS / run / study.REPRODUCED).read_text()
+        assert kept == (AGAIN / run / "summary.json").read_text()
     assert "equal evaluations asked: its evaluations reproduce the record's" in capsys.readouterr().out
     assert study.main(["--stage", "reproduce"]) == 0 and len(calls) == n + 3  # done here before: checked only
-    study.shutil.rmtree(study.AGAIN)
+    study.shutil.rmtree(AGAIN)
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, evals={"bits:facts_a": {"stored_bits": 7.5}},
                                                              environment={**HERE, "commit": "b" * 40}))
     assert study.main(["--stage", "reproduce"]) == 1
