@@ -91,7 +91,12 @@ def final_checkpoint(run: Run) -> Path:
     return run.dump / "checkpoints" / f"step_{steps:08d}"
 
 
-BY_BATCHES = "finetune.ranking=tfidf_batches"
+def ranks_by_batches(setting: tuple[str, ...] | list[str]) -> bool:
+    """Whether a setting's finetune.ranking counts background batches (memlm.memory.slot_selection.BY_BATCHES):
+    its background is then the base's over the plan's `background_batches` (`batch_background`)."""
+    from memlm.memory.slot_selection import BY_BATCHES
+
+    return dict(o.split("=", 1) for o in setting).get("finetune.ranking") in BY_BATCHES
 
 
 def batch_background(base: Run) -> Path:
@@ -102,15 +107,15 @@ def batch_background(base: Run) -> Path:
     return final_checkpoint(base) / f"slot_usage_{plan().background_batches}_batches.safetensors"
 
 
-def background(base: Run, mode: str, setting: tuple[str, ...] | list[str],
-               from_base: bool) -> tuple[list[str], Run | None]:
+def ranks_against(base: Run, mode: str, setting: tuple[str, ...] | list[str],
+                  from_base: bool) -> tuple[list[str], Run | None]:
     """(the finetune.background override, the base whose batch background must exist first) of a run of
     `mode` with `setting`. A run `from_base` that ranks against what the base recorded names nothing: a
     fine-tune's default is the file in its init_from folder."""
     from memlm.finetune.background import FILE
     from memlm.finetune.modes import MODES
 
-    if BY_BATCHES in setting:
+    if ranks_by_batches(setting):
         return [f"finetune.background={batch_background(base)}"], base
     if "background" in MODES[mode].reads and not from_base:
         return [f"finetune.background={final_checkpoint(base) / FILE}"], None
@@ -119,9 +124,9 @@ def background(base: Run, mode: str, setting: tuple[str, ...] | list[str],
 
 def sweep_run(series: Series, base: Run, mode: str, setting: tuple[str, ...]) -> Run:
     name = f"{series.prefix}s{series.seed}_{mode}_{_label(setting)}"
-    ranks_against, of = background(base, mode, setting, from_base=True)
+    background, of = ranks_against(base, mode, setting, from_base=True)
     return Run(name, ["experiment=continual_finetune", *series.table, f"finetune={mode}", *setting,
-                      f"seed={series.seed}", *ranks_against, f"init_from={final_checkpoint(base)}",
+                      f"seed={series.seed}", *background, f"init_from={final_checkpoint(base)}",
                       f"dump_dir={base.root / name}"],
                mode, setting, base, of, base.root)
 
@@ -166,15 +171,15 @@ def round_runs(series: Series, base: Run, best: Run, rounds: int) -> list[Run]:
         name = f"{series.prefix}s{series.seed}_rounds_{mode}_{label}_r{r}"
         # Every round ranks against the base's background, for a mode that reads one (the others refuse
         # a setting they ignore); round 1, from the base, names it too: the rounds read alike.
-        ranks_against, of = background(base, mode, settings, from_base=False)
+        background, of = ranks_against(base, mode, settings, from_base=False)
         run = Run(name, ["experiment=continual_finetune", *series.table, f"finetune={mode}", *settings,
                          f"seed={series.seed}", f"steps={steps}",
                          f"data.sources.0.path={DATA}/{paraphrase_folder(f'facts_b{r}') if para else f'facts_b{r}'}"
                          "/train.jsonl",
-                         "checkpoint.at_end=true", *ranks_against,
+                         "checkpoint.at_end=true", *background,
                          f"eval.tasks=[{evals},\"bits:facts_a\",\"ppl:bio_heldout\",\"qa:bio_qa\"]",
-                         f"init_from={final_checkpoint(start)}", f"dump_dir={RUNS / name}"],
-                  mode, tuple(settings), start, of)
+                         f"init_from={final_checkpoint(start)}", f"dump_dir={base.root / name}"],
+                  mode, tuple(settings), start, of, base.root)
         runs.append(run)
         start = run
     return runs

@@ -37,7 +37,7 @@ Stages:
   setting of each round mode found in seed 0's sweep, at seed S.
 - `reproduce`: the base and each mode's best setting trained again from
   scratch in runs/continual_again (the study's own runs untouched) and
-  checked against their records (`reproduce`); each rerun's summary.json is
+  checked against their records (`check_against_record`); each rerun's summary.json is
   kept beside its record as reproduced_summary.json, which the report lists.
 
 A setting ranked by `finetune.ranking=tfidf_batches` (Lin et al.'s document
@@ -56,6 +56,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from memlm.errors import ConfigError, MemlmError, entry_point
 from memlm.launch.continual_runs import (
@@ -67,6 +68,7 @@ from memlm.launch.continual_runs import (
     base_run,
     batch_background,
     best_setting,
+    facts_b_exact_match,
     final_checkpoint,
     round_runs,
     sweep_run,
@@ -111,8 +113,7 @@ def execute(run: Run) -> None:
     if (run.record / "summary.json").exists():
         print(f"[study] {run.name}: recorded, skipped", flush=True)
         return
-    ensure_start(run)
-    ensure_background(run)
+    prepare(run)
     train(run)
     run.record.mkdir(parents=True, exist_ok=True)
     for name in ("config.yaml", "metrics.jsonl", "summary.json"):
@@ -122,10 +123,12 @@ def execute(run: Run) -> None:
     print(f"[study] {run.name}: done -> {run.record}", flush=True)
 
 
-def ensure_start(run: Run) -> None:
-    """The checkpoint `run` starts from, trained again where this machine lacks it."""
+def prepare(run: Run) -> None:
+    """What `run` reads before it trains, made where this machine lacks it: the checkpoint it starts from
+    (trained again) and the batch background it ranks against (written)."""
     if run.start is not None and not final_checkpoint(run.start).exists():
         retrain(run.start)
+    ensure_background(run)
 
 
 def ensure_background(run: Run) -> None:
@@ -136,23 +139,19 @@ def ensure_background(run: Run) -> None:
         return
     if not final_checkpoint(base).exists():
         retrain(base)
-    out, log = batch_background(base), base.root / f"{base.name}.background.log"
-    command = [sys.executable, "-m", "memlm.train.slot_usage", str(final_checkpoint(base)),
-               "--batches", str(plan().background_batches), "--out", str(out)]
+    out = batch_background(base)
     print(f"[study] {base.name}: writing its background over {plan().background_batches:,} batches -> {out}",
           flush=True)
-    with open(log, "w") as f:
-        rc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}).returncode
-    if rc != 0:
-        raise StudyError(f"{base.name}'s background failed (exit {rc}); its log: {log}")
+    _run_logged(["memlm.train.slot_usage", str(final_checkpoint(base)), "--batches",
+                 str(plan().background_batches), "--out", str(out)],
+                base.root / f"{base.name}.background.log", f"{base.name}'s background")
 
 
 def retrain(run: Run) -> None:
     """Train a recorded run again for its checkpoint and check it against the record: equal evaluations
     where the record's commit, torch, CPU and vector unit are this run's (the runs are deterministic on CPU), else
     each figure within the plan's `reproduce_within`; it says which check it made."""
-    ensure_start(run)
+    prepare(run)
     print(f"[study] {run.name}: recorded, but its checkpoint {final_checkpoint(run)} is not on this machine: "
           "training it again", flush=True)
     train(run)
@@ -170,23 +169,33 @@ def check_against_record(run: Run) -> None:
     print(f"[study] {run.name}: trained again, {check}: its evaluations reproduce the record's", flush=True)
 
 
-def reproduce(series: Series) -> None:
+def reproduce(series: Series, modes: set[str] | None = None) -> None:
     """Train the series' base and one fine-tune per mode again, in AGAIN, and check each against its record:
-    the fine-tune is the mode's best setting (the one the report's goals read), started from the base trained
-    again here. Each rerun's summary.json is kept beside its record (REPRODUCED); a run that does not
-    reproduce stops the study, naming both figures. A rerun finished here before is checked, not repeated."""
+    the fine-tune is the mode's best setting in the plan's sweep at that size that learned the plan's share
+    of facts B (a mode none of whose runs did is named and skipped), started from the base trained again
+    here. Each rerun's summary.json is kept beside its record (REPRODUCED), a failing one too, which the
+    report then lists as not reproducing; a run that does not reproduce stops the study, naming both
+    figures. A rerun finished here before is checked, not repeated."""
     base = base_run(series, AGAIN)
     if not (base.record / "summary.json").exists():
         raise StudyError(f"--stage reproduce: no record of {base.name} ({base.record}) to reproduce")
     recorded_sweep = sweep_runs(series, base_run(series))
-    picks = [best_setting(recorded_sweep, mode) for mode in plan().report_order]
-    for run in [base, *(sweep_run(series, base, best.mode, best.setting) for best in picks if best)]:
+    runs = [base]
+    for mode in plan().report_order:
+        if modes is not None and mode not in modes:
+            continue
+        best = best_setting(recorded_sweep, mode)
+        if best is None or facts_b_exact_match(best)[0] < plan().learned:
+            print(f"[study] reproduce: no recorded {mode} run at this size learned {plan().learned:.0%} of "
+                  "facts B: none reproduced", flush=True)
+            continue
+        runs.append(sweep_run(series, base, best.mode, best.setting))
+    for run in runs:
         if not (run.dump / "summary.json").exists():
-            ensure_start(run)
-            ensure_background(run)
+            prepare(run)
             train(run)
-        check_against_record(run)
         shutil.copy2(run.dump / "summary.json", run.record / REPRODUCED)
+        check_against_record(run)
 
 
 def train(run: Run) -> None:
@@ -202,14 +211,19 @@ def train(run: Run) -> None:
         else:
             shutil.rmtree(run.dump)  # the study's own folder of an attempt that saved nothing
     print(f"[study] {run.name}: {run.command()}", flush=True)
+    _run_logged(["memlm.train", *run.overrides, *resume], run.root / f"{run.name}.log", run.name,
+                append=bool(resume))
+
+
+def _run_logged(module_args: list[str], log: Path, what: str, append: bool = False) -> None:
+    """`python -m <module_args>` on this machine, its output in `log`; a failure stops the study naming it."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_SILENT": "true"}
-    log_file = run.root / f"{run.name}.log"
-    run.root.mkdir(parents=True, exist_ok=True)
-    with open(log_file, "a" if resume else "w") as log:
-        rc = subprocess.run([sys.executable, "-m", "memlm.train", *run.overrides, *resume], stdout=log,
-                            stderr=subprocess.STDOUT, env=env).returncode
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a" if append else "w") as out:
+        rc = subprocess.run([sys.executable, "-m", *module_args], stdout=out, stderr=subprocess.STDOUT,
+                            env=env).returncode
     if rc != 0:
-        raise StudyError(f"{run.name} failed (exit {rc}); its log: {log_file}")
+        raise StudyError(f"{what} failed (exit {rc}); its log: {log}")
 
 
 @entry_point
@@ -218,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", choices=("base", "sweep", "rounds", "seeds", "reproduce", "all"), default="all")
     parser.add_argument("--seed", type=int, default=0, help="the base model's and the fine-tunes' seed")
-    parser.add_argument("--modes", default="", help="comma-separated modes to run in the sweep (default: all)")
+    parser.add_argument("--modes", default="", help="comma-separated modes to run in the sweep, or to reproduce "
+                                                    "(default: all)")
     parser.add_argument("--n-keys", type=int, default=None,
                         help="the table size: memory.n_keys (n_keys**2 slots; default: the experiment's, 128); "
                              "runs at another size are named k<n_keys>_...")
@@ -233,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         write_study(str(DATA))
     add_paraphrases()
     series = Series(args.seed, table_size(args.n_keys))
+    modes = set(args.modes.split(",")) if args.modes else None
     if args.stage == "reproduce":
-        reproduce(series)
+        reproduce(series, modes)
         return 0
     base = base_run(series)
     execute(base)
@@ -252,7 +268,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sweep = sweep_runs(series, base)
     if args.stage in ("sweep", "all"):
-        modes = set(args.modes.split(",")) if args.modes else None
         for run in sweep:
             if modes is None or run.mode in modes:
                 execute(run)

@@ -75,6 +75,10 @@ def load_plan(path: Path = PLAN_FILE) -> Plan:
     if not levels or not all(0 < x <= 1 for x in levels):
         raise ConfigError(f"{path}: levels", raw.get("levels"), "a list of shares of facts B's bits in (0, 1]")
     goals = raw["goals"]
+    both = sorted(set(raw.get("sweep_at") or {}) & set(raw.get("sweep_only_at") or {}))
+    if both:
+        raise ConfigError(f"{path}: sweep_only_at", both, "sizes not also under sweep_at: a size's own sweep "
+                                                           "replaces the common one and sweep_at's entries")
     batches = raw.get("background_batches")
     if not isinstance(batches, int) or batches < 1:
         raise ConfigError(f"{path}: background_batches", batches, "an integer >= 1 (pretraining batches)")

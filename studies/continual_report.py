@@ -10,9 +10,11 @@ its mode and setting (from its saved config), facts B learned (exact match,
 bits stored), facts A kept (bits stored, as a share of the base's), the
 held-out biography perplexity and QA. Below the table: each mode's Pareto
 front of learning against forgetting, the goals (the forgetting ratio full /
-sparse and sparse against memory, at equal learning), each mode's facts-A
-bits lost read off its front at the plan's levels of facts B's bits learned
-(memlm.studies.continual_fronts: bits on both axes), and the rounds.
+the best other mode and sparse against memory, on each mode's least-forgetting
+setting above the learning line), each mode's facts-A bits lost read off its
+front at the plan's levels of facts B's bits learned (equal learning;
+memlm.studies.continual_fronts: bits on both axes), the rounds and the records
+trained again.
 
 Forgetting is the share of the base's facts-A bits a fine-tune lost:
 1 - bits_A(after) / bits_A(base). The generated part sits between BEGIN and
@@ -144,7 +146,8 @@ def sweep_table(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[s
 
 
 def findings(sweep: list[dict]) -> list[str]:
-    """Per table size: each mode's Pareto front (seed 0) and the plan's goals at equal learning."""
+    """Per table size: each mode's Pareto front (seed 0) and the plan's goals, read on each mode's
+    least-forgetting setting above the learning line."""
     out = []
     for slots in sorted({r["slots"] for r in sweep}):
         out += _findings_at([r for r in sweep if r["slots"] == slots], slots)
@@ -239,9 +242,9 @@ def _size_cell(m: dict | None) -> str:
 
 def size_goals(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[str]:
     """Goals (d) and (e) per table size, on the best setting of the modes other than the plan's
-    reference (the one goal (a) compares), over the seeds it ran: facts A lost at most the plan's
-    share where the plan names the size; held-out perplexity and QA exact match within the plan's
-    share of each seed's base."""
+    reference (the one goal (a) compares), over the seeds where it learned the plan's share: facts A
+    lost at most the plan's share where the plan names the size; held-out perplexity and QA exact
+    match within the plan's share of each seed's base."""
     out = []
     for slots, modes in by_table_size(sweep).items():
         rest = {m: row for m, row in modes.items() if m != plan().reference}
@@ -267,7 +270,8 @@ def size_goals(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[st
 
 
 def size_table(sweep: list[dict]) -> list[str]:
-    """Facts A lost at equal learning per table size and mode, and the forgetting ratio of the plan's
+    """Facts A lost per table size and mode by its least-forgetting setting above the learning line (not equal
+    learning: the picks learn different shares), and the forgetting ratio of the plan's
     goal (a) mode over the best of the other modes."""
     sizes = by_table_size(sweep)
     if not sizes:
@@ -325,7 +329,8 @@ def rounds_table(rounds: list[dict]) -> list[str]:
 
 def _where(env: dict) -> str:
     commit = str(env["commit"])[:7] if env.get("commit") else "a commit not recorded"
-    return f"{commit} ({env.get('cpu', 'CPU not recorded')}, {env.get('cpu_capability', 'vector unit not recorded')})"
+    vector = env.get("cpu_capability") or "vector unit not recorded"
+    return f"{commit} ({env.get('cpu') or 'CPU not recorded'}, {vector})"
 
 
 def reproduction_lines(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[str]:
@@ -364,7 +369,8 @@ def render(bases: dict[tuple[int, int], dict], sweep: list[dict], rounds: list[d
 
 def plot(sweep: list[dict], path: Path) -> None:
     """Left: facts B learned against facts A lost, one colour per mode, its Pareto front (seed 0) as a
-    line, one marker per table size. Right: facts A lost at equal learning against table size per mode."""
+    line, one marker per table size. Right: facts A lost against table size per mode, by each mode's
+    least-forgetting setting above the learning line (`by_table_size`)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -19,22 +19,25 @@ REPRODUCED = "reproduced_summary.json"  # a rerun's summary.json, kept beside th
 
 def reproduction_problem(recorded: dict, again: dict, within: float) -> tuple[str | None, str]:
     """(what differs, or None; which check was made) between a record's summary.json and a rerun's."""
+    then_evals, now_evals = recorded.get("evals") or {}, again.get("evals") or {}
     if same_environment(recorded.get("environment"), again.get("environment")):
         check = "the record's commit, torch, CPU and vector unit: equal evaluations asked"
-        differs = None if again["evals"] == recorded["evals"] else f"evals {again['evals']} against {recorded['evals']}"
+        differs = None if now_evals == then_evals else f"evals {now_evals} against {then_evals}"
         return differs, check
     then, now = recorded.get("environment") or {}, again.get("environment") or {}
     check = (f"recorded at commit {str(then.get('commit'))[:12]}, torch {then.get('torch')}, CPU {then.get('cpu')} "
              f"({then.get('cpu_capability', 'vector unit not recorded')}); rerun at {str(now.get('commit'))[:12]}, "
              f"torch {now.get('torch')}, CPU {now.get('cpu')} ({now.get('cpu_capability')}): "
              f"every figure within {within:.0%} asked")
-    far = [f"{key} {b} against {a}" for key, a, b in figures(recorded["evals"], again["evals"])
-           if abs(b - a) > within * abs(a)]
-    return ("; ".join(far) or None), check
+    far = [f"{key} {b} against {a}" for key, a, b in figures(then_evals, now_evals) if abs(b - a) > within * abs(a)]
+    shared = {key for key, _, _ in figures(then_evals, now_evals)}
+    lacking = [f"{key} missing (recorded {a})" for key, a, _ in figures(then_evals, then_evals) if key not in shared]
+    return ("; ".join(far + lacking) or None), check
 
 
 def largest_deviation(recorded: dict, again: dict) -> float:
-    """The largest relative difference between two evaluation dicts' shared figures (0.0: all equal)."""
+    """The largest relative difference between two evaluation dicts' shared figures (0.0: all equal; a
+    figure the rerun lacks is `reproduction_problem`'s to name)."""
     return max((abs(b - a) / abs(a) if a else float(b != a) for _, a, b in figures(recorded, again)), default=0.0)
 
 

@@ -12,12 +12,13 @@ from memlm.errors import ConfigError
 from memlm.launch import continual_study as study
 from memlm.launch.continual_runs import (
     AGAIN,
-    BY_BATCHES,
     DATA,
     RECORDS,
     RUNS,
     Series,
     base_run,
+    batch_background,
+    ranks_by_batches,
     round_runs,
     sweep_run,
     sweep_runs,
@@ -55,6 +56,13 @@ def _fake_train(calls, fail=(), evals=None, environment=None):
     return run
 
 
+def _study_folder(tmp_path, monkeypatch, rounds: int = 2) -> None:
+    """Work in tmp_path, with a corpora manifest of `rounds` rounds (the driver writes none then)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / DATA).mkdir(parents=True)
+    (tmp_path / DATA / "manifest.json").write_text(json.dumps({"rounds": rounds}))
+
+
 def _error_line(capsys, pattern: str) -> bool:
     """The command ended through the one error path: its last stderr line is `error: ...` matching `pattern`."""
     import re
@@ -64,9 +72,7 @@ def _error_line(capsys, pattern: str) -> bool:
 
 
 def test_runs_chain_from_the_base_and_a_recorded_run_is_skipped(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / DATA).mkdir(parents=True)
-    (tmp_path / DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    _study_folder(tmp_path, monkeypatch)
     calls = []
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
     assert study.main(["--stage", "base"]) == 0
@@ -92,9 +98,7 @@ def test_runs_chain_from_the_base_and_a_recorded_run_is_skipped(tmp_path, monkey
 
 
 def test_a_second_table_size_runs_under_its_own_names_with_its_size(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / DATA).mkdir(parents=True)
-    (tmp_path / DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    _study_folder(tmp_path, monkeypatch)
     calls = []
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
     assert study.main(["--stage", "all", "--modes", "sparse", "--n-keys", "256"]) == 0
@@ -114,9 +118,7 @@ def test_a_second_table_size_runs_under_its_own_names_with_its_size(tmp_path, mo
 def test_a_recorded_base_without_its_checkpoint_is_trained_again_and_must_equal_its_record(tmp_path, monkeypatch,
                                                                                           capsys):
     """A fresh clone has the records, not the runs/ checkpoints the next fine-tunes start from."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / DATA).mkdir(parents=True)
-    (tmp_path / DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    _study_folder(tmp_path, monkeypatch)
     calls = []
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, evals={"bits:facts_a": {"stored_bits": 7.0}}))
     assert study.main(["--stage", "base"]) == 0
@@ -147,9 +149,7 @@ HERE = {"commit": "a" * 40, "dirty": False, "torch": "2.13.0", "cpu": "AMD EPYC"
 ])
 def test_a_retrained_run_is_checked_bitwise_only_where_commit_torch_cpu_and_vector_unit_match(
         tmp_path, monkeypatch, capsys, rerun_env, rerun_bits, message):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / DATA).mkdir(parents=True)
-    (tmp_path / DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    _study_folder(tmp_path, monkeypatch)
     calls = []
     monkeypatch.setattr(study.subprocess, "run",
                         _fake_train(calls, evals={"bits:facts_a": {"stored_bits": 7.0}}, environment=HERE))
@@ -169,9 +169,7 @@ def test_a_retrained_run_is_checked_bitwise_only_where_commit_torch_cpu_and_vect
 
 
 def test_a_failed_run_stops_the_study_naming_its_log(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / DATA).mkdir(parents=True)
-    (tmp_path / DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    _study_folder(tmp_path, monkeypatch)
     monkeypatch.setattr(study.subprocess, "run", _fake_train([], fail=("base_s0",)))
     assert study.main(["--stage", "base"]) == 1
     assert _error_line(capsys, r"base_s0 failed \(exit 1\).*runs/continual/base_s0.log")
@@ -179,9 +177,7 @@ def test_a_failed_run_stops_the_study_naming_its_log(tmp_path, monkeypatch, caps
 
 
 def test_a_second_seed_repeats_seed_0s_best_settings_from_its_own_base(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / DATA).mkdir(parents=True)
-    (tmp_path / DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    _study_folder(tmp_path, monkeypatch)
     calls = []
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
     assert study.main(["--stage", "seeds", "--seed", "0"]) == 2  # a usage mistake: exit 2, as from every command
@@ -271,6 +267,9 @@ def test_a_table_sizes_own_entries_run_at_that_size_only(tmp_path):
     plan.write_text(continual_plan.PLAN_FILE.read_text() + "  1024:\n    - [memory.value_lr=1]\n")
     with pytest.raises(ConfigError, match=r"sweep_only_at.1024\[0\]=\['memory.value_lr=1'\]: names 0 modes"):
         continual_plan.load_plan(plan)
+    plan.write_text(continual_plan.PLAN_FILE.read_text() + "  512:\n    - [finetune=full, optim.lr=1e-5]\n")
+    with pytest.raises(ConfigError, match=r"sweep_only_at=\[512\]: sizes not also under sweep_at"):
+        continual_plan.load_plan(plan)
 
 
 def test_an_unfinished_attempt_continues_from_its_checkpoint_and_one_without_starts_over(tmp_path, monkeypatch):
@@ -296,9 +295,7 @@ def test_a_tfidf_batches_setting_ranks_against_the_bases_model_over_the_plans_ba
     """Lin et al.'s document frequency over about 1,000 pretraining batches: written once from the base's
     final checkpoint, before the first run that reads it (retraining the base where it is missing), and
     named by every run of such a setting, its rounds included; the other sparse settings keep the base's own."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / DATA).mkdir(parents=True)
-    (tmp_path / DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    _study_folder(tmp_path, monkeypatch)
     calls = []
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
     series = Series(0, 1024)
@@ -315,7 +312,7 @@ def test_a_tfidf_batches_setting_ranks_against_the_bases_model_over_the_plans_ba
     assert calls[writes[0] + 1] is by_batches[0]
     others = [c for c in calls if c.get("finetune") == "sparse" and c.get("finetune.ranking") != "tfidf_batches"]
     assert others and all("finetune.background" not in c for c in others)  # the base's, in their init_from
-    setting = next(s for _, s in continual_plan.plan().sweep_only_at[1024] if BY_BATCHES in s)
+    setting = next(s for _, s in continual_plan.plan().sweep_only_at[1024] if ranks_by_batches(s))
     best = sweep_run(series, base, "sparse", setting)
     rounds = round_runs(series, base, best, 2)
     assert [r.background_of for r in rounds] == [base, base]
@@ -332,9 +329,7 @@ def test_reproduce_trains_the_base_and_each_modes_best_setting_again_beside_the_
     """--stage reproduce: from scratch in runs/continual_again (the study's own checkpoints untouched), the
     fine-tunes from the base trained again; each rerun's summary kept beside its record; a rerun done before
     is checked, not repeated; one that differs stops the study naming both figures."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / DATA).mkdir(parents=True)
-    (tmp_path / DATA / "manifest.json").write_text(json.dumps({"rounds": 2}))
+    _study_folder(tmp_path, monkeypatch)
     calls = []
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, evals={"bits:facts_a": {"stored_bits": 7.0}},
                                                              environment=HERE))
@@ -359,3 +354,30 @@ def test_reproduce_trains_the_base_and_each_modes_best_setting_again_beside_the_
     assert study.main(["--stage", "reproduce"]) == 1
     assert _error_line(capsys, r"base_s0 trained again does not reproduce its record .*within 2% asked\): "
                                r"bits:facts_a.stored_bits 7.5 against 7.0")
+    # the failing rerun is kept too (the report lists it as not reproducing), and the study's own runs stay
+    assert '"stored_bits": 7.5' in (RECORDS / "base_s0" / study.REPRODUCED).read_text()
+    assert (RUNS / "base_s0" / "summary.json").exists() and '"stored_bits": 7.0' in (
+        RUNS / "base_s0" / "summary.json").read_text()
+
+
+def test_a_later_round_of_a_tfidf_batches_setting_on_a_fresh_machine_writes_the_background_before_round_1(
+        tmp_path, monkeypatch):
+    """Rounds 1 and 2 recorded, nothing under runs/: round 3 retrains round 1 (which ranks against the base's
+    batch background, so it is written first, after the base) and round 2, then trains itself."""
+    _study_folder(tmp_path, monkeypatch, rounds=3)
+    calls = []
+    monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
+    series = Series(0, 1024)
+    base = base_run(series)
+    setting = next(s for _, s in continual_plan.plan().sweep_only_at[1024] if ranks_by_batches(s))
+    study.execute(base)
+    rounds = round_runs(series, base, sweep_run(series, base, "sparse", setting), 3)
+    for run in rounds[:2]:
+        study.execute(run)
+    study.shutil.rmtree(RUNS)
+    RUNS.mkdir()
+    n = len(calls)
+    study.execute(rounds[2])
+    order = [c.get("out") or c["dump_dir"] for c in calls[n:]]
+    assert order == [str(base.dump), str(batch_background(base)), str(rounds[0].dump), str(rounds[1].dump),
+                     str(rounds[2].dump)]

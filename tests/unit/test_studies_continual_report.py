@@ -157,13 +157,18 @@ def test_a_record_trained_again_is_listed_with_where_each_ran_the_check_asked_an
     _study(tmp_path)
     here = {"commit": "a" * 40, "dirty": False, "torch": "2.13.0", "cpu": "AMD EPYC", "cpu_capability": "AVX512"}
     for name, env, a_bits in (("base_s0", here, 800.0), ("s0_memory_lr100", {**here, "commit": "b" * 40}, 770.0),
-                              ("s0_sparse_a", {**here, "cpu_capability": "AVX2"}, 792.0)):
+                              ("s0_sparse_a", {**here, "cpu_capability": "AVX2"}, 792.0),
+                              ("s0_full_lr1e-3", {**here, "commit": "b" * 40}, 45.0)):
         summary = json.loads((tmp_path / name / "summary.json").read_text())
         (tmp_path / name / "summary.json").write_text(json.dumps({**summary, "environment": here}))
         summary["evals"]["bits:facts_a"]["stored_bits"] = a_bits
         (tmp_path / name / "reproduced_summary.json").write_text(json.dumps({**summary, "environment": env}))
     bases, sweep, _ = report.load_study(tmp_path)
     lines = report.reproduction_lines(bases, sweep)[3:]
+    assert lines.pop(1) == (
+        "- `s0_full_lr1e-3` (16,384 slots, seed 0, full, AdamW lr 0.001): recorded at aaaaaaa (AMD EPYC, AVX512), "
+        "trained again at bbbbbbb (AMD EPYC, AVX512); within 2.0% asked: does NOT reproduce (largest difference "
+        "in an evaluation figure 12.50%).")  # 45 against 40 bits
     assert lines == [
         "- `base_s0` (16,384 slots, seed 0, base): recorded at aaaaaaa (AMD EPYC, AVX512), trained again at "
         "aaaaaaa (AMD EPYC, AVX512); equal asked: reproduces (largest difference in an evaluation figure 0.00%).",
@@ -173,7 +178,7 @@ def test_a_record_trained_again_is_listed_with_where_each_ran_the_check_asked_an
         "- `s0_sparse_a` (16,384 slots, seed 0, sparse, top_t 2,000, sgd lr 300): recorded at aaaaaaa (AMD EPYC, "
         "AVX512), trained again at aaaaaaa (AMD EPYC, AVX2); within 2.0% asked: reproduces (largest difference "
         "in an evaluation figure 0.00%)."]
-    assert "s0_full" not in "\n".join(lines)  # not trained again: not listed
+    assert "s0_memory_lr" in lines[1] and "s0_sparse_b" not in "\n".join(lines)  # not trained again: not listed
 
 
 def test_a_seed_below_the_learning_line_is_named_in_the_size_table_not_averaged(tmp_path):
