@@ -111,6 +111,9 @@ def level_lines(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[s
                 mean = f"mean {means[mode]:,.0f} over {len(reached)} seed(s)" if reached else "no seed reaches it"
                 out.append(f"  - `{mode}`: {mean} ({each})")
             rest = {m: v for m, v in means.items() if m != hi}
+            if hi in read and hi not in means:
+                out.append(f"  - `{hi}` / the best of the rest: not measured, no seed of `{hi}` reaches this level "
+                           f"(goal (a) at equal learning, at least {plan().ratio_at_least:g}x: open).")
             if hi in means and rest:
                 best = min(rest, key=rest.get)
                 # The ratio over the seeds where both read: means over other seeds would compare other draws.
@@ -128,5 +131,6 @@ def level_lines(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[s
                             if read[best][s].lost > 0]
                 out.append(f"  - `{hi}` / `{best}` (the best of the rest) over seed(s) {', '.join(map(str, both))}: "
                            f"{lost_hi / lost_best:.1f}x" + (f" ({'; '.join(per_seed)})" if len(both) > 1 else "")
-                           + f" (goal: at least {plan().ratio_at_least:g}x).")
+                           + f" (goal (a): at least {plan().ratio_at_least:g}x: "
+                           f"{'met' if lost_hi / lost_best >= plan().ratio_at_least else 'not met'}).")
     return out

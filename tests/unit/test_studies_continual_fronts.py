@@ -55,5 +55,18 @@ def test_the_report_reads_every_mode_per_seed_and_sets_the_reference_against_the
         "  - `full`: mean 640 over 1 seed(s) (seed 0: 640 (EM 99.0%); seed 1: does not reach it (at most 93.0%))",
         "  - `memory`: mean 62 over 2 seed(s) (seed 0: 32 (EM 99.0%); seed 1: 92 (EM 99.0%))",
         # full reaches 99% at seed 0 only: the ratio is taken there, not against memory's two-seed mean
-        "  - `full` / `memory` (the best of the rest) over seed(s) 0: 20.0x (goal: at least 20x)."]
+        "  - `full` / `memory` (the best of the rest) over seed(s) 0: 20.0x (goal (a): at least 20x: met)."]
     assert "\n".join(lines) in report.render(bases, sweep, [])
+
+
+def test_a_level_the_reference_mode_never_reaches_says_the_ratio_is_not_measured(tmp_path):
+    """#50: full fine-tuning's gentlest runs learn 99%+ at 16K-256K, so at 95% it has no point: the goal
+    line says the ratio is open instead of leaving it out."""
+    record(tmp_path, "base_s0", [], 800.0)
+    record(tmp_path, "s0_full_lr1e-4", ["finetune=full", "optim.lr=1e-4"], 400.0, b=(1.0,))
+    record(tmp_path, "s0_memory_lr10", [*MEMORY, "memory.value_lr=10"], 792.0, b=(0.9,))
+    record(tmp_path, "s0_memory_lr100", [*MEMORY, "memory.value_lr=100"], 760.0, b=(1.0,))
+    bases, sweep, _ = report.load_study(tmp_path)
+    lines = level_lines(bases, sweep)
+    assert lines[3] == ("  - `full` / the best of the rest: not measured, no seed of `full` reaches this level "
+                        "(goal (a) at equal learning, at least 20x: open).")
