@@ -132,6 +132,12 @@ class Mode:
 class Full(Mode):
     name = "full"
 
+    def describe(self, cfg: Config) -> str:
+        # The value tables keep their own rate (memory.value_lr), which optim.lr does not lower: two full
+        # settings at one optim.lr differ by it, so the setting names it.
+        values = self.lr_settings(cfg).get("memory.value_lr")
+        return super().describe(cfg) + ("" if values is None else f", values lr {values:g}")
+
 
 class Memory(Mode):
     name = "memory"

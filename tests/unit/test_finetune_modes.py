@@ -60,6 +60,19 @@ def test_a_saved_config_that_set_an_ignored_setting_stays_readable():
     assert from_yaml(to_yaml(cfg)).finetune.background == "old/slot_usage.safetensors"
 
 
+def test_full_settings_that_differ_only_in_the_value_lr_read_differently():
+    """Full fine-tuning trains the value tables at memory.value_lr, which optim.lr does not lower: a study's
+    report keys settings by these words, so two value rates must not read as one setting."""
+    def setting(*overrides):
+        cfg = compose([*MEMPLUS, "finetune=full", "optim.lr=1e-5", *overrides])
+        return mode_of(cfg).describe(cfg)
+    assert setting("memory.value_lr=1e-3") == "AdamW lr 1e-05, values lr 0.001"
+    assert setting("memory.value_lr=3e-2") == "AdamW lr 1e-05, values lr 0.03"
+    dense = compose(["model.vocab_size=128", "model.dim=32", "model.n_layers=2", "model.n_heads=2",
+                     "finetune=full", "optim.lr=1e-5"])
+    assert mode_of(dense).describe(dense) == "AdamW lr 1e-05"  # no value tables: one rate
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_each_mode_trains_what_it_says(mode):
     cfg = compose([*MEMPLUS, f"finetune={mode}", "finetune.top_t=5" if mode == "sparse" else "seed=0"])

@@ -26,7 +26,7 @@ def test_rows_take_mode_and_setting_from_the_saved_config_and_forgetting_from_th
     by_name = {r["name"]: r for r in sweep}
     assert by_name["s0_sparse_a"]["setting"] == "top_t 2,000, sgd lr 300"
     assert by_name["s0_memory_lr100"]["setting"] == "sgd lr 100"
-    assert by_name["s0_full_lr1e-3"]["setting"] == "AdamW lr 0.001"
+    assert by_name["s0_full_lr1e-3"]["setting"] == "AdamW lr 0.001, values lr 0.03"
     assert by_name["s0_full_lr1e-3"]["forgetting"] == pytest.approx(0.95)
     assert by_name["s0_sparse_a"]["forgetting"] == pytest.approx(0.01)
 
@@ -37,8 +37,8 @@ def test_the_front_and_goals_follow_from_the_rows(tmp_path):
     front = report.pareto([r for r in sweep if r["mode"] == "sparse"])
     assert [r["name"] for r in front] == ["s0_sparse_a", "s0_sparse_c"]  # b: less learned and more lost than a
     text = "\n".join(report.findings(sweep))
-    assert "full forgets 95.0% of facts A (AdamW lr 0.001), sparse 1.0% (top_t 2,000, sgd lr 300): a ratio of 95.0x" \
-        in text
+    assert ("full forgets 95.0% of facts A (AdamW lr 0.001, values lr 0.03), sparse 1.0% (top_t 2,000, sgd lr 300): "
+            "a ratio of 95.0x") in text
     assert "Goal (b) at 16,384 slots: sparse forgets less than memory (values only, every row): 1.0% against " \
         "5.0% (sgd lr 100), 4.0 points apart." in text
     assert "`lora`" not in text  # no lora runs: nothing said about it
@@ -56,8 +56,8 @@ def test_each_table_size_gets_its_own_base_goals_and_row_of_the_size_table(tmp_p
     assert sorted(bases) == [(16384, 0), (65536, 0), (65536, 1)]
     assert {r["name"]: r["forgetting"] for r in sweep}["k256_s0_memory_lr100"] == pytest.approx(0.01)
     text = "\n".join(report.findings(sweep))
-    assert "Goal (a) at 65,536 slots, facts B EM >= 95.0%: full forgets 40.0% of facts A (AdamW lr 0.001), " \
-        "memory 1.0% (sgd lr 100): a ratio of 40.0x (goal: at least 20x)." in text
+    assert "Goal (a) at 65,536 slots, facts B EM >= 95.0%: full forgets 40.0% of facts A (AdamW lr 0.001, values lr " \
+        "0.03), memory 1.0% (sgd lr 100): a ratio of 40.0x (goal: at least 20x)." in text
     table = report.size_table(sweep)
     assert "| 16,384 | 95.0% at 99.0% EM | - | 5.0% at 98.0% EM | 1.0% at 96.0% EM | 95.0x |" in table
     # memory's best at 64K (chosen on seed 0) ran at two seeds: their mean, each seed beside it
@@ -166,9 +166,9 @@ def test_a_record_trained_again_is_listed_with_where_each_ran_the_check_asked_an
     bases, sweep, _ = report.load_study(tmp_path)
     lines = report.reproduction_lines(bases, sweep)[3:]
     assert lines.pop(1) == (
-        "- `s0_full_lr1e-3` (16,384 slots, seed 0, full, AdamW lr 0.001): recorded at aaaaaaa (AMD EPYC, AVX512), "
-        "trained again at bbbbbbb (AMD EPYC, AVX512); within 2.0% asked: does NOT reproduce (largest difference "
-        "in an evaluation figure 12.50%).")  # 45 against 40 bits
+        "- `s0_full_lr1e-3` (16,384 slots, seed 0, full, AdamW lr 0.001, values lr 0.03): recorded at aaaaaaa "
+        "(AMD EPYC, AVX512), trained again at bbbbbbb (AMD EPYC, AVX512); within 2.0% asked: does NOT reproduce "
+        "(largest difference in an evaluation figure 12.50%).")  # 45 against 40 bits
     assert lines == [
         "- `base_s0` (16,384 slots, seed 0, base): recorded at aaaaaaa (AMD EPYC, AVX512), trained again at "
         "aaaaaaa (AMD EPYC, AVX512); equal asked: reproduces (largest difference in an evaluation figure 0.00%).",
