@@ -7,6 +7,8 @@ from continual_records import MEMORY, SPARSE, record
 
 from memlm.studies import continual_report as report
 from memlm.studies.ablation_report import ReportError
+from memlm.studies.continual_rounds import rounds_lines
+from memlm.studies.reproduction import reproduction_lines
 
 
 def _study(root):
@@ -138,11 +140,31 @@ def test_rounds_report_each_earlier_round_kept_relative_to_when_it_was_taught(tm
     record(tmp_path, "s0_rounds_memory_r1", mem, 790.0, rounds={1: (80.0, 0.99), 2: (0.0, 0.0)})
     record(tmp_path, "s0_rounds_memory_r2", mem, 780.0, rounds={1: (72.0, 0.9), 2: (90.0, 1.0)})
     bases, sweep, rounds = report.load_study(tmp_path)
-    text = "\n".join(report.rounds_table(rounds))
-    assert "| memory | sgd lr 100 | 1 | taught: EM 99.0% | - | 98.8% |" in text
-    assert "| memory | sgd lr 100 | 2 | 90.0% | taught: EM 100.0% | 97.5% |" in text
-    assert "the worst share of an earlier round kept after a later one is 90.0%" in text
+    text = "\n".join(rounds_lines(rounds))
+    assert "| 16,384 | 0 | memory | sgd lr 100 | 1 | taught: EM 99.0% | - | 98.8% |" in text
+    assert "| 16,384 | 0 | memory | sgd lr 100 | 2 | 90.0% | taught: EM 100.0% | 97.5% |" in text  # 72 of 80 bits
+    assert ("- Goal (c), `memory` (16,384 slots, seed 0): round 1 keeps 90.0% of its bits after round 2; the worst "
+            "share of an earlier round kept after a later one is 90.0% (round 1 after round 2); at least 95.0% "
+            "asked: not met.") in text
     assert "`s0_rounds_memory_r2`: `OMP_NUM_THREADS=1 python -m memlm.train" in report.render(bases, sweep, rounds)
+
+
+def test_goal_c_reads_the_oldest_round_after_the_last_and_the_worst_per_seed(tmp_path):
+    """#50 asks for the oldest of the rounds' retention at two seeds: one goal line per chain (seed)."""
+    mem = [*MEMORY, "memory.value_lr=100"]
+    for seed, after_3 in ((0, 96.0), (1, 90.0)):
+        record(tmp_path, f"base_s{seed}", [], 800.0, seed=seed)
+        record(tmp_path, f"s{seed}_rounds_memory_r1", mem, 790.0, rounds={1: (100.0, 1.0)}, seed=seed)
+        record(tmp_path, f"s{seed}_rounds_memory_r2", mem, 790.0, rounds={1: (99.0, 1.0), 2: (80.0, 1.0)},
+               seed=seed)
+        record(tmp_path, f"s{seed}_rounds_memory_r3", mem, 790.0,
+               rounds={1: (after_3, 0.9), 2: (78.0, 1.0), 3: (50.0, 1.0)}, seed=seed)
+    goals = [line for line in rounds_lines(report.load_study(tmp_path)[2]) if line.startswith("- Goal (c)")]
+    assert goals == [
+        "- Goal (c), `memory` (16,384 slots, seed 0): round 1 keeps 96.0% of its bits after round 3; the worst share "
+        "of an earlier round kept after a later one is 96.0% (round 1 after round 3); at least 95.0% asked: met.",
+        "- Goal (c), `memory` (16,384 slots, seed 1): round 1 keeps 90.0% of its bits after round 3; the worst share "
+        "of an earlier round kept after a later one is 90.0% (round 1 after round 3); at least 95.0% asked: not met."]
 
 
 def test_a_fine_tune_without_its_base_is_refused(tmp_path):
@@ -164,7 +186,7 @@ def test_a_record_trained_again_is_listed_with_where_each_ran_the_check_asked_an
         summary["evals"]["bits:facts_a"]["stored_bits"] = a_bits
         (tmp_path / name / "reproduced_summary.json").write_text(json.dumps({**summary, "environment": env}))
     bases, sweep, _ = report.load_study(tmp_path)
-    lines = report.reproduction_lines(bases, sweep)[3:]
+    lines = reproduction_lines(bases, sweep, 0.02)[3:]
     assert lines.pop(1) == (
         "- `s0_full_lr1e-3` (16,384 slots, seed 0, full, AdamW lr 0.001, values lr 0.03): recorded at aaaaaaa "
         "(AMD EPYC, AVX512), trained again at bbbbbbb (AMD EPYC, AVX512); within 2.0% asked: does NOT reproduce "
