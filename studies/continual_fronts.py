@@ -4,6 +4,8 @@
     points = front(rows)              # one mode's runs at one table size and seed -> its front, by learning
     lost = at_level(points, 0.95)     # (facts-A bits lost, EM beside) at 95% of facts B's bits, or the reason not
     lines = level_lines(bases, sweep) # the report's lines: per size and level, each mode per seed and the mean
+    table = front_table(bases, sweep) # every front's runs: learned, lost, EM and held-out perplexity change
+    shape = shape_lines(bases, sweep) # goal (b) at Lin et al.'s batch: sparse against values-only, each tuned
 
 A run's learning is the share of facts B's corpus bits it stored (b_bits / b_corpus); its forgetting
 is the facts-A bits it lost against its base (base a_bits - a_bits). Bits on both axes, so learning
@@ -31,6 +33,7 @@ class Point:
     learned: float  # facts B's bits stored, as a share of its corpus bits
     lost: float  # facts-A bits lost against the base
     b_em: float  # facts-B exact match, shown beside
+    ppl_change: float  # held-out perplexity over the base's, minus 1
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,17 @@ class Reading:
 
 def point(row: dict, base: dict) -> Point:
     """A sweep row of the continual report (load_study) against its base's row."""
-    return Point(row["setting"], row["b_bits"] / row["b_corpus"], base["a_bits"] - row["a_bits"], row["b_em"])
+    return Point(row["setting"], row["b_bits"] / row["b_corpus"], base["a_bits"] - row["a_bits"], row["b_em"],
+                 row["ppl"] / base["ppl"] - 1)
+
+
+def fronts(bases: dict[tuple[int, int], dict], rows: list[dict]) -> dict[tuple[int, int, str], list[Point]]:
+    """(slots, seed, mode) -> that mode's front over `rows` (sweep rows of one or more sizes and seeds)."""
+    keys = sorted({(r["slots"], r["seed"], r["mode"]) for r in rows},
+                  key=lambda k: (k[0], k[1], plan().report_order.index(k[2])))
+    return {(slots, seed, mode): front([point(r, bases[slots, seed]) for r in rows
+                                        if (r["slots"], r["seed"], r["mode"]) == (slots, seed, mode)])
+            for slots, seed, mode in keys}
 
 
 def front(points: list[Point]) -> list[Point]:
@@ -87,16 +100,14 @@ def level_lines(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[s
     per seed."""
     out = []
     hi = plan().reference
+    every = fronts(bases, sweep)
     for slots in sorted({r["slots"] for r in sweep}):
         seeds = sorted({r["seed"] for r in sweep if r["slots"] == slots})
         for level in plan().levels:
             read: dict[str, dict[int, Reading]] = {}
-            for mode in plan().report_order:
-                for seed in seeds:
-                    rows = [r for r in sweep if (r["slots"], r["seed"], r["mode"]) == (slots, seed, mode)]
-                    if rows:
-                        points = front([point(r, bases[slots, seed]) for r in rows])
-                        read.setdefault(mode, {})[seed] = at_level(points, level)
+            for (at, seed, mode), points in every.items():
+                if at == slots:
+                    read.setdefault(mode, {})[seed] = at_level(points, level)
             if not read:
                 continue
             out.append(f"- At {level:.0%} of facts B's bits learned ({slots:,} slots), facts-A bits lost "
@@ -133,4 +144,56 @@ def level_lines(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[s
                            f"{lost_hi / lost_best:.1f}x" + (f" ({'; '.join(per_seed)})" if len(both) > 1 else "")
                            + f" (goal (a): at least {plan().ratio_at_least:g}x: "
                            f"{'met' if lost_hi / lost_best >= plan().ratio_at_least else 'not met'}).")
+    return out
+
+
+def front_table(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[str]:
+    """Every mode's front per table size and seed, one row per run on it, by learning: the points the
+    level lines interpolate between, with each run's held-out perplexity against its base's."""
+    out = ["", "Each mode's front per table size and seed (its runs that no other run of the mode beats on both "
+           "facts B's bits learned and facts A's bits lost; by learning), with the held-out perplexity against "
+           "the base's:", "",
+           "| slots | seed | mode | setting | facts B bits learned | facts B EM | facts A bits lost | held-out ppl |",
+           "|---:|---:|---|---|---:|---:|---:|---:|"]
+    for (slots, seed, mode), points in fronts(bases, sweep).items():
+        out += [f"| {slots:,} | {seed} | {mode} | {p.setting} | {p.learned:.1%} | {p.b_em:.1%} | {p.lost:,.0f} | "
+                f"{p.ppl_change:+.1%} |" for p in points]
+    return out if len(out) > 5 else []
+
+
+def is_paper_shape(row: dict) -> bool:
+    """A run at Lin et al.'s batch: one document per row (data.rows=documents), which with the paraphrase
+    corpus makes a batch of one fact's paraphrases (docs/finetuning.md)."""
+    return row["batch"][2] == "documents"
+
+
+def shape_lines(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[str]:
+    """Goal (b) at Lin et al.'s batch shape: per table size and level, the plan's `less` pair (sparse, then
+    values-only) each read on its front over its runs at that shape only, per seed; met where the first
+    loses no more than the second over the seeds where both reach the level, else the measured reason."""
+    first, second = plan().less
+    rows = [r for r in sweep if is_paper_shape(r) and r["mode"] in (first, second)]
+    every = fronts(bases, rows)
+    out = []
+    for slots in sorted({r["slots"] for r in rows}):
+        seeds = sorted({r["seed"] for r in rows if r["slots"] == slots})
+        tuned = {m: sorted({r["setting"] for r in rows if (r["slots"], r["mode"]) == (slots, m)})
+                 for m in (first, second)}
+        out.append(f"- Goal (b) at Lin et al.'s batch shape ({slots:,} slots; one fact's paraphrases per batch): "
+                   + "; ".join(f"`{m}` tuned over {len(s)} setting(s)" for m, s in tuned.items()) + ".")
+        for level in plan().levels:
+            read = {m: {s: at_level(every.get((slots, s, m), []), level) for s in seeds} for m in (first, second)}
+            each = "; ".join(f"`{m}` " + ", ".join(f"seed {s}: " + (f"{r.lost:,.0f} bits lost (EM {r.b_em:.1%})"
+                                                                   if r.lost is not None else r.why_not)
+                                                  for s, r in by_seed.items()) for m, by_seed in read.items())
+            both = [s for s in seeds if read[first][s].lost is not None and read[second][s].lost is not None]
+            if both:
+                a, b = (_mean([read[m][s].lost for s in both]) for m in (first, second))
+                verdict = (f"`{first}` loses {a:,.0f} bits against `{second}`'s {b:,.0f} (mean over seed(s) "
+                           f"{', '.join(map(str, both))}): {'met' if a <= b else 'not met'}")
+            elif any(read[second][s].lost is not None for s in seeds):
+                verdict = f"not met: `{first}`'s front at this batch does not reach the level where `{second}`'s does"
+            else:
+                verdict = f"not measured: `{second}`'s front at this batch does not reach the level"
+            out.append(f"  - at {level:.0%} of facts B's bits learned: {each}; {verdict}.")
     return out

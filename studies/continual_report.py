@@ -30,7 +30,7 @@ from pathlib import Path
 
 from memlm.errors import entry_point
 from memlm.studies.ablation_report import ReportError, write_doc
-from memlm.studies.continual_fronts import level_lines
+from memlm.studies.continual_fronts import front_table, level_lines, shape_lines
 from memlm.studies.continual_plan import finetune_config, plan
 from memlm.studies.continual_rounds import rounds_lines
 from memlm.studies.formats import percent as _pct
@@ -281,7 +281,9 @@ def size_table(sweep: list[dict]) -> list[str]:
 def render(bases: dict[tuple[int, int], dict], sweep: list[dict], rounds: list[dict]) -> str:
     commands = [f"- `{r['name']}`: `{r['command']}`" for r in [*bases.values(), *sweep, *rounds] if r["command"]]
     levels = level_lines(bases, sweep)
-    return "\n".join([BEGIN, *sweep_table(bases, sweep), "", *findings(sweep), *(["", *levels] if levels else []),
+    shape = shape_lines(bases, sweep)
+    return "\n".join([BEGIN, *sweep_table(bases, sweep), "", *findings(sweep), *front_table(bases, sweep),
+                      *(["", *levels] if levels else []), *(["", *shape] if shape else []),
                       *size_table(sweep),
                       *size_goals(bases, sweep),
                       *rounds_lines(rounds),
