@@ -9,7 +9,10 @@ another on this machine. Its dump goes to `runs/continual/<name>`; when it
 finishes, its record (config.yaml, metrics.jsonl, summary.json, evals/ and
 the command) is copied to `docs/runs/continual/<name>`, and a run whose
 record exists is skipped: a study stopped halfway keeps every finished run
-and resumes where it stopped. `python -m memlm.studies.continual_report`
+and resumes where it stopped. A recorded run that a later one starts from,
+but whose checkpoint this machine lacks (a fresh clone), is trained again and
+checked against its record; that rerun's summary is kept beside the record
+as reproduced_summary.json. `python -m memlm.studies.continual_report`
 turns the records into the tables and plot of docs/results.md.
 
 `--n-keys N` runs the same study at another table size (N**2 slots): every
@@ -150,12 +153,20 @@ def ensure_background(run: Run) -> None:
 def retrain(run: Run) -> None:
     """Train a recorded run again for its checkpoint and check it against the record: equal evaluations
     where the record's commit, torch, CPU and vector unit are this run's (the runs are deterministic on CPU), else
-    each figure within the plan's `reproduce_within`; it says which check it made."""
+    each figure within the plan's `reproduce_within`; it says which check it made. The rerun is a
+    reproduction from this clone: its summary.json is kept beside the record (REPRODUCED), as
+    `--stage reproduce` keeps its own, a failing one too."""
     prepare(run)
     print(f"[study] {run.name}: recorded, but its checkpoint {final_checkpoint(run)} is not on this machine: "
           "training it again", flush=True)
     train(run)
+    keep_rerun(run)
     check_against_record(run)
+
+
+def keep_rerun(run: Run) -> None:
+    """The rerun's summary.json beside the record it is checked against (the report lists it)."""
+    shutil.copy2(run.dump / "summary.json", run.record / REPRODUCED)
 
 
 def check_against_record(run: Run) -> None:
@@ -194,7 +205,7 @@ def reproduce(series: Series, modes: set[str] | None = None) -> None:
         if not (run.dump / "summary.json").exists():
             prepare(run)
             train(run)
-        shutil.copy2(run.dump / "summary.json", run.record / REPRODUCED)
+        keep_rerun(run)
         check_against_record(run)
 
 

@@ -129,12 +129,15 @@ def test_a_recorded_base_without_its_checkpoint_is_trained_again_and_must_equal_
     names = [c["dump_dir"].rsplit("/", 1)[1] for c in calls]
     assert names[1] == "base_s0" and names[2].startswith("s0_full_") and names.count("base_s0") == 2
     assert (RECORDS / "base_s0" / "summary.json").read_text() == record
+    rerun = json.loads((RECORDS / "base_s0" / study.REPRODUCED).read_text())  # kept: the report lists it
+    assert rerun["evals"] == {"bits:facts_a": {"stored_bits": 7.0}}
     # a base that comes out different would not continue its record: the study stops, naming both
     study.shutil.rmtree(RUNS / "base_s0")
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, evals={"bits:facts_a": {"stored_bits": 8.0}}))
     capsys.readouterr()
     assert study.main(["--stage", "sweep", "--modes", "lora"]) == 1
     assert _error_line(capsys, r"base_s0 trained again does not reproduce its record .*8\.0.*7\.0")
+    assert "8.0" in (RECORDS / "base_s0" / study.REPRODUCED).read_text()  # a failing rerun is kept too
 
 
 HERE = {"commit": "a" * 40, "dirty": False, "torch": "2.13.0", "cpu": "AMD EPYC", "cpu_capability": "AVX2"}
