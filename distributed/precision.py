@@ -27,7 +27,7 @@ projection runs in float32 too, both its matmuls with TF32 off
 (memlm.memory.fast.exact.no_tf32, the caller's setting restored after), and under
 FSDP its parameters are gathered in float32 (distributed/parallelize.py,
 FULL_PRECISION). A bf16 query changes the selected set of ~20% of the lookups
-at n_keys 1024, k_dim 512, knn 32, TF32 scores ~2% (tests/integration/test_precision.py).
+at n_keys 1024, k_dim 512, knn 32, TF32 scores ~2% (tests/integration/test_lookup_precision.py).
 Evaluation loads a float32 model and runs without autocast (memlm.run.load).
 docs/training.md, "Precision", has the trade-offs.
 """

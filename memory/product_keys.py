@@ -13,7 +13,7 @@ query projection and the scores with autocast off and TF32 off
 (`full_precision_params`, read by memlm.distributed.parallelize). Its selection is
 the float32 model's: at n_keys 1024, k_dim 512, knn 32 a bf16 query changes
 the selected set of ~20% of the lookups, TF32 scores ~3%
-(tests/integration/test_precision.py). The cost: the forward's query projection in
+(tests/integration/test_lookup_precision.py). The cost: the forward's query projection in
 float32 (2 * dim * heads * k_dim FLOPs per token, at float32 speed).
 """
 
