@@ -1,7 +1,8 @@
 """bench/device_check.sh end to end on CPU (DRY_RUN=1): a failure patched into
 each section's process makes that section FAIL with its reason and the run
 exit non-zero; with nothing patched, the dry run of the training sections
-passes. The in-process checks of the same sections: test_device_check.py.
+passes. The in-process checks of the same sections: test_device_check.py and
+test_device_check_gpu_speed.py.
 
 A failure is patched in through a sitecustomize.py on PYTHONPATH, which Python
 imports at start-up in every section's process.
