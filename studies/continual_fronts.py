@@ -4,6 +4,7 @@
     points = front(rows)              # one mode's runs at one table size and seed -> its front, by learning
     lost = at_level(points, 0.95)     # (facts-A bits lost, EM beside) at 95% of facts B's bits, or the reason not
     lines = level_lines(bases, sweep) # the report's lines: per size and level, each mode per seed and the mean
+    readings(bases, sweep, 0.95)      # {slots: {mode: {seed: Reading}}}; mean_lost(by_seed): over the seeds that reach
     table = front_table(bases, sweep) # every front's runs: learned, lost, EM and held-out perplexity change
     shape = shape_lines(bases, sweep) # goal (b) at Lin et al.'s batch: sparse against values-only, each tuned
 
@@ -93,6 +94,21 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+def readings(bases: dict[tuple[int, int], dict], sweep: list[dict], level: float
+             ) -> dict[int, dict[str, dict[int, Reading]]]:
+    """slots -> mode -> seed -> that front read at `level` of facts B's bits learned."""
+    out: dict[int, dict[str, dict[int, Reading]]] = {}
+    for (slots, seed, mode), points in fronts(bases, sweep).items():
+        out.setdefault(slots, {}).setdefault(mode, {})[seed] = at_level(points, level)
+    return out
+
+
+def mean_lost(by_seed: dict[int, Reading]) -> float | None:
+    """The mean facts-A bits lost over the seeds whose front reaches the level (None: none does)."""
+    reached = [r.lost for r in by_seed.values() if r.lost is not None]
+    return _mean(reached) if reached else None
+
+
 def level_lines(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[str]:
     """Per table size and level (plan().levels): each mode's facts-A bits lost at that learning, per
     seed and as the mean of the seeds that reach it, and the plan's reference mode over the best of
@@ -100,23 +116,17 @@ def level_lines(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[s
     per seed."""
     out = []
     hi = plan().reference
-    every = fronts(bases, sweep)
     for slots in sorted({r["slots"] for r in sweep}):
         seeds = sorted({r["seed"] for r in sweep if r["slots"] == slots})
         for level in plan().levels:
-            read: dict[str, dict[int, Reading]] = {}
-            for (at, seed, mode), points in every.items():
-                if at == slots:
-                    read.setdefault(mode, {})[seed] = at_level(points, level)
+            read = readings(bases, sweep, level).get(slots)
             if not read:
                 continue
             out.append(f"- At {level:.0%} of facts B's bits learned ({slots:,} slots), facts-A bits lost "
                        "(interpolated on each mode's front; facts-B EM there in brackets):")
-            means = {}
+            means = {m: v for m, by_seed in read.items() if (v := mean_lost(by_seed)) is not None}
             for mode, by_seed in read.items():
-                reached = [r.lost for r in by_seed.values() if r.lost is not None]
-                if reached:
-                    means[mode] = _mean(reached)
+                reached = [r for r in by_seed.values() if r.lost is not None]
                 each = "; ".join(f"seed {s}: " + (f"{r.lost:,.0f} (EM {r.b_em:.1%})" if r.lost is not None
                                                    else r.why_not) for s, r in by_seed.items())
                 mean = f"mean {means[mode]:,.0f} over {len(reached)} seed(s)" if reached else "no seed reaches it"

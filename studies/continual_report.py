@@ -30,7 +30,7 @@ from pathlib import Path
 
 from memlm.errors import entry_point
 from memlm.studies.ablation_report import ReportError, write_doc
-from memlm.studies.continual_fronts import front_table, level_lines, shape_lines
+from memlm.studies.continual_fronts import front_table, fronts, level_lines, mean_lost, point, readings, shape_lines
 from memlm.studies.continual_plan import finetune_config, plan
 from memlm.studies.continual_rounds import rounds_lines
 from memlm.studies.formats import percent as _pct
@@ -292,39 +292,51 @@ def render(bases: dict[tuple[int, int], dict], sweep: list[dict], rounds: list[d
                       "<details><summary>The command of every run</summary>", "", *commands, "", "</details>", END])
 
 
-def plot(sweep: list[dict], path: Path) -> None:
-    """Left: facts B learned against facts A lost, one colour per mode, its Pareto front (seed 0) as a
-    line, one marker per table size. Right: facts A lost against table size per mode, by each mode's
-    least-forgetting setting above the learning line (`by_table_size`)."""
+def plot(bases: dict[tuple[int, int], dict], sweep: list[dict], path: Path) -> None:
+    """Bits on both axes. Left: facts B's bits learned against facts A's bits lost, one colour per mode,
+    one marker per table size, seed 0's front of each as a line. Right: each mode's facts-A bits lost at
+    the plan's first level of learning (read off its fronts, the mean over the seeds that reach it)
+    against table size: equal learning, where a mode that does not reach the level has no point."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     sizes = sorted({r["slots"] for r in sweep})
-    fig, (ax, by_size) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for color, mode in zip(("C3", "C1", "C0", "C2"), plan().report_order):
+    colors = dict(zip(plan().report_order, ("C3", "C1", "C0", "C2")))
+    fig, (ax, by_size) = plt.subplots(1, 2, figsize=(12, 6))
+    every = fronts(bases, sweep)
+    for mode, color in colors.items():
         for marker, slots in zip("os^Dv", sizes):
-            rows = [r for r in sweep if r["mode"] == mode and r["slots"] == slots]
-            if not rows:
+            points = [point(r, bases[slots, r["seed"]]) for r in sweep if (r["mode"], r["slots"]) == (mode, slots)]
+            if not points:
                 continue
             label = mode if len(sizes) == 1 else f"{mode}, {slots:,} slots"
-            ax.scatter([100 * r["forgetting"] for r in rows], [100 * r["b_em"] for r in rows], color=color,
-                       marker=marker, label=label)
-            front = pareto([r for r in rows if r["seed"] == 0])
-            ax.plot([100 * r["forgetting"] for r in front], [100 * r["b_em"] for r in front], color=color, alpha=0.6)
-    ax.axhline(100 * plan().learned, color="k", linestyle=":", linewidth=1)
-    ax.set(xlabel="facts A lost (% of the base's bits)", ylabel="facts B exact match (%)",
-           title="Learning vs forgetting per fine-tuning mode", xlim=(0, 100))
-    ax.legend(fontsize="small")
-    best = by_table_size(sweep)
-    for color, mode in zip(("C3", "C1", "C0", "C2"), plan().report_order):
-        points = [(slots, modes[mode]["lost"]) for slots, modes in best.items() if mode in modes]
+            ax.scatter([p.lost for p in points], [100 * p.learned for p in points], color=color, marker=marker,
+                       label=label)
+            line = every.get((slots, 0, mode), [])
+            ax.plot([p.lost for p in line], [100 * p.learned for p in line], color=color, alpha=0.6)
+    for level in plan().levels:
+        ax.axhline(100 * level, color="k", linestyle=":", linewidth=1)
+    ax.set_xscale("symlog", linthresh=10)
+    # A run can gain a bit or two of facts A: the axis starts just below its lowest loss, 0 in view.
+    ax.set_xlim(left=min(-1.0, *(bases[r["slots"], r["seed"]]["a_bits"] - r["a_bits"] for r in sweep)) * 1.5)
+    ax.set(xlabel="facts A: bits lost (of the base's)", ylabel="facts B: bits learned (% of its corpus bits)",
+           title="Learning vs forgetting per fine-tuning mode")
+    # below the axes: the runs fill the plane
+    ax.legend(fontsize="x-small", ncol=4, loc="upper left", bbox_to_anchor=(0.0, -0.14))
+    level = plan().levels[0]
+    read = readings(bases, sweep, level)
+    for mode, color in colors.items():
+        points = [(slots, lost) for slots in sizes
+                  if (lost := mean_lost(read.get(slots, {}).get(mode, {}))) is not None]
         if points:
-            by_size.plot([p[0] for p in points], [100 * p[1] for p in points], color=color, marker="o", label=mode)
+            by_size.plot([p[0] for p in points], [p[1] for p in points], color=color, marker="o", label=mode)
     by_size.set_xscale("log", base=2)
-    by_size.set(xlabel="table size (slots)", ylabel="facts A lost (%)",
-                title=f"At facts B EM >= {_pct(plan().learned)}, by table size")
+    by_size.set_yscale("symlog", linthresh=10)
+    by_size.set_ylim(bottom=0)
+    by_size.set(xlabel="table size (slots)", ylabel="facts A: bits lost",
+                title=f"At {level:.0%} of facts B's bits learned, by table size")
     by_size.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -348,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         write_doc(args.out, text, BEGIN, END)
     if args.plot and sweep:
-        plot(sweep, args.plot)
+        plot(bases, sweep, args.plot)
     print(text)
     return 0
 

@@ -64,7 +64,7 @@ def test_each_table_size_gets_its_own_base_goals_and_row_of_the_size_table(tmp_p
     assert "| 16,384 | 95.0% at 99.0% EM | - | 5.0% at 98.0% EM | 1.0% at 96.0% EM | 95.0x |" in table
     # memory's best at 64K (chosen on seed 0) ran at two seeds: their mean, each seed beside it
     assert "| 65,536 | 40.0% at 99.0% EM | - | 2.0% (1.0% at 97.0% EM; 3.0% at 97.0% EM) | - | 20.0x |" in table
-    report.plot(sweep, tmp_path / "plot.png")
+    report.plot(bases, sweep, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
 
 
