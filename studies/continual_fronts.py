@@ -6,7 +6,7 @@
     lines = level_lines(bases, sweep) # the report's lines: per size and level, each mode per seed and the mean
     readings(bases, sweep, 0.95)      # {slots: {mode: {seed: Reading}}}; mean_lost(by_seed): over the seeds that reach
     table = front_table(bases, sweep) # every front's runs: learned, lost, EM and held-out perplexity change
-    shape = shape_lines(bases, sweep) # goal (b) at Lin et al.'s batch: sparse against values-only, each tuned
+    batch = batch_lines(bases, sweep) # goal (b) per batch shape (Lin et al.'s too): sparse against values-only
 
 A run's learning is the share of facts B's corpus bits it stored (b_bits / b_corpus); its forgetting
 is the facts-A bits it lost against its base (base a_bits - a_bits). Bits on both axes, so learning
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memlm.studies.continual_plan import plan
+from memlm.studies.continual_plan import finetune_config, plan
 
 
 @dataclass(frozen=True)
@@ -171,39 +171,56 @@ def front_table(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[s
     return out if len(out) > 5 else []
 
 
-def is_paper_shape(row: dict) -> bool:
-    """A run at Lin et al.'s batch: one document per row (data.rows=documents), which with the paraphrase
-    corpus makes a batch of one fact's paraphrases (docs/finetuning.md)."""
-    return row["batch"][2] == "documents"
+def batch_label(batch: tuple) -> str:
+    """A fine-tune's batch shape (a report row's "batch": rows, steps, data.rows) in words."""
+    rows, steps, layout = batch
+    own = finetune_config()
+    if layout == "documents":  # one document per row: with the paraphrase corpus, one fact's paraphrases a batch
+        return f"Lin et al.'s batch shape ({rows} paraphrase rows x {steps:,} steps: one fact's paraphrases a batch)"
+    if (rows, steps, layout) == (own.data.micro_batch, own.steps, own.data.rows):
+        return f"the study's batch ({rows} rows x {steps:,} steps)"
+    return f"the batch of {rows} rows x {steps:,} steps"
 
 
-def shape_lines(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[str]:
-    """Goal (b) at Lin et al.'s batch shape: per table size and level, the plan's `less` pair (sparse, then
-    values-only) each read on its front over its runs at that shape only, per seed; met where the first
-    loses no more than the second over the seeds where both reach the level, else the measured reason."""
+def batch_lines(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[str]:
+    """Goal (b) within each batch shape: per table size, batch shape (where both modes ran) and level, the
+    plan's `less` pair (sparse, then values-only) each read on its front over its runs at that shape only,
+    per seed; met where the first loses no more than the second over the seeds where both reach the level,
+    else what kept it from being read. The selection's claim is about which rows a batch changes, so it is
+    compared batch by batch: a batch that reads less of the table is where it can differ from every row."""
     first, second = plan().less
-    rows = [r for r in sweep if is_paper_shape(r) and r["mode"] in (first, second)]
-    every = fronts(bases, rows)
+    rows = [r for r in sweep if r["mode"] in (first, second)]
     out = []
     for slots in sorted({r["slots"] for r in rows}):
-        seeds = sorted({r["seed"] for r in rows if r["slots"] == slots})
-        tuned = {m: sorted({r["setting"] for r in rows if (r["slots"], r["mode"]) == (slots, m)})
-                 for m in (first, second)}
-        out.append(f"- Goal (b) at Lin et al.'s batch shape ({slots:,} slots; one fact's paraphrases per batch): "
-                   + "; ".join(f"`{m}` tuned over {len(s)} setting(s)" for m, s in tuned.items()) + ".")
-        for level in plan().levels:
-            read = {m: {s: at_level(every.get((slots, s, m), []), level) for s in seeds} for m in (first, second)}
-            each = "; ".join(f"`{m}` " + ", ".join(f"seed {s}: " + (f"{r.lost:,.0f} bits lost (EM {r.b_em:.1%})"
-                                                                   if r.lost is not None else r.why_not)
-                                                  for s, r in by_seed.items()) for m, by_seed in read.items())
-            both = [s for s in seeds if read[first][s].lost is not None and read[second][s].lost is not None]
-            if both:
-                a, b = (_mean([read[m][s].lost for s in both]) for m in (first, second))
-                verdict = (f"`{first}` loses {a:,.0f} bits against `{second}`'s {b:,.0f} (mean over seed(s) "
-                           f"{', '.join(map(str, both))}): {'met' if a <= b else 'not met'}")
-            elif any(read[second][s].lost is not None for s in seeds):
-                verdict = f"not met: `{first}`'s front at this batch does not reach the level where `{second}`'s does"
-            else:
-                verdict = f"not measured: `{second}`'s front at this batch does not reach the level"
-            out.append(f"  - at {level:.0%} of facts B's bits learned: {each}; {verdict}.")
+        for batch in sorted({r["batch"] for r in rows if r["slots"] == slots}, key=lambda b: (b[2], -b[0], b[1])):
+            at = [r for r in rows if (r["slots"], r["batch"]) == (slots, batch)]
+            tuned = {m: sorted({r["setting"] for r in at if r["mode"] == m}) for m in (first, second)}
+            if not all(tuned.values()):
+                continue
+            out.append(f"- Goal (b) at {slots:,} slots, {batch_label(batch)}: "
+                       + "; ".join(f"`{m}` tuned over {len(t)} setting(s)" for m, t in tuned.items()) + ".")
+            out += _pair_at_levels(bases, at, first, second)
+    return out
+
+
+def _pair_at_levels(bases: dict[tuple[int, int], dict], rows: list[dict], first: str, second: str) -> list[str]:
+    every = fronts(bases, rows)
+    seeds = sorted({r["seed"] for r in rows})
+    slots = rows[0]["slots"]
+    out = []
+    for level in plan().levels:
+        read = {m: {s: at_level(every.get((slots, s, m), []), level) for s in seeds} for m in (first, second)}
+        each = "; ".join(f"`{m}` " + ", ".join(f"seed {s}: " + (f"{r.lost:,.0f} bits lost (EM {r.b_em:.1%})"
+                                                               if r.lost is not None else r.why_not)
+                                              for s, r in by_seed.items()) for m, by_seed in read.items())
+        both = [s for s in seeds if read[first][s].lost is not None and read[second][s].lost is not None]
+        if both:
+            a, b = (_mean([read[m][s].lost for s in both]) for m in (first, second))
+            verdict = (f"`{first}` loses {a:,.0f} bits against `{second}`'s {b:,.0f} (mean over seed(s) "
+                       f"{', '.join(map(str, both))}): {'met' if a <= b else 'not met'}")
+        elif any(read[second][s].lost is not None for s in seeds):
+            verdict = f"not met: `{first}`'s front at this batch does not reach the level where `{second}`'s does"
+        else:
+            verdict = f"not measured: `{second}`'s front at this batch does not reach the level"
+        out.append(f"  - at {level:.0%} of facts B's bits learned: {each}; {verdict}.")
     return out

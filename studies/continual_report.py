@@ -8,13 +8,15 @@ folder per run: config.yaml, summary.json with the final evaluation, command.txt
 Per base model (`base_s<seed>`), every fine-tune from it becomes one row:
 its mode and setting (from its saved config), facts B learned (exact match,
 bits stored), facts A kept (bits stored, as a share of the base's), the
-held-out biography perplexity and QA. Below the table: each mode's Pareto
-front of learning against forgetting, the goals (the forgetting ratio full /
-the best other mode and sparse against memory, on each mode's least-forgetting
-setting above the learning line), each mode's facts-A bits lost read off its
-front at the plan's levels of facts B's bits learned (equal learning;
-memlm.studies.continual_fronts: bits on both axes), the rounds and the records
-trained again.
+held-out biography perplexity and QA. Below the table, in bits on both axes
+(memlm.studies.continual_fronts): each mode's front per table size and seed;
+each mode's facts-A bits lost read off its front at the plan's levels of
+facts B's bits learned (equal learning) and goal (a), full fine-tuning over the
+best of the rest there; goal (b), sparse against values-only, read the same way
+within each batch shape (Lin et al.'s too). Then the least-forgetting setting
+above the EM line per size (not equal learning; goals (d) and (e) on it), the
+rounds (goal (c), memlm.studies.continual_rounds) and the records trained again
+(memlm.studies.reproduction).
 
 Forgetting is the share of the base's facts-A bits a fine-tune lost:
 1 - bits_A(after) / bits_A(base). The generated part sits between BEGIN and
@@ -30,7 +32,7 @@ from pathlib import Path
 
 from memlm.errors import entry_point
 from memlm.studies.ablation_report import ReportError, write_doc
-from memlm.studies.continual_fronts import front_table, fronts, level_lines, mean_lost, point, readings, shape_lines
+from memlm.studies.continual_fronts import batch_lines, front_table, fronts, level_lines, mean_lost, point, readings
 from memlm.studies.continual_plan import finetune_config, plan
 from memlm.studies.continual_rounds import rounds_lines
 from memlm.studies.formats import percent as _pct
@@ -101,13 +103,6 @@ def load_study(root: Path) -> tuple[dict[tuple[int, int], dict], list[dict], lis
     return bases, sweep, rounds
 
 
-def pareto(rows: list[dict]) -> list[dict]:
-    """The rows no other row beats on both learning (facts-B EM, higher) and forgetting (lower), by forgetting."""
-    front = [r for r in rows if not any(o["b_em"] >= r["b_em"] and o["forgetting"] <= r["forgetting"]
-                                        and (o["b_em"], o["forgetting"]) != (r["b_em"], r["forgetting"]) for o in rows)]
-    return sorted(front, key=lambda r: r["forgetting"])
-
-
 def best_learned(rows: list[dict], mode: str) -> dict | None:
     learned = [r for r in rows if r["mode"] == mode and r["b_em"] >= plan().learned]
     return min(learned, key=lambda r: r["forgetting"]) if learned else None
@@ -128,71 +123,6 @@ def sweep_table(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[s
         for r in rows:
             out.append(f"| {slots:,} | {seed} | {r['mode']} | {r['setting']} | {_pct(r['b_em'])} | "
                        f"{r['b_bits']:,.0f} | {_pct(1 - r['forgetting'])} | {r['ppl']:.2f} | {_pct(r['qa_em'])} |")
-    return out
-
-
-def findings(sweep: list[dict]) -> list[str]:
-    """Per table size: each mode's Pareto front (seed 0) and the plan's goals, read on each mode's
-    least-forgetting setting above the learning line."""
-    out = []
-    for slots in sorted({r["slots"] for r in sweep}):
-        out += _findings_at([r for r in sweep if r["slots"] == slots], slots)
-    return out
-
-
-def _findings_at(sweep: list[dict], slots: int) -> list[str]:
-    out = []
-    at = f"{slots:,} slots"
-    for mode in plan().report_order:
-        front = pareto([r for r in sweep if r["mode"] == mode and r["seed"] == 0])
-        if front:
-            out.append(f"- Pareto front of `{mode}` ({at}, seed 0; facts B EM / facts A lost): "
-                       + ", ".join(f"{r['setting']}: {_pct(r['b_em'])} / {_pct(r['forgetting'])}" for r in front))
-    best = {m: best_learned([r for r in sweep if r["seed"] == 0], m) for m in plan().report_order}
-    for mode, row in best.items():
-        if row is None and any(r["mode"] == mode for r in sweep):
-            out.append(f"- `{mode}` ({at}): no setting learned {_pct(plan().learned)} of facts B.")
-    hi = plan().reference  # goal (a): what `hi` loses over what the best of the other modes loses
-    rest = [row for mode, row in best.items() if mode != hi and row]
-    if best[hi] and rest:
-        lo = min(rest, key=lambda r: r["forgetting"])
-        ratio = best[hi]["forgetting"] / max(lo["forgetting"], 1e-9)
-        out.append(f"- Goal (a) at {at}, facts B EM >= {_pct(plan().learned)}: {hi} forgets "
-                   f"{_pct(best[hi]['forgetting'])} of facts A ({best[hi]['setting']}), {lo['mode']} "
-                   f"{_pct(lo['forgetting'])} ({lo['setting']}): a ratio of {ratio:.1f}x "
-                   f"(goal: at least {plan().ratio_at_least:g}x).")
-    first, second = plan().less  # goal (b): does `first` lose less than `second`
-    if best[second] and best[first]:
-        gap = best[second]["forgetting"] - best[first]["forgetting"]
-        verdict = "less" if gap > 0 else "not less"
-        out.append(f"- Goal (b) at {at}: {first} forgets {verdict} than {second} (values only, every row): "
-                   f"{_pct(best[first]['forgetting'])} against {_pct(best[second]['forgetting'])} "
-                   f"({best[second]['setting']}), {100 * abs(gap):.1f} points apart.")
-    out += _same_batch(sweep, at, said=(best[first], best[second]))
-    pairs = [(m, [r for r in sweep if r["mode"] == m and r["setting"] == best[m]["setting"]])
-             for m in (second, first) if best[m]]
-    for mode, runs in pairs:
-        if len({r["seed"] for r in runs}) > 1:
-            out.append(f"- `{mode}` {runs[0]['setting']} ({at}) over seeds " + ", ".join(
-                f"{r['seed']}: EM {_pct(r['b_em'])}, A lost {_pct(r['forgetting'])}" for r in runs) + ".")
-    return out
-
-
-def _same_batch(sweep: list[dict], at: str, said: tuple) -> list[str]:
-    """Goal (b) within each batch shape (rows x steps) where both modes have a seed-0 setting that learned
-    (but the pair goal (b) already compared, `said`): the selection's claim is about which rows a batch
-    changes, so a batch that reads less of the table is where it can differ from updating every row."""
-    first, second = plan().less
-    out = []
-    for batch in sorted({r["batch"] for r in sweep}, reverse=True):
-        rows = [r for r in sweep if r["seed"] == 0 and r["batch"] == batch]
-        a, b = best_learned(rows, first), best_learned(rows, second)
-        if a and b and (a, b) != said:
-            verdict = "less" if a["forgetting"] < b["forgetting"] else "not less"
-            shape = f"{batch[0]} paraphrase rows" if batch[2] == "documents" else f"{batch[0]} rows"
-            out.append(f"- Goal (b) at {at}, the same batch of {shape} x {batch[1]:,} steps: {first} "
-                       f"forgets {verdict} than {second}: {_pct(a['forgetting'])} ({a['setting']}, EM "
-                       f"{_pct(a['b_em'])}) against {_pct(b['forgetting'])} ({b['setting']}, EM {_pct(b['b_em'])}).")
     return out
 
 
@@ -281,9 +211,9 @@ def size_table(sweep: list[dict]) -> list[str]:
 def render(bases: dict[tuple[int, int], dict], sweep: list[dict], rounds: list[dict]) -> str:
     commands = [f"- `{r['name']}`: `{r['command']}`" for r in [*bases.values(), *sweep, *rounds] if r["command"]]
     levels = level_lines(bases, sweep)
-    shape = shape_lines(bases, sweep)
-    return "\n".join([BEGIN, *sweep_table(bases, sweep), "", *findings(sweep), *front_table(bases, sweep),
-                      *(["", *levels] if levels else []), *(["", *shape] if shape else []),
+    batches = batch_lines(bases, sweep)
+    return "\n".join([BEGIN, *sweep_table(bases, sweep), *front_table(bases, sweep),
+                      *(["", *levels] if levels else []), *(["", *batches] if batches else []),
                       *size_table(sweep),
                       *size_goals(bases, sweep),
                       *rounds_lines(rounds),

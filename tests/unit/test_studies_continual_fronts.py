@@ -79,7 +79,7 @@ PARA = ["data.sources.0.path=data_cache/continual/facts_b_para/train.jsonl", "da
 def test_goal_b_at_the_paper_batch_reads_each_mode_on_its_runs_at_that_batch_only(tmp_path):
     """#50: sparse against values-only at Lin et al.'s batch shape, both tuned: the fronts there, not the
     study batch's (where values-only learns with less forgetting here)."""
-    from memlm.studies.continual_fronts import front_table, shape_lines
+    from memlm.studies.continual_fronts import batch_lines, front_table
 
     record(tmp_path, "base_s0", [], 800.0, ppl=8.0)
     record(tmp_path, "s0_memory_lr100", [*MEMORY, "memory.value_lr=100"], 799.0, b=(1.0,))  # study batch: lost 1
@@ -91,9 +91,9 @@ def test_goal_b_at_the_paper_batch_reads_each_mode_on_its_runs_at_that_batch_onl
     record(tmp_path, "s0_sparse_para_lr3000", [*sparse, "memory.value_lr=3000"], 784.0, b=(0.75,))  # lost 16
     bases, sweep, _ = report.load_study(tmp_path)
     batch = ", batches of 8 paraphrase rows (facts_b_para) x 2,400 steps"
-    assert shape_lines(bases, sweep) == [
-        "- Goal (b) at Lin et al.'s batch shape (16,384 slots; one fact's paraphrases per batch): `sparse` tuned "
-        "over 3 setting(s); `memory` tuned over 2 setting(s).",
+    assert batch_lines(bases, sweep) == [
+        "- Goal (b) at 16,384 slots, Lin et al.'s batch shape (8 paraphrase rows x 2,400 steps: one fact's "
+        "paraphrases a batch): `sparse` tuned over 3 setting(s); `memory` tuned over 2 setting(s).",
         "  - at 95% of facts B's bits learned: `sparse` seed 0: does not reach it (at most 75.0%); `memory` seed 0: "
         "22 bits lost (EM 95.0%); not met: `sparse`'s front at this batch does not reach the level where "
         "`memory`'s does.",  # 8 + (0.95 - 0.5) / 0.5 * 16 = 22.4; at 99%: 23.7
@@ -114,12 +114,41 @@ def test_goal_b_at_the_paper_batch_is_met_where_sparse_loses_no_more_at_the_leve
                                        ("sparse_a", [*sparse, "memory.value_lr=300"], 796.0, 0.5),
                                        ("sparse_b", [*sparse, "memory.value_lr=1000"], 784.0, 1.0)):
         record(tmp_path, f"s0_{name}", overrides if "sparse" in name else [*overrides, *PARA], a_bits, b=(b,))
-    lines = shape_lines_of(tmp_path)
+    lines = batch_lines_of(tmp_path)
     assert lines[1].endswith("`sparse` loses 15 bits against `memory`'s 30 (mean over seed(s) 0): met.")
 
 
-def shape_lines_of(root):
-    from memlm.studies.continual_fronts import shape_lines
+def batch_lines_of(root):
+    from memlm.studies.continual_fronts import batch_lines
 
     bases, sweep, _ = report.load_study(root)
-    return shape_lines(bases, sweep)
+    return batch_lines(bases, sweep)
+
+
+def test_each_batch_shape_is_judged_on_its_own_runs_and_named_as_what_it_is(tmp_path):
+    """The study's batch, a packed batch of 8 rows x 1,200 steps (the same tokens) and Lin et al.'s paraphrase
+    batches: goal (b) per shape, each front over that shape's runs; a shape where one mode has no run is not
+    compared."""
+    packed = ["data.micro_batch=8", "steps=1200"]
+    record(tmp_path, "base_s0", [], 800.0)
+    sparse = ["finetune=sparse", "finetune.optimizer=sgd", "finetune.top_t=500"]
+    runs = {"memory_a": ([*MEMORY, "memory.value_lr=100"], 798.0, 0.5),  # the study's batch: values-only loses 2-6
+            "memory_b": ([*MEMORY, "memory.value_lr=300"], 794.0, 1.0),
+            "sparse_a": ([*sparse, "memory.value_lr=300"], 790.0, 0.5),  # sparse 10-30
+            "sparse_b": ([*sparse, "memory.value_lr=1000"], 770.0, 1.0),
+            "memory_c": ([*MEMORY, "memory.value_lr=100", *packed], 780.0, 0.5),  # 8 rows: values-only 20-60
+            "memory_d": ([*MEMORY, "memory.value_lr=300", *packed], 740.0, 1.0),
+            "sparse_c": ([*sparse, "memory.value_lr=300", *packed], 796.0, 0.5),  # sparse 4-12
+            "sparse_d": ([*sparse, "memory.value_lr=1000", *packed], 788.0, 1.0),
+            "sparse_e": ([*sparse, "memory.value_lr=1000", *PARA], 788.0, 1.0)}  # no values-only run at this shape
+    for name, (overrides, a_bits, b) in runs.items():
+        record(tmp_path, f"s0_{name}", overrides, a_bits, b=(b,))
+    lines = batch_lines_of(tmp_path)
+    heads = [line for line in lines if line.startswith("- ")]
+    assert heads == [
+        "- Goal (b) at 16,384 slots, the study's batch (32 rows x 300 steps): `sparse` tuned over 2 setting(s); "
+        "`memory` tuned over 2 setting(s).",
+        "- Goal (b) at 16,384 slots, the batch of 8 rows x 1,200 steps: `sparse` tuned over 2 setting(s); "
+        "`memory` tuned over 2 setting(s)."]
+    assert lines[1].endswith("`sparse` loses 28 bits against `memory`'s 6 (mean over seed(s) 0): not met.")
+    assert lines[4].endswith("`sparse` loses 11 bits against `memory`'s 56 (mean over seed(s) 0): met.")

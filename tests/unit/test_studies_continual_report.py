@@ -7,6 +7,7 @@ from continual_records import MEMORY, SPARSE, record
 
 from memlm.studies import continual_report as report
 from memlm.studies.ablation_report import ReportError
+from memlm.studies.continual_fronts import front_table
 from memlm.studies.continual_rounds import rounds_lines
 from memlm.studies.reproduction import reproduction_lines
 
@@ -33,17 +34,14 @@ def test_rows_take_mode_and_setting_from_the_saved_config_and_forgetting_from_th
     assert by_name["s0_sparse_a"]["forgetting"] == pytest.approx(0.01)
 
 
-def test_the_front_and_goals_follow_from_the_rows(tmp_path):
+def test_the_front_table_keeps_the_runs_nothing_beats_in_bits(tmp_path):
     _study(tmp_path)
-    _, sweep, _ = report.load_study(tmp_path)
-    front = report.pareto([r for r in sweep if r["mode"] == "sparse"])
-    assert [r["name"] for r in front] == ["s0_sparse_a", "s0_sparse_c"]  # b: less learned and more lost than a
-    text = "\n".join(report.findings(sweep))
-    assert ("full forgets 95.0% of facts A (AdamW lr 0.001, values lr 0.03), sparse 1.0% (top_t 2,000, sgd lr 300): "
-            "a ratio of 95.0x") in text
-    assert "Goal (b) at 16,384 slots: sparse forgets less than memory (values only, every row): 1.0% against " \
-        "5.0% (sgd lr 100), 4.0 points apart." in text
-    assert "`lora`" not in text  # no lora runs: nothing said about it
+    bases, sweep, _ = report.load_study(tmp_path)
+    sparse = [row for row in front_table(bases, sweep) if "| sparse |" in row]
+    assert sparse == ["| 16,384 | 0 | sparse | top_t 2,000, sgd lr 300 | 96.0% | 96.0% | 8 | +0.0% |",
+                      "| 16,384 | 0 | sparse | top_t 8,000, sgd lr 1000 | 100.0% | 100.0% | 200 | +0.0% |"]
+    # top_t 500 (90% learned, 20 bits lost) learns less than top_t 2,000 and loses more: off the front
+    assert not any("| lora |" in row for row in front_table(bases, sweep))  # no lora runs: no rows
 
 
 def test_each_table_size_gets_its_own_base_goals_and_row_of_the_size_table(tmp_path):
@@ -57,9 +55,6 @@ def test_each_table_size_gets_its_own_base_goals_and_row_of_the_size_table(tmp_p
     bases, sweep, _ = report.load_study(tmp_path)
     assert sorted(bases) == [(16384, 0), (65536, 0), (65536, 1)]
     assert {r["name"]: r["forgetting"] for r in sweep}["k256_s0_memory_lr100"] == pytest.approx(0.01)
-    text = "\n".join(report.findings(sweep))
-    assert "Goal (a) at 65,536 slots, facts B EM >= 95.0%: full forgets 40.0% of facts A (AdamW lr 0.001, values lr " \
-        "0.03), memory 1.0% (sgd lr 100): a ratio of 40.0x (goal: at least 20x)." in text
     table = report.size_table(sweep)
     assert "| 16,384 | 95.0% at 99.0% EM | - | 5.0% at 98.0% EM | 1.0% at 96.0% EM | 95.0x |" in table
     # memory's best at 64K (chosen on seed 0) ran at two seeds: their mean, each seed beside it
@@ -90,48 +85,6 @@ def test_size_goals_judge_the_best_of_the_rest_over_its_seeds(tmp_path):
     d, e = study(tmp_path / "b", 970.0, 10.5)  # seed 1 loses 3%: a mean of 1.7%; its perplexity +5%
     assert d.endswith("loses 1.7% of facts A (mean), at most 1.0%: not met.")
     assert "held-out perplexity +1.0%, +5.0% " in e and e.endswith("within 2.0%: not met.")
-
-
-def test_goal_b_is_also_judged_within_each_batch_shape(tmp_path):
-    """Values-only at the study's batch loses least overall; at 8 rows x 1,200 steps, the batch that reads
-    less of the table, the selection loses less than every row: a line of its own."""
-    small = ["data.micro_batch=8", "steps=1200"]
-    record(tmp_path, "base_s0", [], 1000.0)
-    record(tmp_path, "s0_memory", [*MEMORY, "memory.value_lr=300"], 990.0, b=(0.96,))  # lost 1%
-    record(tmp_path, "s0_memory_mb8", [*MEMORY, "memory.value_lr=1000", *small], 970.0, b=(1.0,))  # 3%
-    record(tmp_path, "s0_sparse_mb8", [*SPARSE, "finetune.top_t=8000", "memory.value_lr=1000", *small], 980.0,
-            b=(0.99,))  # 2%
-    record(tmp_path, "s0_sparse", [*SPARSE, "finetune.top_t=8000", "memory.value_lr=300"], 999.0, b=(0.5,))
-    _, sweep, _ = report.load_study(tmp_path)
-    text = "\n".join(report.findings(sweep))
-    assert "Goal (b) at 16,384 slots: sparse forgets not less than memory (values only, every row): 2.0% against " \
-        "1.0% (sgd lr 300)" in text
-    assert "- Goal (b) at 16,384 slots, the same batch of 8 rows x 1,200 steps: sparse forgets less than memory: " \
-        "2.0% (top_t 8,000, sgd lr 1000, batch 8 x 1,200 steps, EM 99.0%) against 3.0% (sgd lr 1000, batch 8 x " \
-        "1,200 steps, EM 100.0%)." in text
-    assert "batch of 32 rows" not in text  # sparse learned nothing at 32 rows: no pair there
-
-
-def test_paraphrase_batches_are_a_batch_shape_of_their_own(tmp_path):
-    """Lin et al.'s batches (one fact's paraphrases, one document per row) against the same rows x steps
-    packed: two shapes, each judged on its own, named as what they are."""
-    para = ["data.sources.0.path=data_cache/continual/facts_b_para/train.jsonl", "data.rows=documents",
-            "data.shuffle=false", "data.micro_batch=8", "data.seq_len=32", "steps=1200"]
-    packed = ["data.micro_batch=8", "steps=1200"]
-    record(tmp_path, "base_s0", [], 1000.0)
-    record(tmp_path, "s0_memory_mb8", [*MEMORY, "memory.value_lr=1000", *packed], 970.0, b=(1.0,))  # lost 3%
-    record(tmp_path, "s0_sparse_mb8", [*SPARSE, "finetune.top_t=8000", "memory.value_lr=1000", *packed], 960.0,
-            b=(0.99,))  # 4%
-    record(tmp_path, "s0_memory_para", [*MEMORY, "memory.value_lr=300", *para], 980.0, b=(0.99,))  # 2%
-    record(tmp_path, "s0_sparse_para", [*SPARSE, "finetune.top_t=500", "memory.value_lr=1000", *para], 995.0,
-            b=(0.97,))  # 0.5%
-    _, sweep, _ = report.load_study(tmp_path)
-    text = "\n".join(report.findings(sweep))
-    # the overall pair is the paraphrase batches' (not said twice); the packed batch gets its own line
-    assert "- Goal (b) at 16,384 slots: sparse forgets less than memory (values only, every row): 0.5% against 2.0% " \
-        "(sgd lr 300, batches of 8 paraphrase rows (facts_b_para) x 1,200 steps), 1.5 points apart." in text
-    assert "the same batch of 8 paraphrase rows" not in text
-    assert "the same batch of 8 rows x 1,200 steps: sparse forgets not less than memory: 4.0%" in text
 
 
 def test_rounds_report_each_earlier_round_kept_relative_to_when_it_was_taught(tmp_path):
