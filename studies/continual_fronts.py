@@ -135,6 +135,9 @@ def level_lines(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[s
             if hi in read and hi not in means:
                 out.append(f"  - `{hi}` / the best of the rest: not measured, no seed of `{hi}` reaches this level "
                            f"(goal (a) at equal learning, at least {plan().ratio_at_least:g}x: open).")
+            if hi in means and not rest and len(read) > 1:
+                out.append(f"  - `{hi}` / the best of the rest: not measured, no other mode's front is read at this "
+                           f"level (goal (a) at equal learning, at least {plan().ratio_at_least:g}x: open).")
             if hi in means and rest:
                 best = min(rest, key=rest.get)
                 # The ratio over the seeds where both read: means over other seeds would compare other draws.

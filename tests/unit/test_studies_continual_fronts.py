@@ -3,6 +3,8 @@ and on small fabricated run records. The shares are dyadic where the claim is an
 
 from __future__ import annotations
 
+import shutil
+
 from continual_records import MEMORY, record
 
 from memlm.studies import continual_report as report
@@ -43,15 +45,17 @@ def test_the_report_reads_every_mode_per_seed_and_sets_the_reference_against_the
     record(tmp_path, "s1_memory_lr100", [*MEMORY, "memory.value_lr=100"], 680.0, b=(1.0,), seed=1)  # lost 120
     bases, sweep, _ = report.load_study(tmp_path)
     lines = level_lines(bases, sweep)
-    assert lines[:4] == [
+    assert lines[:5] == [
         "- At 95% of facts B's bits learned (16,384 slots), facts-A bits lost (interpolated on each mode's "
         "front; facts-B EM there in brackets):",
         "  - `full`: mean 400 over 1 seed(s) (seed 0: 400 (EM 95.0%); seed 1: does not reach it (at most 93.0%))",
         "  - `memory`: no seed reaches it (seed 0: not bracketed (its least-learning run learns 96.0%); "
         "seed 1: not bracketed (its least-learning run learns 96.0%))",
+        "  - `full` / the best of the rest: not measured, no other mode's front is read at this level (goal (a) at "
+        "equal learning, at least 20x: open).",
         "- At 99% of facts B's bits learned (16,384 slots), facts-A bits lost (interpolated on each mode's "
         "front; facts-B EM there in brackets):"]
-    assert lines[4:] == [
+    assert lines[5:] == [
         "  - `full`: mean 640 over 1 seed(s) (seed 0: 640 (EM 99.0%); seed 1: does not reach it (at most 93.0%))",
         "  - `memory`: mean 62 over 2 seed(s) (seed 0: 32 (EM 99.0%); seed 1: 92 (EM 99.0%))",
         # full reaches 99% at seed 0 only: the ratio is taken there, not against memory's two-seed mean
@@ -70,6 +74,14 @@ def test_a_level_the_reference_mode_never_reaches_says_the_ratio_is_not_measured
     lines = level_lines(bases, sweep)
     assert lines[3] == ("  - `full` / the best of the rest: not measured, no seed of `full` reaches this level "
                         "(goal (a) at equal learning, at least 20x: open).")
+    # at 100% (the plan's levels stop at 99%): full reaches it, values-only's front does not
+    record(tmp_path, "s0_full_lr3e-5", ["finetune=full", "optim.lr=3e-5"], 600.0, b=(0.9,))
+    record(tmp_path, "s0_memory_lr1000", [*MEMORY, "memory.value_lr=1000"], 700.0, b=(0.96,))
+    shutil.rmtree(tmp_path / "s0_memory_lr100")  # values-only now learns at most 96%
+    bases, sweep, _ = report.load_study(tmp_path)
+    assert level_lines(bases, sweep)[-1] == (
+        "  - `full` / the best of the rest: not measured, no other mode's front is read at this level (goal (a) at "
+        "equal learning, at least 20x: open).")
 
 
 PARA = ["data.sources.0.path=data_cache/continual/facts_b_para/train.jsonl", "data.rows=documents",
