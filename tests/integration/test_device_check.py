@@ -28,6 +28,7 @@ from device_check_run import SCRIPT, load_bench, run_device_check, summary_line
 
 kernels = load_bench("kernels")
 device_train = load_bench("device_train")
+nosync_watch = load_bench("nosync_watch")
 
 
 # ------------------------------------------------------------ the script itself
@@ -276,7 +277,7 @@ def test_nosync_sees_an_item_in_the_step(tmp_path, monkeypatch):
         return loss
 
     monkeypatch.setattr(Trainer, "_forward_loss", with_item)
-    result = device_train.watch_fit(_small_trainer(tmp_path), cuda=False)
+    result = nosync_watch.watch_fit(_small_trainer(tmp_path), cuda=False)
     # Steps 1-3 are watched (step 4 logs); each reads once.
     assert result["n_syncs"] == 3 and result["steps"] == 4, result
     assert result["syncs"][0].startswith("step 1: item at ") and "(with_item)" in result["syncs"][0]
@@ -284,16 +285,16 @@ def test_nosync_sees_an_item_in_the_step(tmp_path, monkeypatch):
 
 def test_nosync_passes_a_clean_run_and_watches_only_non_logging_steps(tmp_path):
     trainer = _small_trainer(tmp_path, *device_train.TINY_MOE)
-    assert device_train.watch_fit(trainer, cuda=False) == {"steps": 4, "syncs": [], "n_syncs": 0}
+    assert nosync_watch.watch_fit(trainer, cuda=False) == {"steps": 4, "syncs": [], "n_syncs": 0}
 
 
 def test_host_read_counter_on_a_gpu_counts_only_cuda_tensors():
-    with device_train.HostReadCounter(cuda=True) as reads:
+    with nosync_watch.HostReadCounter(cuda=True) as reads:
         reads.armed = True
         torch.ones(2).sum().item()  # a CPU tensor: no device sync
         reads.armed = False
     assert reads.reads == []
-    with device_train.HostReadCounter(cuda=False) as reads:
+    with nosync_watch.HostReadCounter(cuda=False) as reads:
         reads.armed = True
         torch.ones(2).sum().item()
         bool(torch.ones(()))
