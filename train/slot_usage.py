@@ -27,8 +27,10 @@ each slot ("batches_read:layer4", finetune.ranking=tfidf_batches's background;
 a batch is data.micro_batch rows), with the tokens counted, the batches, their
 tokens each and the source in its metadata.
 Then prints how many slots the sample read and how concentrated the reads are.
-An existing file there is replaced only when it is an earlier slot-usage file
-(anything else is refused with one line, before the count).
+An existing file there is replaced only with `--overwrite`, and only when it is
+an earlier slot-usage file (anything else is refused with one line, before the
+count): beside a checkpoint, the file may be the background its training
+recorded over its last steps, which nothing but that training writes again.
 """
 
 from __future__ import annotations
@@ -144,8 +146,10 @@ def _started_model(name: str, overrides: list[str], out: str):
     return model, cfg, loader, 0, Path(out)
 
 
-def background(name: str, batches: int, out: str = "", overrides: list[str] | None = None) -> Path:
-    """Count the reads of `batches` batches through the model `name` names; returns the file written."""
+def background(name: str, batches: int, out: str = "", overrides: list[str] | None = None,
+               overwrite: bool = False) -> Path:
+    """Count the reads of `batches` batches through the model `name` names; returns the file written
+    (an existing slot-usage file there is replaced only with `overwrite`)."""
     if batches < 1:
         raise ConfigError("--batches", batches, "an integer >= 1")
     overrides = list(overrides or [])
@@ -159,7 +163,7 @@ def background(name: str, batches: int, out: str = "", overrides: list[str] | No
                           f"{cfg.memory.kind}; for a Llama or a dense export, the overrides of the retrofit: "
                           "memory=memplus memory.layers=[...])")
     path = Path(out) if out else default
-    check_output_file(path, "slot-usage file", is_usage_file)  # before the count: only an earlier one is replaced
+    check_output_file(path, "slot-usage file", is_usage_file, "--overwrite", overwrite)  # before the count
     apply_knn_schedule(model, cfg.memory, step)
     counts, tokens, batch_read, batches_read = collect(model, loader, batches, torch.device("cpu"))
     save_usage(path, counts, tokens, name, batches_read, batches)
@@ -181,10 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=64, help="batches of the data to count (default 64)")
     parser.add_argument("--out", default="", help=f"output file (default for a checkpoint: {FILE} beside it; "
                         "needed for an export or a Llama)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing slot-usage file at the "
+                        "output path (beside a checkpoint, maybe the background its training recorded)")
     parser.add_argument("overrides", nargs="*", help="key=value: for a checkpoint, changes to its run's saved "
                         "config (e.g. its data); for an export or a Llama, the fine-tune run's overrides")
     args = parser.parse_intermixed_args(argv)  # overrides before or after the options
-    background(args.model, args.batches, args.out, args.overrides)
+    background(args.model, args.batches, args.out, args.overrides, args.overwrite)
     return 0
 
 

@@ -265,11 +265,36 @@ def test_slot_usage_replaces_only_a_slot_usage_file(runs, capsys):
                             capsys)
     refused(code, err, "mine.safetensors exists and is not a slot-usage file")
     assert Path("mine.safetensors").read_text() == "not safetensors"
-    for _ in range(2):  # a new file, then the earlier slot-usage file replaced
-        code, _, err = run_main("memlm.train.slot_usage", ["runs/try", "--batches", "1", "--out", "bg.safetensors"],
-                                capsys)
-        assert code == 0, err
+    code, _, err = run_main("memlm.train.slot_usage", ["runs/try", "--batches", "1", "--out", "bg.safetensors"],
+                            capsys)
+    assert code == 0, err
+    written = Path("bg.safetensors").read_bytes()
+    # another count over the same path: refused unless asked for (beside a checkpoint, the file may be the
+    # background its training recorded, which nothing but that training writes again)
+    code, _, err = run_main("memlm.train.slot_usage", ["runs/try", "--batches", "2", "--out", "bg.safetensors"],
+                            capsys)
+    refused(code, err, "bg.safetensors exists (a slot-usage file): add --overwrite to replace it")
+    assert Path("bg.safetensors").read_bytes() == written
+    code, _, err = run_main("memlm.train.slot_usage", ["runs/try", "--batches", "2", "--out", "bg.safetensors",
+                                                       "--overwrite"], capsys)
+    assert code == 0, err
+    assert Path("bg.safetensors").read_bytes() != written  # 2 batches counted, not 1
     assert Path("bg.safetensors").stat().st_mode & 0o777 == 0o666 & ~_umask()  # not safetensors' 0600
+
+
+def test_slot_usage_leaves_the_background_a_training_recorded_beside_its_checkpoint(tmp_path, capsys, monkeypatch):
+    """A base's training writes its own background over its last steps (checkpoint.slot_usage_steps) where
+    slot_usage writes by default: counting another corpus there must not replace it (#50: a 1M base's was,
+    by a count of the paraphrase batches, and only training the base again brought it back)."""
+    from memlm.train.cli import main as train
+
+    monkeypatch.chdir(tmp_path)
+    assert train([*RUN, "steps=2", "checkpoint.slot_usage_steps=1", "dump_dir=runs/base"]) == 0
+    (checkpoint,) = Path("runs/base/checkpoints").glob("step_*")
+    recorded = (checkpoint / "slot_usage.safetensors").read_bytes()
+    code, _, err = run_main("memlm.train.slot_usage", [str(checkpoint), "--batches", "1"], capsys)
+    refused(code, err, f"{checkpoint / 'slot_usage.safetensors'} exists (a slot-usage file): add --overwrite")
+    assert (checkpoint / "slot_usage.safetensors").read_bytes() == recorded
 
 
 def _umask() -> int:
