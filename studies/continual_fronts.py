@@ -1,12 +1,13 @@
 """Equal learning read off each mode's front: the continual study's comparison in bits on both axes.
 
     from memlm.studies.continual_fronts import front, at_level, level_lines
-    points = front(rows)              # one mode's runs at one table size and seed -> its front, by learning
-    lost = at_level(points, 0.95)     # (facts-A bits lost, EM beside) at 95% of facts B's bits, or the reason not
-    lines = level_lines(bases, sweep) # the report's lines: per size and level, each mode per seed and the mean
-    readings(bases, sweep, 0.95)      # {slots: {mode: {seed: Reading}}}; mean_lost(by_seed): over the seeds that reach
-    table = front_table(bases, sweep) # every front's runs: learned, lost, EM and held-out perplexity change
-    batch = batch_lines(bases, sweep) # goal (b) per batch shape (Lin et al.'s too): sparse against values-only
+    points = front(rows)               # one mode's runs at one table size and seed -> its front, by learning
+    lost = at_level(points, 0.95)      # (facts-A bits lost, EM beside) at 95% of facts B's bits, or the reason not
+    read = readings(bases, sweep, 0.95)  # {slots: {mode: {seed: Reading}}}
+    mean_lost(read[slots][mode])       # the mean over the seeds that reach the level, or None
+    lines = level_lines(bases, sweep)  # the report's lines: per size and level, each mode per seed and the mean
+    table = front_table(bases, sweep)  # every front's runs: learned, lost, EM and held-out perplexity change
+    batch = batch_lines(bases, sweep)  # goal (b) per batch shape (Lin et al.'s too): sparse against values-only
 
 A run's learning is the share of facts B's corpus bits it stored (b_bits / b_corpus); its forgetting
 is the facts-A bits it lost against its base (base a_bits - a_bits). Bits on both axes, so learning
