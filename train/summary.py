@@ -1,7 +1,8 @@
 """summary.json: what a finished (or preempted) run reports.
 
     summary = run_summary(name=cfg.name, steps=step, tokens=tokens, metrics=last, val_loss=val_loss, evals=evals,
-                          nonfinite_skipped=skipped, preempted=False, seconds=elapsed, dump_dir=dump_dir)
+                          nonfinite_skipped=skipped, preempted=False, seconds=elapsed, dump_dir=dump_dir,
+                          environment=run_environment())  # read at the run's start
     write_summary(dump_dir, summary, trained=bool(last))
     print(summary_line(summary))   # one readable line; the numbers are in summary.json
 
@@ -18,18 +19,18 @@ from pathlib import Path
 from typing import Any
 
 from memlm.files import atomic_write_json
-from memlm.machine import run_environment
 
 
 def run_summary(*, name: str, steps: int, tokens: int, metrics: dict, val_loss: float | None,
                 evals: dict[str, Any], nonfinite_skipped: int, preempted: bool, seconds: float,
-                dump_dir: Path) -> dict[str, Any]:
+                dump_dir: Path, environment: dict[str, object]) -> dict[str, Any]:
     """The summary of a run; `metrics` are the last logged step's (its loss is the final loss).
-    `environment`: the commit, torch and CPU it ran on (memlm.machine), which its record names."""
+    `environment`: the commit, torch and CPU it ran on (memlm.machine.run_environment, read when the
+    run started: the checkout may move while it trains), which its record names."""
     return {"name": name, "steps": steps, "tokens": tokens, "final_loss": metrics.get("loss"),
             "val_loss": val_loss, "evals": evals, "nonfinite_skipped": nonfinite_skipped,
             "preempted": preempted, "seconds": round(seconds, 2), "dump_dir": str(dump_dir),
-            "environment": run_environment()}
+            "environment": environment}
 
 
 def write_summary(dump_dir: Path, summary: dict[str, Any], trained: bool) -> dict[str, Any]:

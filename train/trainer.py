@@ -35,6 +35,7 @@ from memlm.distributed.parallelize import parallelize
 from memlm.distributed.precision import autocast, enable_tf32
 from memlm.finetune.background import UsageRecorder
 from memlm.finetune.modes import mode_of
+from memlm.machine import run_environment
 from memlm.memory.tables import split_params
 from memlm.optim.build import build_optimizer, build_scheduler
 from memlm.run.model import build_run_model, host_row_staging
@@ -67,6 +68,9 @@ class Trainer:
 
     def _init(self, cfg: Config, train_loader: Any, val_loader: Any) -> None:
         self.cfg = cfg
+        # The commit, torch and CPU the summary names: read now, as the code is imported (a checkout that
+        # moves while the run trains would otherwise be named for code that never ran in it).
+        self.environment = run_environment()
         self.env = env = current_env(cfg.device)  # the caller's ProcessGroup (memlm.train.cli) opens and closes it
         enable_tf32(env.device)
         self.meshes = memory_hooks.run_meshes(cfg, env, self._print_main)  # memory_parallel resolved
@@ -239,7 +243,8 @@ class Trainer:
         """summary.json, on rank 0: this fit's, or with nothing to train the recorded one (if it is this step's)."""
         summary = run_summary(name=self.cfg.name, steps=self.step, tokens=self.tokens, metrics=run.metrics,
                               val_loss=run.val_loss, evals=run.evals, nonfinite_skipped=self.nonfinite_total,
-                              preempted=run.stop, seconds=seconds, dump_dir=self.dump_dir)
+                              preempted=run.stop, seconds=seconds, dump_dir=self.dump_dir,
+                              environment=self.environment)
         if self.env.is_main:
             summary = (recorded_summary(summary, self.dump_dir) if self.nothing_to_train
                        # nothing trained (a requeue of a finished run): keep the results already reported

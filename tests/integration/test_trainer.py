@@ -220,3 +220,18 @@ def test_compiled_blocks_train_like_eager_and_keep_parameter_names(tmp_path):
         a, b = eager.train_step(), compiled.train_step()
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
     assert list(eager.model.state_dict()) == list(compiled.model.state_dict())
+
+
+def test_the_summary_names_the_commit_the_run_started_on(tmp_path, monkeypatch):
+    """A checkout that moves while a run trains (a study's queue checking out its next commit, a developer's
+    commits) must not be named as the code that ran: the environment is read as the run starts."""
+    import memlm.machine as machine
+
+    heads = iter(["a" * 40, "b" * 40])
+    real = machine._git
+    monkeypatch.setattr(machine, "_git", lambda *args: next(heads) if args[0] == "rev-parse" else real(*args))
+    trainer = Trainer(compose([*BASE, "data.micro_batch=2", "steps=1", f"dump_dir={tmp_path}"]),
+                      train_loader=iter(_batches(1, 2)))
+    machine.run_environment()  # the checkout moves on: HEAD now reads "b" * 40
+    trainer.fit()
+    assert json.loads((tmp_path / "summary.json").read_text())["environment"]["commit"] == "a" * 40
