@@ -17,6 +17,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from memlm.config.run import compose
 from memlm.studies.continual_plan import finetune_config, plan
 
 DATA = Path("data_cache/continual")
@@ -83,11 +84,13 @@ def base_run(series: Series, root: Path = RUNS) -> Run:
 
 
 def final_checkpoint(run: Run) -> Path:
-    """Where `run`'s last checkpoint lies: its recorded step count, or the configured one before it ran."""
+    """Where `run`'s last checkpoint lies: its recorded step count, or the configured one before it ran (its
+    command's `steps`, else its experiment's: a base not recorded yet)."""
     if (run.record / "summary.json").exists():
         steps = json.loads((run.record / "summary.json").read_text())["steps"]
-    else:  # a round not run yet: its command names its steps
-        steps = int(dict(o.split("=", 1) for o in run.overrides)["steps"])
+    else:
+        named = dict(o.split("=", 1) for o in run.overrides)
+        steps = int(named["steps"]) if "steps" in named else compose(list(run.overrides)).steps
     return run.dump / "checkpoints" / f"step_{steps:08d}"
 
 
@@ -132,7 +135,9 @@ def sweep_run(series: Series, base: Run, mode: str, setting: tuple[str, ...]) ->
 
 
 def sweep_runs(series: Series, base: Run) -> list[Run]:
-    return [sweep_run(series, base, mode, setting) for mode, setting in plan().sweep_of(series.n_keys)]
+    """The plan's sweep at the series' table size (the experiment's own where the series names none)."""
+    n_keys = series.n_keys or finetune_config().memory.n_keys
+    return [sweep_run(series, base, mode, setting) for mode, setting in plan().sweep_of(n_keys)]
 
 
 def facts_b_exact_match(run: Run) -> tuple[float, float]:

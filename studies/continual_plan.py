@@ -42,9 +42,9 @@ class Plan:
     sweep_at: dict[int, tuple[tuple[str, tuple[str, ...]], ...]]  # n_keys -> entries run at that size only
     sweep_only_at: dict[int, tuple[tuple[str, tuple[str, ...]], ...]]  # n_keys -> that size's whole sweep
 
-    def sweep_of(self, n_keys: int | None) -> tuple[tuple[str, tuple[str, ...]], ...]:
-        """The sweep at a table size (None: the experiment's own): its own list where the plan gives one,
-        else the common sweep and the size's added entries."""
+    def sweep_of(self, n_keys: int) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """The sweep at a table size (memory.n_keys): its own list where the plan gives one, else the common
+        sweep and the size's added entries."""
         if n_keys in self.sweep_only_at:
             return self.sweep_only_at[n_keys]
         return (*self.sweep, *self.sweep_at.get(n_keys, ()))

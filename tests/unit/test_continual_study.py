@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -80,16 +81,17 @@ def test_runs_chain_from_the_base_and_a_recorded_run_is_skipped(tmp_path, monkey
     assert study.main(["--stage", "all", "--modes", "memory,sparse"]) == 0
     base_ckpt = str(RUNS / "base_s0" / "checkpoints" / "step_00000300")
     sweep = [c for c in calls[1:] if "data.sources.0.path" not in c]  # rounds train on a round's facts
-    planned = [mode for mode, _ in continual_plan.plan().sweep if mode in ("memory", "sparse")]
+    own = continual_plan.finetune_config().memory.n_keys  # the study's own size: the common sweep and its sweep_at
+    planned = [mode for mode, _ in continual_plan.plan().sweep_of(own) if mode in ("memory", "sparse")]
     assert len(sweep) == len(planned) and all(c["init_from"] == base_ckpt for c in sweep)  # the base was not rerun
     rounds = [c for c in calls if c.get("steps") == str(continual_plan.plan().round_steps)]
     # each mode's best: the smallest value lr of those that learned (the fake loses lr bits of facts A)
     assert [(c["finetune"], c["finetune.optimizer"], c.get("memory.value_lr"), c["data.sources.0.path"].split("/")[-2])
             for c in rounds] == [
-        ("memory", "adamw", "1e-3", "facts_b1"), ("memory", "adamw", "1e-3", "facts_b2"),
-        ("sparse", "adamw", "1e-2", "facts_b1"), ("sparse", "adamw", "1e-2", "facts_b2")]
+        ("memory", "sgd", "300", "facts_b1"), ("memory", "sgd", "300", "facts_b2"),
+        ("sparse", "sgd", "1000", "facts_b1"), ("sparse", "sgd", "1000", "facts_b2")]
     assert rounds[0]["init_from"] == base_ckpt
-    first = RUNS / "s0_rounds_memory_optimizeradamw_value_lr1e-3_r1"
+    first = RUNS / "s0_rounds_memory_value_lr300_r1"
     assert rounds[1]["init_from"] == str(first / "checkpoints" / "step_00000060")
     # the base's background, for the mode that reads one (finetune=memory refuses a setting it ignores)
     assert [c.get("finetune.background") for c in rounds] == [None, None, *[f"{base_ckpt}/slot_usage.safetensors"] * 2]
@@ -103,8 +105,8 @@ def test_a_second_table_size_runs_under_its_own_names_with_its_size(tmp_path, mo
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
     assert study.main(["--stage", "all", "--modes", "sparse", "--n-keys", "256"]) == 0
     names = [c["dump_dir"].rsplit("/", 1)[1] for c in calls]
-    assert names[0] == "k256_base_s0" and names[1] == "k256_s0_sparse_top_t500_value_lr100"
-    assert names[-1] == "k256_s0_rounds_sparse_optimizeradamw_top_t2000_value_lr1e-2_r2"
+    assert names[0] == "k256_base_s0" and names[1] == "k256_s0_sparse_top_t8000_value_lr1000"
+    assert names[-1] == "k256_s0_rounds_sparse_top_t8000_value_lr1000_r2"
     assert all(c["memory.n_keys"] == "256" for c in calls)
     base_ckpt = str(RUNS / "k256_base_s0" / "checkpoints" / "step_00000300")
     assert all(c["init_from"] == base_ckpt for c in calls[1:-1])  # the sweep and round 1 start from its base
@@ -135,7 +137,7 @@ def test_a_recorded_base_without_its_checkpoint_is_trained_again_and_must_equal_
     study.shutil.rmtree(RUNS / "base_s0")
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, evals={"bits:facts_a": {"stored_bits": 8.0}}))
     capsys.readouterr()
-    assert study.main(["--stage", "sweep", "--modes", "lora"]) == 1
+    assert study.main(["--stage", "sweep", "--modes", "memory"]) == 1
     assert _error_line(capsys, r"base_s0 trained again does not reproduce its record .*8\.0.*7\.0")
     assert "8.0" in (RECORDS / "base_s0" / study.REPRODUCED).read_text()  # a failing rerun is kept too
 
@@ -167,7 +169,7 @@ def test_a_retrained_run_is_checked_bitwise_only_where_commit_torch_cpu_and_vect
     study.shutil.rmtree(RUNS / "base_s0")
     monkeypatch.setattr(study.subprocess, "run", _fake_train(
         calls, evals={"bits:facts_a": {"stored_bits": 7.21}}, environment=rerun_env))
-    assert study.main(["--stage", "sweep", "--modes", "lora"]) == 1
+    assert study.main(["--stage", "sweep", "--modes", "memory"]) == 1
     assert _error_line(capsys, r"base_s0 trained again does not reproduce its record .*" + message.split(":")[0][:20])
 
 
@@ -196,19 +198,26 @@ def test_a_second_seed_repeats_seed_0s_best_settings_from_its_own_base(tmp_path,
     assert study.main(["--stage", "seeds", "--seed", "1"]) == 0
     repeated = calls[n:]
     assert [c["dump_dir"].rsplit("/", 1)[1] for c in repeated] == [
-        "s1_full_lr1e-5", "s1_memory_optimizeradamw_value_lr1e-3", "s1_sparse_optimizeradamw_top_t2000_value_lr1e-2"]
+        "s1_full_lr1e-5_value_lr1e-3", "s1_memory_value_lr300", "s1_sparse_top_t8000_value_lr1000"]
     ckpt = str(RUNS / "base_s1" / "checkpoints" / "step_00000300")
     assert all(c["seed"] == "1" and c["init_from"] == ckpt for c in repeated)
-    assert repeated[2]["finetune.top_t"] == "2000" and repeated[2]["finetune.optimizer"] == "adamw"
+    assert repeated[2]["finetune.top_t"] == "8000" and repeated[2]["finetune.optimizer"] == "sgd"
 
 
 def test_the_plan_names_the_recorded_runs_so_they_are_reused():
-    """configs/studies/continual.yaml gives every seed-0 sweep record its run name back: none is rerun
-    (entries added since are new runs)."""
-    names = {r.name for r in sweep_runs(Series(0), base_run(Series(0)))}
-    recorded = {p.name for p in (Path(__file__).resolve().parents[2] / RECORDS).iterdir()
-                if p.name.startswith("s0_") and "_rounds_" not in p.name}
-    assert recorded <= names
+    """Each 1M sweep record's command is the one the driver builds for its setting today: an entry the plan
+    keeps finds its record by name and is not run again."""
+    series = Series(0, 1024)
+    base = base_run(series)
+    records = [p for p in (Path(__file__).resolve().parents[2] / RECORDS).glob("k1024_s0_*")
+               if "_rounds_" not in p.name]
+    for record in records:
+        ran = (record / "command.txt").read_text()
+        args = shlex.split(ran)
+        mode = next(a.split("=", 1)[1] for a in args if a.startswith("finetune="))
+        setting = tuple(args[args.index(f"finetune={mode}") + 1:args.index("seed=0")])
+        run = sweep_run(series, base, mode, setting)
+        assert (run.name, f"OMP_NUM_THREADS=1 {run.command()}\n") == (record.name, ran)
 
 
 @pytest.mark.parametrize("entry,message", [
@@ -257,12 +266,15 @@ def test_rounds_of_a_small_batch_setting_keep_its_batch_and_its_share_of_steps(t
 
 
 def test_a_table_sizes_own_entries_run_at_that_size_only(tmp_path):
-    """sweep_at.512 holds top_t values above the 16K table's slots: 256K runs them, the other sizes do not."""
+    """sweep_at.512 holds top_t values above the 16K table's slots: 256K runs them, the other sizes do not; the
+    experiment's own size (a series with no n_keys) runs its sweep_at entry, 128."""
     at = {n: {r.name for r in sweep_runs(Series(0, n), base_run(Series(0, n)))}
-          for n in (256, 512)}
+          for n in (None, 256, 512)}
     assert "k512_s0_sparse_top_t32000_value_lr1000" in at[512]
-    assert not any("top_t32000" in name for name in at[256])
-    assert len(at[512]) == len(at[256]) + len(continual_plan.plan().sweep_at[512])
+    assert not any("top_t32000" in name for name in at[256] | at[None])
+    common, added = continual_plan.plan().sweep, continual_plan.plan().sweep_at
+    assert [len(at[n]) for n in (None, 256, 512)] == [len(common) + len(added[n]) for n in (128, 256, 512)]
+    assert "s0_sparse_top_t8000_value_lr1000" in at[None]
     at_1m = [r.name for r in sweep_runs(Series(0, 1024), base_run(Series(0, 1024)))]
     assert len(at_1m) == len(continual_plan.plan().sweep_only_at[1024]) == len(set(at_1m))  # its own list only
     assert "k1024_s0_full_lr1e-5" in at_1m and "k1024_s0_lora_lr1e-3" not in at_1m
@@ -344,10 +356,10 @@ def test_reproduce_trains_the_base_and_each_modes_best_setting_again_beside_the_
     assert study.main(["--stage", "reproduce"]) == 0
     again = calls[n:]
     assert [c["dump_dir"] for c in again] == [
-        str(AGAIN / "base_s0"), str(AGAIN / "s0_memory_optimizeradamw_value_lr1e-3"),
-        str(AGAIN / "s0_sparse_optimizeradamw_top_t2000_value_lr1e-2")]  # each mode's best; none of lora, full
+        str(AGAIN / "base_s0"), str(AGAIN / "s0_memory_value_lr300"),
+        str(AGAIN / "s0_sparse_top_t8000_value_lr1000")]  # each mode's best; none of lora, full
     assert all(c["init_from"] == str(AGAIN / "base_s0" / "checkpoints" / "step_00000300") for c in again[1:])
-    for run in ("base_s0", "s0_memory_optimizeradamw_value_lr1e-3", "s0_sparse_optimizeradamw_top_t2000_value_lr1e-2"):
+    for run in ("base_s0", "s0_memory_value_lr300", "s0_sparse_top_t8000_value_lr1000"):
         kept = (RECORDS / run / study.REPRODUCED).read_text()
         assert kept == (AGAIN / run / "summary.json").read_text()
     assert "equal evaluations asked: its evaluations reproduce the record's" in capsys.readouterr().out
