@@ -135,9 +135,9 @@ def sweep_run(series: Series, base: Run, mode: str, setting: tuple[str, ...]) ->
 
 
 def sweep_runs(series: Series, base: Run) -> list[Run]:
-    """The plan's sweep at the series' table size (the experiment's own where the series names none)."""
+    """The plan's sweep at the series' table size (the experiment's own where the series names none) and seed."""
     n_keys = series.n_keys or finetune_config().memory.n_keys
-    return [sweep_run(series, base, mode, setting) for mode, setting in plan().sweep_of(n_keys)]
+    return [sweep_run(series, base, mode, setting) for mode, setting in plan().sweep_of(n_keys, series.seed)]
 
 
 def facts_b_exact_match(run: Run) -> tuple[float, float]:

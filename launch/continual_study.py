@@ -28,8 +28,9 @@ Stages:
 - `base`: the corpora (memlm.data.continual) and the base model, pretrained
   on biographies + facts A, with its background slot usage.
 - `sweep`: facts B taught by every entry of the plan's sweep (and of its
-  `sweep_at` for this --n-keys; or the size's own list, `sweep_only_at`),
-  from the base's final checkpoint.
+  `sweep_at` for this --n-keys; or the size's own list, `sweep_only_at`; at
+  a seed > 0, the size's `later_seeds_at` where the plan has one), from the
+  base's final checkpoint.
 - `rounds`: facts B in rounds (facts_b1 ... facts_b5), each round starting
   from the previous round's final weights, for the best setting of each of
   the plan's round modes in the sweep (the least facts-A loss among the runs

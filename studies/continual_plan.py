@@ -41,10 +41,13 @@ class Plan:
     sweep: tuple[tuple[str, tuple[str, ...]], ...]  # (mode, the entry's other overrides)
     sweep_at: dict[int, tuple[tuple[str, tuple[str, ...]], ...]]  # n_keys -> entries run at that size only
     sweep_only_at: dict[int, tuple[tuple[str, tuple[str, ...]], ...]]  # n_keys -> that size's whole sweep
+    later_seeds_at: dict[int, tuple[tuple[str, tuple[str, ...]], ...]]  # n_keys -> what seeds > 0 run of it
 
-    def sweep_of(self, n_keys: int) -> tuple[tuple[str, tuple[str, ...]], ...]:
-        """The sweep at a table size (memory.n_keys): its own list where the plan gives one, else the common
-        sweep and the size's added entries."""
+    def sweep_of(self, n_keys: int, seed: int = 0) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """The sweep at a table size (memory.n_keys) and seed: a later seed's list where the plan gives one,
+        else the size's own list where it has one, else the common sweep and the size's added entries."""
+        if seed > 0 and n_keys in self.later_seeds_at:
+            return self.later_seeds_at[n_keys]
         if n_keys in self.sweep_only_at:
             return self.sweep_only_at[n_keys]
         return (*self.sweep, *self.sweep_at.get(n_keys, ()))
@@ -82,6 +85,19 @@ def load_plan(path: Path = PLAN_FILE) -> Plan:
     batches = raw.get("background_batches")
     if not isinstance(batches, int) or batches < 1:
         raise ConfigError(f"{path}: background_batches", batches, "an integer >= 1 (pretraining batches)")
+    sweep_at = {int(n): entries(e, f"sweep_at.{n}") for n, e in (raw.get("sweep_at") or {}).items()}
+    sweep_only_at = {int(n): entries(e, f"sweep_only_at.{n}") for n, e in (raw.get("sweep_only_at") or {}).items()}
+    common = entries(raw["sweep"], "sweep")
+    later_seeds_at = {}
+    for n, raw_entries in (raw.get("later_seeds_at") or {}).items():
+        later = entries(raw_entries, f"later_seeds_at.{n}")
+        at_seed_0 = sweep_only_at.get(int(n)) or (*common, *sweep_at.get(int(n), ()))
+        for i, entry in enumerate(later):
+            if entry not in at_seed_0:  # a later seed's front is read beside seed 0's: the same settings
+                raise ConfigError(f"{path}: later_seeds_at.{n}[{i}]", list(entry[1]),
+                                  f"not an entry of this size's seed-0 sweep (finetune={entry[0]}); a later "
+                                  "seed repeats seed 0's settings")
+        later_seeds_at[int(n)] = later
     return Plan(learned=float(raw["learned"]), levels=levels, round_steps=int(raw["round_steps"]),
                 background_batches=batches,
                 round_modes=tuple(mode(m, "round_modes") for m in raw["round_modes"]),
@@ -92,10 +108,8 @@ def load_plan(path: Path = PLAN_FILE) -> Plan:
                 rounds_kept=float(goals["rounds_kept"]),
                 lost_at_most={int(k): float(v) for k, v in (goals.get("lost_at_most") or {}).items()},
                 heldout_within=float(goals["heldout_within"]),
-                reproduce_within=float(raw.get("reproduce_within", 0.0)), sweep=entries(raw["sweep"], "sweep"),
-                sweep_at={int(n): entries(e, f"sweep_at.{n}") for n, e in (raw.get("sweep_at") or {}).items()},
-                sweep_only_at={int(n): entries(e, f"sweep_only_at.{n}")
-                               for n, e in (raw.get("sweep_only_at") or {}).items()})
+                reproduce_within=float(raw.get("reproduce_within", 0.0)), sweep=common, sweep_at=sweep_at,
+                sweep_only_at=sweep_only_at, later_seeds_at=later_seeds_at)
 
 
 @functools.cache

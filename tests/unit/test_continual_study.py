@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from memlm.errors import ConfigError
+from memlm.launch import continual_runs
 from memlm.launch import continual_study as study
 from memlm.launch.continual_runs import (
     AGAIN,
@@ -64,6 +66,14 @@ def _study_folder(tmp_path, monkeypatch, rounds: int = 2) -> None:
     (tmp_path / DATA / "manifest.json").write_text(json.dumps({"rounds": rounds}))
 
 
+def _round_modes(monkeypatch, *modes: str) -> None:
+    """The plan with these round modes (the study's own plan names one, for #50's budget): the driver's rounds
+    and --stage seeds for several modes at once."""
+    patched = dataclasses.replace(continual_plan.plan(), round_modes=modes)
+    for module in (study, continual_runs):
+        monkeypatch.setattr(module, "plan", lambda: patched)
+
+
 def _error_line(capsys, pattern: str) -> bool:
     """The command ended through the one error path: its last stderr line is `error: ...` matching `pattern`."""
     import re
@@ -74,6 +84,7 @@ def _error_line(capsys, pattern: str) -> bool:
 
 def test_runs_chain_from_the_base_and_a_recorded_run_is_skipped(tmp_path, monkeypatch):
     _study_folder(tmp_path, monkeypatch)
+    _round_modes(monkeypatch, "full", "memory", "sparse")
     calls = []
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
     assert study.main(["--stage", "base"]) == 0
@@ -101,6 +112,7 @@ def test_runs_chain_from_the_base_and_a_recorded_run_is_skipped(tmp_path, monkey
 
 def test_a_second_table_size_runs_under_its_own_names_with_its_size(tmp_path, monkeypatch, capsys):
     _study_folder(tmp_path, monkeypatch)
+    _round_modes(monkeypatch, "sparse")
     calls = []
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
     assert study.main(["--stage", "all", "--modes", "sparse", "--n-keys", "256"]) == 0
@@ -183,6 +195,7 @@ def test_a_failed_run_stops_the_study_naming_its_log(tmp_path, monkeypatch, caps
 
 def test_a_second_seed_repeats_seed_0s_best_settings_from_its_own_base(tmp_path, monkeypatch, capsys):
     _study_folder(tmp_path, monkeypatch)
+    _round_modes(monkeypatch, "full", "memory", "sparse")
     calls = []
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
     assert study.main(["--stage", "seeds", "--seed", "0"]) == 2  # a usage mistake: exit 2, as from every command
@@ -278,13 +291,31 @@ def test_a_table_sizes_own_entries_run_at_that_size_only(tmp_path):
     at_1m = [r.name for r in sweep_runs(Series(0, 1024), base_run(Series(0, 1024)))]
     assert len(at_1m) == len(continual_plan.plan().sweep_only_at[1024]) == len(set(at_1m))  # its own list only
     assert "k1024_s0_full_lr1e-5" in at_1m and "k1024_s0_lora_lr1e-3" not in at_1m
+    text = continual_plan.PLAN_FILE.read_text()
     plan = tmp_path / "plan.yaml"
-    plan.write_text(continual_plan.PLAN_FILE.read_text() + "  1024:\n    - [memory.value_lr=1]\n")
-    with pytest.raises(ConfigError, match=r"sweep_only_at.1024\[0\]=\['memory.value_lr=1'\]: names 0 modes"):
+    plan.write_text(text.replace("sweep_only_at:\n", "sweep_only_at:\n  2048:\n    - [memory.value_lr=1]\n"))
+    with pytest.raises(ConfigError, match=r"sweep_only_at.2048\[0\]=\['memory.value_lr=1'\]: names 0 modes"):
         continual_plan.load_plan(plan)
-    plan.write_text(continual_plan.PLAN_FILE.read_text() + "  512:\n    - [finetune=full, optim.lr=1e-5]\n")
+    plan.write_text(text.replace("sweep_only_at:\n", "sweep_only_at:\n  512:\n    - [finetune=full, optim.lr=1e-5]\n"))
     with pytest.raises(ConfigError, match=r"sweep_only_at=\[512\]: sizes not also under sweep_at"):
         continual_plan.load_plan(plan)
+
+
+def test_a_later_seed_runs_the_plans_entries_for_it_which_must_be_seed_0s(tmp_path):
+    """later_seeds_at.1024: seed 1 at 1M runs those of seed 0's entries only; a size it does not name runs its
+    whole sweep at every seed; an entry seed 0 did not run is refused, naming it."""
+    plan = continual_plan.plan()
+    at_1m = [r.name for r in sweep_runs(Series(1, 1024), base_run(Series(1, 1024)))]
+    assert len(at_1m) == len(plan.later_seeds_at[1024]) < len(plan.sweep_of(1024))
+    assert set(plan.later_seeds_at[1024]) <= set(plan.sweep_of(1024))
+    assert "k1024_s1_full_lr1e-5_value_lr1e-3" in at_1m
+    assert len(sweep_runs(Series(1, 256), base_run(Series(1, 256)))) == len(plan.sweep_of(256))
+    path = tmp_path / "plan.yaml"
+    path.write_text(continual_plan.PLAN_FILE.read_text().replace(
+        "later_seeds_at:\n  1024:\n", "later_seeds_at:\n  1024:\n    - [finetune=memory, memory.value_lr=7]\n"))
+    with pytest.raises(ConfigError, match=r"later_seeds_at.1024\[0\]=\['memory.value_lr=7'\]: not an entry of this "
+                                          r"size's seed-0 sweep \(finetune=memory\)"):
+        continual_plan.load_plan(path)
 
 
 def test_an_unfinished_attempt_continues_from_its_checkpoint_and_one_without_starts_over(tmp_path, monkeypatch):
