@@ -204,6 +204,32 @@ def batch_lines(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[s
             out.append(f"- Goal (b) at {slots:,} slots, {batch_label(batch)}: "
                        + "; ".join(f"`{m}` tuned over {len(t)} setting(s)" for m, t in tuned.items()) + ".")
             out += _pair_at_levels(bases, at, first, second)
+            out += _beaten_lines(bases, at, first, second)
+    return out
+
+
+def _beaten_lines(bases: dict[tuple[int, int], dict], rows: list[dict], first: str, second: str) -> list[str]:
+    """Per seed, the first mode's runs at this batch that one of the second's beats on both axes (learns at
+    least as much and loses no more, not the same point), each beside the second's run that loses least
+    of those: where the first's front stops short of a level, this reads the two at equal conditions
+    below it."""
+    out = []
+    for seed in sorted({r["seed"] for r in rows}):
+        base = bases[rows[0]["slots"], seed]
+        mine = sorted((r for r in rows if (r["seed"], r["mode"]) == (seed, first)), key=lambda r: r["b_bits"])
+        theirs = [r for r in rows if (r["seed"], r["mode"]) == (seed, second)]
+        pairs = []
+        for r in mine:
+            p = point(r, base)
+            better = [(q, o) for o in theirs for q in [point(o, base)]
+                      if q.learned >= p.learned and q.lost <= p.lost and (q.learned, q.lost) != (p.learned, p.lost)]
+            if better:
+                q, o = min(better, key=lambda pair: pair[0].lost)
+                pairs.append(f"{r['tuned']} ({p.learned:.1%} of the bits, {p.lost:,.0f} lost) by {o['tuned']} "
+                             f"({q.learned:.1%}, {q.lost:,.0f})")
+        if pairs:
+            out.append(f"  - seed {seed}: {len(pairs)} of `{first}`'s {len(mine)} run(s) at this batch beaten on "
+                       f"both axes by a `{second}` run: " + "; ".join(pairs) + ".")
     return out
 
 

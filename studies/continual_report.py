@@ -57,7 +57,7 @@ def load_record(record: Path) -> dict:
     cfg = from_yaml((record / "config.yaml").read_text())
     res = _last_eval(record)
     mode = cfg.finetune.mode
-    setting = mode_of(cfg).describe(cfg) + _batch(cfg)
+    tuned = mode_of(cfg).describe(cfg)  # the mode's own setting; `setting` adds the batch where not the study's
     # the command main accepts: command_main.txt where main refuses what ran (tests/unit/test_record_commands.py)
     ran = next((record / n for n in ("command_main.txt", "command.txt") if (record / n).exists()), None)
     command = ran.read_text().strip() if ran else ""
@@ -67,7 +67,7 @@ def load_record(record: Path) -> dict:
     order = (cfg.finetune.optimizer, cfg.finetune.top_t if "top_t" in mode_of(cfg).reads else 0,
              cfg.finetune.lora_rank, -cfg.data.micro_batch, cfg.finetune.ranking, mode_of(cfg).lr(cfg))
     return {"name": record.name, "seed": cfg.seed, "slots": cfg.memory.n_keys ** 2, "mode": mode,
-            "setting": setting, "command": command,
+            "setting": tuned + _batch(cfg), "tuned": tuned, "command": command,
             "order": order, "batch": (cfg.data.micro_batch, cfg.steps, cfg.data.rows),
             "b_em": b.get("exact_match"), "b_bits": b.get("stored_bits"), "b_corpus": b.get("corpus_bits"),
             "a_bits": res["bits:facts_a"]["stored_bits"], "a_corpus": res["bits:facts_a"]["corpus_bits"],

@@ -163,4 +163,9 @@ def test_each_batch_shape_is_judged_on_its_own_runs_and_named_as_what_it_is(tmp_
         "- Goal (b) at 16,384 slots, the batch of 8 rows x 1,200 steps: `sparse` tuned over 2 setting(s); "
         "`memory` tuned over 2 setting(s)."]
     assert lines[1].endswith("`sparse` loses 28 bits against `memory`'s 6 (mean over seed(s) 0): not met.")
-    assert lines[4].endswith("`sparse` loses 11 bits against `memory`'s 56 (mean over seed(s) 0): met.")
+    # below and beside the levels: each sparse run a values-only run at the same batch beats on both axes
+    assert lines[3] == ("  - seed 0: 2 of `sparse`'s 2 run(s) at this batch beaten on both axes by a `memory` run: "
+                        "top_t 500, sgd lr 300 (50.0% of the bits, 10 lost) by sgd lr 100 (50.0%, 2); top_t 500, "
+                        "sgd lr 1000 (100.0% of the bits, 30 lost) by sgd lr 300 (100.0%, 6).")
+    assert lines[5].endswith("`sparse` loses 11 bits against `memory`'s 56 (mean over seed(s) 0): met.")
+    assert len(lines) == 7  # at 8 rows no sparse run is beaten on both: no such line
