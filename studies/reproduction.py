@@ -94,7 +94,8 @@ def reproduction_lines(bases: dict[tuple[int, int], dict], sweep: list[dict], wi
         what = "base" if r["name"] in base_names else f"{r['mode']}, {r['setting']}"
         verdict = "reproduces" if x["ok"] else "does NOT reproduce"
         check = "equal asked" if x["bitwise"] else f"within {percent(within)} asked"
+        how_far = ("every evaluation figure equal" if x["deviation"] == 0.0
+                   else f"largest difference in an evaluation figure {x['deviation']:.2%}")
         out.append(f"- `{r['name']}` ({r['slots']:,} slots, seed {r['seed']}, {what}): recorded at "
-                   f"{_where(x['then'])}, trained again at {_where(x['now'])}; {check}: {verdict} (largest "
-                   f"difference in an evaluation figure {x['deviation']:.2%}).")
+                   f"{_where(x['then'])}, trained again at {_where(x['now'])}; {check}: {verdict} ({how_far}).")
     return out

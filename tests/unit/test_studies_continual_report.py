@@ -146,13 +146,13 @@ def test_a_record_trained_again_is_listed_with_where_each_ran_the_check_asked_an
         "(largest difference in an evaluation figure 12.50%).")  # 45 against 40 bits
     assert lines == [
         "- `base_s0` (16,384 slots, seed 0, base): recorded at aaaaaaa (AMD EPYC, AVX512), trained again at "
-        "aaaaaaa (AMD EPYC, AVX512); equal asked: reproduces (largest difference in an evaluation figure 0.00%).",
+        "aaaaaaa (AMD EPYC, AVX512); equal asked: reproduces (every evaluation figure equal).",
         "- `s0_memory_lr100` (16,384 slots, seed 0, memory, sgd lr 100): recorded at aaaaaaa (AMD EPYC, AVX512), "
         "trained again at bbbbbbb (AMD EPYC, AVX512); within 2.0% asked: reproduces (largest difference in an "
         "evaluation figure 1.32%).",  # 770 against 760 bits
         "- `s0_sparse_a` (16,384 slots, seed 0, sparse, top_t 2,000, sgd lr 300): recorded at aaaaaaa (AMD EPYC, "
-        "AVX512), trained again at aaaaaaa (AMD EPYC, AVX2); within 2.0% asked: reproduces (largest difference "
-        "in an evaluation figure 0.00%)."]
+        "AVX512), trained again at aaaaaaa (AMD EPYC, AVX2); within 2.0% asked: reproduces (every evaluation "
+        "figure equal)."]
     assert "s0_memory_lr" in lines[1] and "s0_sparse_b" not in "\n".join(lines)  # not trained again: not listed
 
 
