@@ -219,7 +219,7 @@ def test_a_second_seed_repeats_seed_0s_best_settings_from_its_own_base(tmp_path,
 
 def test_the_plan_names_the_recorded_runs_so_they_are_reused():
     """Each 1M sweep record's command is the one the driver builds for its setting today: an entry the plan
-    keeps finds its record by name and is not run again."""
+    keeps finds its record by name and is not run again. Every 1M seed-0 entry of the plan is recorded."""
     series = Series(0, 1024)
     base = base_run(series)
     records = [p for p in (Path(__file__).resolve().parents[2] / RECORDS).glob("k1024_s0_*")
@@ -231,6 +231,7 @@ def test_the_plan_names_the_recorded_runs_so_they_are_reused():
         setting = tuple(args[args.index(f"finetune={mode}") + 1:args.index("seed=0")])
         run = sweep_run(series, base, mode, setting)
         assert (run.name, f"OMP_NUM_THREADS=1 {run.command()}\n") == (record.name, ran)
+    assert {r.name for r in sweep_runs(series, base)} <= {r.name for r in records}
 
 
 @pytest.mark.parametrize("entry,message", [
