@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memlm.studies.continual_plan import finetune_config, plan
+from memlm.studies.continual_plan import batch_words, is_study_batch, plan
 
 
 @dataclass(frozen=True)
@@ -176,14 +176,12 @@ def front_table(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[s
 
 
 def batch_label(batch: tuple) -> str:
-    """A fine-tune's batch shape (a report row's "batch": rows, steps, data.rows) in words."""
-    rows, steps, layout = batch
-    own = finetune_config()
-    if layout == "documents":  # one document per row: with the paraphrase corpus, one fact's paraphrases a batch
-        return f"Lin et al.'s batch shape ({rows} paraphrase rows x {steps:,} steps: one fact's paraphrases a batch)"
-    if (rows, steps, layout) == (own.data.micro_batch, own.steps, own.data.rows):
-        return f"the study's batch ({rows} rows x {steps:,} steps)"
-    return f"the batch of {rows} rows x {steps:,} steps"
+    """A fine-tune's batch shape (a report row's "batch": continual_plan.batch_shape) in words."""
+    if batch[2] == "documents":  # one document per row: with the paraphrase corpus, one fact's paraphrases a batch
+        return f"Lin et al.'s batch shape ({batch_words(batch)}: one fact's paraphrases a batch)"
+    if is_study_batch(batch):
+        return f"the study's batch ({batch_words(batch)})"
+    return f"the batch of {batch_words(batch)}"
 
 
 def batch_lines(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[str]:

@@ -4,7 +4,8 @@
 
 `plan()` is the file as a `Plan` (each mode checked against memlm.finetune.modes), read when a
 command first needs it; `load_plan(path)` reads another file; `finetune_config()` is the study's
-fine-tune as configured (configs/experiment/continual_finetune.yaml).
+fine-tune as configured (configs/experiment/continual_finetune.yaml); `batch_shape(cfg)` is a fine-tune's
+batch shape, `batch_words(shape)` it in words and `is_study_batch(shape)` whether it is that fine-tune's.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class Plan:
     reference: str  # goal (a): its facts-A loss over the best of the other modes' ...
     ratio_at_least: float  # ... is at least this
     less: tuple[str, str]  # goal (b): the first mode loses less than the second
-    rounds_kept: float  # goal (c): the share of its bits each earlier round keeps after every later one
+    rounds_kept: float  # goal (c): the share of its bits the oldest round keeps after the last one
     lost_at_most: dict[int, float]  # goal (d): slots -> the share of facts A the best of the other modes may lose
     heldout_within: float  # goal (e): that setting's held-out perplexity and QA within this share of its base's
     reproduce_within: float  # a run retrained elsewhere (another commit, torch or CPU): its evals within this share
@@ -125,3 +126,22 @@ def finetune_config():
     which a round takes the plan's `round_steps`, and its batch, which a run's setting names where it
     differs."""
     return compose(["experiment=continual_finetune"])
+
+
+def batch_shape(cfg) -> tuple[int, int, str, str]:
+    """A fine-tune's batch shape: (rows a batch, steps, its `data.rows` layout, its corpus's folder)."""
+    return cfg.data.micro_batch, cfg.steps, cfg.data.rows, Path(cfg.data.sources[0].path).parent.name
+
+
+def is_study_batch(shape: tuple[int, int, str, str]) -> bool:
+    """Whether a batch shape is the study's fine-tune's (its corpus aside: facts B in rounds is the same batch)."""
+    return shape[:3] == batch_shape(finetune_config())[:3]
+
+
+def batch_words(shape: tuple[int, int, str, str]) -> str:
+    """A batch shape in words: "32 rows x 300 steps", or with one document a row (the paraphrase corpus:
+    one fact's paraphrases a batch) "8 paraphrase rows (facts_b_para) x 2,400 steps"."""
+    rows, steps, layout, corpus = shape
+    if layout == "documents":
+        return f"{rows} paraphrase rows ({corpus}) x {steps:,} steps"
+    return f"{rows} rows x {steps:,} steps"

@@ -33,7 +33,7 @@ from pathlib import Path
 from memlm.errors import entry_point
 from memlm.studies.ablation_report import ReportError, write_doc
 from memlm.studies.continual_fronts import batch_lines, front_table, fronts, level_lines, mean_lost, point, readings
-from memlm.studies.continual_plan import finetune_config, plan
+from memlm.studies.continual_plan import batch_shape, batch_words, is_study_batch, plan
 from memlm.studies.continual_rounds import rounds_lines
 from memlm.studies.formats import percent as _pct
 from memlm.studies.reproduction import reproduced, reproduction_lines
@@ -68,7 +68,7 @@ def load_record(record: Path) -> dict:
              cfg.finetune.lora_rank, -cfg.data.micro_batch, cfg.finetune.ranking, mode_of(cfg).lr(cfg))
     return {"name": record.name, "seed": cfg.seed, "slots": cfg.memory.n_keys ** 2, "mode": mode,
             "setting": tuned + _batch(cfg), "tuned": tuned, "command": command,
-            "order": order, "batch": (cfg.data.micro_batch, cfg.steps, cfg.data.rows),
+            "order": order, "batch": batch_shape(cfg),
             "b_em": b.get("exact_match"), "b_bits": b.get("stored_bits"), "b_corpus": b.get("corpus_bits"),
             "a_bits": res["bits:facts_a"]["stored_bits"], "a_corpus": res["bits:facts_a"]["corpus_bits"],
             "ppl": res["ppl:bio_heldout"]["token_ppl"], "qa_em": res["qa:bio_qa"]["exact_match"],
@@ -77,10 +77,8 @@ def load_record(record: Path) -> dict:
 
 def _batch(cfg) -> str:
     """A fine-tune's batch where it is not the study's (continual_finetune's): part of its setting."""
-    mb = cfg.data.micro_batch
-    if cfg.data.rows == "documents":  # one document per row: with the paraphrase corpus, one fact a batch
-        return f", batches of {mb} paraphrase rows ({Path(cfg.data.sources[0].path).parent.name}) x {cfg.steps:,} steps"
-    return "" if mb == finetune_config().data.micro_batch else f", batch {mb} x {cfg.steps:,} steps"
+    shape = batch_shape(cfg)
+    return "" if is_study_batch(shape) else f", batches of {batch_words(shape)}"
 
 
 def load_study(root: Path) -> tuple[dict[tuple[int, int], dict], list[dict], list[dict]]:

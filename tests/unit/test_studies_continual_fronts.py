@@ -104,8 +104,8 @@ def test_goal_b_at_the_paper_batch_reads_each_mode_on_its_runs_at_that_batch_onl
     bases, sweep, _ = report.load_study(tmp_path)
     batch = ", batches of 8 paraphrase rows (facts_b_para) x 2,400 steps"
     assert batch_lines(bases, sweep) == [
-        "- Goal (b) at 16,384 slots, Lin et al.'s batch shape (8 paraphrase rows x 2,400 steps: one fact's "
-        "paraphrases a batch): `sparse` tuned over 3 setting(s); `memory` tuned over 2 setting(s).",
+        "- Goal (b) at 16,384 slots, Lin et al.'s batch shape (8 paraphrase rows (facts_b_para) x 2,400 steps: one "
+        "fact's paraphrases a batch): `sparse` tuned over 3 setting(s); `memory` tuned over 2 setting(s).",
         "  - at 95% of facts B's bits learned: `sparse` seed 0: does not reach it (at most 75.0%); `memory` seed 0: "
         "22 bits lost (EM 95.0%); not met: `sparse`'s front at this batch does not reach the level where "
         "`memory`'s does.",  # 8 + (0.95 - 0.5) / 0.5 * 16 = 22.4; at 99%: 23.7
