@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memlm.studies.continual_plan import batch_words, is_study_batch, plan
+from memlm.studies.continual_plan import batch_words, is_paraphrase_batch, is_study_batch, plan
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ def front_table(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[s
 
 def batch_label(batch: tuple) -> str:
     """A fine-tune's batch shape (a report row's "batch": continual_plan.batch_shape) in words."""
-    if batch[2] == "documents":  # one document per row: with the paraphrase corpus, one fact's paraphrases a batch
+    if is_paraphrase_batch(batch):
         return f"Lin et al.'s batch shape ({batch_words(batch)}: one fact's paraphrases a batch)"
     if is_study_batch(batch):
         return f"the study's batch ({batch_words(batch)})"

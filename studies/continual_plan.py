@@ -138,10 +138,16 @@ def is_study_batch(shape: tuple[int, int, str, str]) -> bool:
     return shape[:3] == batch_shape(finetune_config())[:3]
 
 
+def is_paraphrase_batch(shape: tuple[int, int, str, str]) -> bool:
+    """Whether a batch shape has one document a row: with the paraphrase corpus, one fact's paraphrases a
+    batch (Lin et al.'s shape)."""
+    return shape[2] == "documents"
+
+
 def batch_words(shape: tuple[int, int, str, str]) -> str:
     """A batch shape in words: "32 rows x 300 steps", or with one document a row (the paraphrase corpus:
     one fact's paraphrases a batch) "8 paraphrase rows (facts_b_para) x 2,400 steps"."""
     rows, steps, layout, corpus = shape
-    if layout == "documents":
+    if is_paraphrase_batch(shape):
         return f"{rows} paraphrase rows ({corpus}) x {steps:,} steps"
     return f"{rows} rows x {steps:,} steps"

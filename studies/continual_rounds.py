@@ -71,7 +71,7 @@ def _goal(slots: int, mode: str, seed: int, rows: list[dict], shares: dict[tuple
     first, last = rows[0]["round"], rows[-1]["round"]
     goal = plan().rounds_kept
     worst_at, worst = min(shares.items(), key=lambda kv: kv[1])
-    oldest = _oldest(rows)
+    oldest = shares.get((first, last))
     said = (f"round {first} keeps {percent(oldest)} of its bits after round {last}" if oldest is not None
             else f"round {first}'s bits after round {last} not recorded")
     met = oldest is not None and oldest >= goal
