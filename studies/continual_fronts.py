@@ -36,6 +36,7 @@ class Point:
     lost: float  # facts-A bits lost against the base
     b_em: float  # facts-B exact match, shown beside
     ppl_change: float  # held-out perplexity over the base's, minus 1
+    batch: tuple  # its batch shape (continual_plan.batch_shape)
 
 
 @dataclass(frozen=True)
@@ -45,12 +46,13 @@ class Reading:
     lost: float | None
     b_em: float | None
     why_not: str = ""
+    batches: tuple = ()  # the batch shapes of the runs it was read between, sorted
 
 
 def point(row: dict, base: dict) -> Point:
     """A sweep row of the continual report (load_study) against its base's row."""
     return Point(row["setting"], row["b_bits"] / row["b_corpus"], base["a_bits"] - row["a_bits"], row["b_em"],
-                 row["ppl"] / base["ppl"] - 1)
+                 row["ppl"] / base["ppl"] - 1, row["batch"])
 
 
 def fronts(bases: dict[tuple[int, int], dict], rows: list[dict]) -> dict[tuple[int, int, str], list[Point]]:
@@ -87,7 +89,8 @@ def at_level(points: list[Point], level: float) -> Reading:
     for lo, hi in zip(points, points[1:] + points[-1:]):
         if lo.learned <= level <= hi.learned:
             t = 0.0 if hi.learned == lo.learned else (level - lo.learned) / (hi.learned - lo.learned)
-            return Reading(lo.lost + t * (hi.lost - lo.lost), lo.b_em + t * (hi.b_em - lo.b_em))
+            return Reading(lo.lost + t * (hi.lost - lo.lost), lo.b_em + t * (hi.b_em - lo.b_em), "",
+                           tuple(sorted({lo.batch, hi.batch})))
     raise AssertionError("unreachable: the level lies within the front's learning")
 
 
@@ -102,6 +105,17 @@ def readings(bases: dict[tuple[int, int], dict], sweep: list[dict], level: float
     for (slots, seed, mode), points in fronts(bases, sweep).items():
         out.setdefault(slots, {}).setdefault(mode, {})[seed] = at_level(points, level)
     return out
+
+
+def read_words(r: Reading) -> str:
+    """A reading in words: the loss with the EM there, and the batch shapes it was read between where they
+    are not the study's batch (a mode's front spans every batch shape it ran at: a seed that ran a shape
+    the other did not is read on other runs)."""
+    if r.lost is None:
+        return r.why_not
+    other = "" if all(is_study_batch(b) for b in r.batches) else \
+        f", read on runs of {' and '.join(batch_words(b) for b in r.batches)}"
+    return f"{r.lost:,.0f} (EM {r.b_em:.1%}{other})"
 
 
 def mean_lost(by_seed: dict[int, Reading]) -> float | None:
@@ -128,8 +142,7 @@ def level_lines(bases: dict[tuple[int, int], dict], sweep: list[dict]) -> list[s
             means = {m: v for m, by_seed in read.items() if (v := mean_lost(by_seed)) is not None}
             for mode, by_seed in read.items():
                 reached = [r for r in by_seed.values() if r.lost is not None]
-                each = "; ".join(f"seed {s}: " + (f"{r.lost:,.0f} (EM {r.b_em:.1%})" if r.lost is not None
-                                                   else r.why_not) for s, r in by_seed.items())
+                each = "; ".join(f"seed {s}: {read_words(r)}" for s, r in by_seed.items())
                 mean = f"mean {means[mode]:,.0f} over {len(reached)} seed(s)" if reached else "no seed reaches it"
                 out.append(f"  - `{mode}`: {mean} ({each})")
             rest = {m: v for m, v in means.items() if m != hi}

@@ -10,9 +10,11 @@ from continual_records import MEMORY, record
 from memlm.studies import continual_report as report
 from memlm.studies.continual_fronts import Point, Reading, at_level, front, level_lines
 
+STUDY = (32, 300, "packed", "facts_b")  # the study's batch shape (continual_plan.batch_shape)
+
 
 def _p(learned, lost, name="x"):
-    return Point(name, learned, lost, learned, 0.0)
+    return Point(name, learned, lost, learned, 0.0, STUDY)
 
 
 def test_the_front_keeps_the_runs_nothing_beats_on_both_by_learning():
@@ -23,10 +25,10 @@ def test_the_front_keeps_the_runs_nothing_beats_on_both_by_learning():
 
 def test_a_level_is_interpolated_between_the_runs_that_bracket_it_and_never_beyond():
     points = front([_p(0.5, 100.0), _p(0.75, 300.0), _p(1.0, 700.0)])
-    assert at_level(points, 0.625) == Reading(200.0, 0.625)  # halfway from 0.5 to 0.75
-    assert at_level(points, 0.875) == Reading(500.0, 0.875)
-    assert at_level(points, 0.75) == Reading(300.0, 0.75)  # a run exactly at the level: its own loss
-    assert at_level(points, 1.0) == Reading(700.0, 1.0)
+    assert at_level(points, 0.625) == Reading(200.0, 0.625, "", (STUDY,))  # halfway from 0.5 to 0.75
+    assert at_level(points, 0.875) == Reading(500.0, 0.875, "", (STUDY,))
+    assert at_level(points, 0.75) == Reading(300.0, 0.75, "", (STUDY,))  # a run exactly at the level: its own loss
+    assert at_level(points, 1.0) == Reading(700.0, 1.0, "", (STUDY,))
     assert at_level(points, 0.25) == Reading(None, None, "not bracketed (its least-learning run learns 50.0%)")
     short = front([_p(0.5, 100.0), _p(0.75, 300.0)])
     assert at_level(short, 0.875) == Reading(None, None, "does not reach it (at most 75.0%)")
@@ -169,3 +171,18 @@ def test_each_batch_shape_is_judged_on_its_own_runs_and_named_as_what_it_is(tmp_
                         "sgd lr 1000 (100.0% of the bits, 30 lost) by sgd lr 300 (100.0%, 6).")
     assert lines[5].endswith("`sparse` loses 11 bits against `memory`'s 56 (mean over seed(s) 0): met.")
     assert len(lines) == 7  # at 8 rows no sparse run is beaten on both: no such line
+
+
+def test_a_seed_read_on_runs_at_another_batch_shape_says_so(tmp_path):
+    """A mode's front spans every batch shape it ran at: where a seed's reading comes from runs at a shape
+    that is not the study's batch (its other seed ran the study's), the line names the shape."""
+    record(tmp_path, "base_s0", [], 800.0)
+    record(tmp_path, "base_s1", [], 800.0, seed=1)
+    record(tmp_path, "s0_memory_lr10", [*MEMORY, "memory.value_lr=10"], 792.0, b=(0.5,))  # lost 8
+    record(tmp_path, "s0_memory_lr100", [*MEMORY, "memory.value_lr=100"], 776.0, b=(1.0,))  # lost 24
+    record(tmp_path, "s1_memory_para_lr10", [*MEMORY, "memory.value_lr=10", *PARA], 784.0, b=(0.5,), seed=1)
+    record(tmp_path, "s1_memory_para_lr100", [*MEMORY, "memory.value_lr=100", *PARA], 768.0, b=(1.0,), seed=1)
+    bases, sweep, _ = report.load_study(tmp_path)
+    assert level_lines(bases, sweep)[1] == (  # 8 + 0.9 * 16 = 22.4; 16 + 0.9 * 16 = 30.4
+        "  - `memory`: mean 26 over 2 seed(s) (seed 0: 22 (EM 95.0%); seed 1: 30 (EM 95.0%, read on runs of "
+        "8 paraphrase rows (facts_b_para) x 2,400 steps))")
