@@ -187,7 +187,8 @@ def reproduce(series: Series, modes: set[str] | None = None) -> None:
     of facts B (a mode none of whose runs did is named and skipped), started from the base trained again
     here. Each rerun's summary.json is kept beside its record (REPRODUCED), a failing one too, which the
     report then lists as not reproducing; a run that does not reproduce stops the study, naming both
-    figures. A rerun finished here before is checked, not repeated."""
+    figures. A rerun finished here before is checked, not repeated; one stopped before its last step
+    continues from its checkpoint."""
     base = base_run(series, AGAIN)
     if not (base.record / "summary.json").exists():
         raise StudyError(f"--stage reproduce: no record of {base.name} ({base.record}) to reproduce")
@@ -203,7 +204,7 @@ def reproduce(series: Series, modes: set[str] | None = None) -> None:
             continue
         runs.append(sweep_run(series, base, best.mode, best.setting))
     for run in runs:
-        if not (run.dump / "summary.json").exists():
+        if not finished(run.dump):
             prepare(run)
             train(run)
         keep_rerun(run)
@@ -225,6 +226,16 @@ def train(run: Run) -> None:
     print(f"[study] {run.name}: {run.command()}", flush=True)
     _run_logged(["memlm.train", *run.overrides, *resume], run.root / f"{run.name}.log", run.name,
                 append=bool(resume))
+    if not finished(run.dump):  # a run stopped by SIGTERM checkpoints, writes its summary and exits 0
+        raise StudyError(f"{run.name} stopped before its last step (preempted, its checkpoint in {run.dump}): "
+                         "nothing recorded; run the study again to continue it")
+
+
+def finished(dump: Path) -> bool:
+    """Whether `dump` holds a run that reached its last step: its summary.json does not say it was
+    preempted (a stopped run writes one too, and continues from its checkpoint)."""
+    summary = dump / "summary.json"
+    return summary.exists() and not json.loads(summary.read_text()).get("preempted", False)
 
 
 def _run_logged(module_args: list[str], log: Path, what: str, append: bool = False) -> None:

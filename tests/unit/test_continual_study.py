@@ -26,9 +26,10 @@ from memlm.launch.continual_runs import (
 from memlm.studies import continual_plan
 
 
-def _fake_train(calls, fail=(), evals=None, environment=None):
+def _fake_train(calls, fail=(), evals=None, environment=None, preempt=()):
     """A subprocess.run stand-in: writes what a finished run leaves in its dump_dir (`evals`: a base's;
-    `environment`: what its summary says it ran on)."""
+    `environment`: what its summary says it ran on; `preempt`: names whose runs stop early, as SIGTERM
+    stops one: checkpointed, a summary saying so, exit 0)."""
     def run(cmd, **kw):
         if cmd[2] == "memlm.train.slot_usage":  # a batch background: [checkpoint, --batches, N, --out, file]
             calls.append({"slot_usage": cmd[3], "batches": cmd[5], "out": cmd[7]})
@@ -40,15 +41,19 @@ def _fake_train(calls, fail=(), evals=None, environment=None):
         if name in fail:
             return subprocess.CompletedProcess(cmd, 1)
         dump = Path(overrides["dump_dir"])
-        (dump / "evals").mkdir(parents=True)
+        (dump / "evals").mkdir(parents=True, exist_ok=True)
         steps = int(overrides.get("steps", 300))
+        if name in preempt:
+            (dump / "summary.json").write_text(json.dumps({"steps": 21, "evals": {}, "preempted": True}))
+            (dump / "checkpoints" / "step_00000021").mkdir(parents=True)
+            return subprocess.CompletedProcess(cmd, 0)
         em = {"full": 0.99, "memory": 0.97, "sparse": 0.96, "lora": 0.5}.get(overrides.get("finetune"), 0.0)
         lr = float(overrides.get("memory.value_lr", overrides.get("optim.lr", 1.0)))
         scores = {"bits:facts_a": {"stored_bits": 1000.0 - lr}, "bits:facts_b": {"exact_match": em}}
         if evals is not None and "finetune" not in overrides:
             scores = evals
         (dump / "summary.json").write_text(json.dumps({"steps": steps, "evals": scores, "environment": environment}))
-        (dump / "checkpoints" / f"step_{steps:08d}").mkdir(parents=True)
+        (dump / "checkpoints" / f"step_{steps:08d}").mkdir(parents=True, exist_ok=True)
         for f in ("config.yaml", "metrics.jsonl"):
             (dump / f).write_text("")
         (dump / "evals" / f"{steps}.json").write_text("{}")
@@ -240,9 +245,15 @@ def test_an_unfinished_attempt_continues_from_its_checkpoint_and_one_without_sta
     monkeypatch.chdir(tmp_path)
     RUNS.mkdir(parents=True)
     calls = []
-    monkeypatch.setattr(study.subprocess, "run", lambda cmd, **kw: calls.append(cmd[3:]) or
-                        subprocess.CompletedProcess(cmd, 0))
     run = base_run(Series(0, None))
+
+    def finish(cmd, **kw):  # what a run that reaches its last step leaves: its summary
+        calls.append(cmd[3:])
+        run.dump.mkdir(parents=True, exist_ok=True)
+        (run.dump / "summary.json").write_text('{"steps": 300}')
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(study.subprocess, "run", finish)
     (run.dump / "checkpoints" / "step_00000250").mkdir(parents=True)
     (run.dump / "metrics.jsonl").write_text('{"step": 250}\n')
     study.train(run)
@@ -321,6 +332,32 @@ def test_reproduce_trains_the_base_and_each_modes_best_setting_again_beside_the_
     assert '"stored_bits": 7.5' in (RECORDS / "base_s0" / study.REPRODUCED).read_text()
     assert (RUNS / "base_s0" / "summary.json").exists() and '"stored_bits": 7.0' in (
         RUNS / "base_s0" / "summary.json").read_text()
+
+
+def test_a_run_stopped_before_its_last_step_is_not_recorded_and_continues_where_it_stopped(
+        tmp_path, monkeypatch, capsys):
+    """A run stopped by SIGTERM checkpoints, writes a summary saying it was preempted and exits 0: the study
+    stops naming it and records nothing; run again, it continues from the checkpoint (resume=auto). In
+    --stage reproduce too, where such a rerun was once checked against its record as if finished."""
+    _study_folder(tmp_path, monkeypatch)
+    calls = []
+    monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, preempt=("base_s0",), environment=HERE))
+    assert study.main(["--stage", "base"]) == 1
+    assert _error_line(capsys, r"base_s0 stopped before its last step \(preempted, its checkpoint in "
+                               r"runs/continual/base_s0\): nothing recorded")
+    assert not (RECORDS / "base_s0").exists()
+    monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, environment=HERE))
+    assert study.main(["--stage", "base"]) == 0
+    assert calls[-1]["resume"] == "auto" and (RECORDS / "base_s0" / "summary.json").exists()
+    monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, preempt=("base_s0",), environment=HERE))
+    assert study.main(["--stage", "reproduce"]) == 1  # the rerun in runs/continual_again stops early
+    assert _error_line(capsys, r"base_s0 stopped before its last step \(preempted, its checkpoint in "
+                               r"runs/continual_again/base_s0\)")
+    assert not (RECORDS / "base_s0" / study.REPRODUCED).exists()
+    monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, environment=HERE))
+    assert study.main(["--stage", "reproduce"]) == 0
+    assert calls[-1]["dump_dir"] == str(AGAIN / "base_s0") and calls[-1]["resume"] == "auto"
+    assert "its evaluations reproduce the record's" in capsys.readouterr().out
 
 
 def test_a_later_round_of_a_tfidf_batches_setting_on_a_fresh_machine_writes_the_background_before_round_1(
