@@ -183,9 +183,10 @@ def check_against_record(run: Run) -> None:
 
 def reproduce(series: Series, modes: set[str] | None = None) -> None:
     """Train the series' base and one fine-tune per mode again, in AGAIN, and check each against its record:
-    the fine-tune is the mode's best setting in the plan's sweep at that size that learned the plan's share
-    of facts B (a mode none of whose runs did is named and skipped), started from the base trained again
-    here. Each rerun's summary.json is kept beside its record (REPRODUCED), a failing one too, which the
+    the fine-tune is the mode's best setting in the plan's sweep at that size (`best_setting`: the least
+    forgetting among the runs that learned the plan's share of facts B; where none did, named, the run
+    that learned most; a mode with no run at that size is named and skipped), started from the base
+    trained again here. Each rerun's summary.json is kept beside its record (REPRODUCED), a failing one too, which the
     report then lists as not reproducing; a run that does not reproduce stops the study, naming both
     figures. A rerun finished here before is checked, not repeated; one stopped before its last step
     continues from its checkpoint."""
@@ -198,10 +199,12 @@ def reproduce(series: Series, modes: set[str] | None = None) -> None:
         if modes is not None and mode not in modes:
             continue
         best = best_setting(recorded_sweep, mode)
-        if best is None or facts_b_exact_match(best)[0] < plan().learned:
-            print(f"[study] reproduce: no recorded {mode} run at this size learned {plan().learned:.0%} of "
-                  "facts B: none reproduced", flush=True)
+        if best is None:
+            print(f"[study] reproduce: no recorded {mode} run at this size: none reproduced", flush=True)
             continue
+        if facts_b_exact_match(best)[0] < plan().learned:
+            print(f"[study] reproduce: no recorded {mode} run at this size learned {plan().learned:.0%} of facts B: "
+                  f"its best learner is reproduced ({best.name})", flush=True)
         runs.append(sweep_run(series, base, best.mode, best.setting))
     for run in runs:
         if not finished(run.dump):

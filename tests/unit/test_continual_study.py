@@ -334,6 +334,25 @@ def test_reproduce_trains_the_base_and_each_modes_best_setting_again_beside_the_
         RUNS / "base_s0" / "summary.json").read_text()
 
 
+def test_reproduce_takes_the_best_learner_of_a_mode_none_of_whose_runs_learned_the_share(
+        tmp_path, monkeypatch, capsys):
+    """One fine-tune per mode: where no run of a mode learned the plan's share of facts B (LoRA here), the
+    run that learned most is trained again, and the driver says so; a mode with no run is named."""
+    _study_folder(tmp_path, monkeypatch)
+    calls = []
+    monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, environment=HERE))
+    assert study.main(["--stage", "sweep", "--modes", "lora", "--n-keys", "1024"]) == 0  # LoRA runs at 1M only
+    lora = [c["dump_dir"].rsplit("/", 1)[1] for c in calls if c.get("finetune") == "lora"]
+    series = Series(0, 1024)
+    best = continual_runs.best_setting(study.sweep_runs(series, base_run(series)), "lora").name
+    n = len(calls)
+    assert study.main(["--stage", "reproduce", "--modes", "lora,memory", "--n-keys", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert f"no recorded lora run at this size learned 95% of facts B: its best learner is reproduced ({best})" in out
+    assert "no recorded memory run at this size: none reproduced" in out
+    assert [c["dump_dir"].rsplit("/", 1)[1] for c in calls[n:]] == ["k1024_base_s0", best] and best in lora
+
+
 def test_a_run_stopped_before_its_last_step_is_not_recorded_and_continues_where_it_stopped(
         tmp_path, monkeypatch, capsys):
     """A run stopped by SIGTERM checkpoints, writes a summary saying it was preempted and exits 0: the study
